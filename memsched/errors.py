@@ -1,0 +1,26 @@
+"""Errors that reach the user as one line and an exit code (DESIGN.md: 1 user error, 3 budget)."""
+from __future__ import annotations
+
+
+class MemschedError(Exception):
+    """Base of every error the CLI prints as one line; `exit_code` is what the process returns."""
+
+    exit_code = 1
+
+
+class UserError(MemschedError):
+    """Bad input: a missing or broken file, a bad option, an unsupported op."""
+
+
+class ScheduleError(MemschedError):
+    """A schedule or plan that breaks the memory model (a tensor used while not resident, ...)."""
+
+
+class BudgetError(MemschedError):
+    """The budget cannot be met; carries the smallest budget that was reached."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, smallest_feasible_bytes: int | None = None):
+        super().__init__(message)
+        self.smallest_feasible_bytes = smallest_feasible_bytes

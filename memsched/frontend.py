@@ -1,0 +1,241 @@
+"""The front end: a path in, a fully shaped Graph out, or one clear UserError.
+
+Steps: check the file, parse it without external data (cheap, works past 2 GB), check the
+external-data files exist, inline local functions, bind symbolic dimensions (`--dim N=V`),
+infer shapes (ONNX inference with data propagation; where that leaves a tensor unknown, one
+probe run of ONNX Runtime on zeros), then lower to the IR and insist that every tensor has
+a static shape and dtype.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import TensorProto, helper
+
+from .errors import UserError
+from .ir import Graph, op_summary
+from .onnx_utils import MEMSCHED_DOMAIN, TWO_GB
+
+SUPPORTED_DOMAINS = ("", "ai.onnx", MEMSCHED_DOMAIN)
+
+
+def load(path: str | os.PathLike, dims: dict[str, int] | None = None) -> Graph:
+    """Load an ONNX file into a Graph with every tensor shaped. Raises UserError on bad input."""
+    path = Path(path)
+    model = read_model(path)
+    return lower(model, dims, base_dir=str(path.parent))
+
+
+def lower(model: onnx.ModelProto, dims: dict[str, int] | None = None, base_dir: str | None = None) -> Graph:
+    """Bind dims, infer shapes and lower an in-memory model (initializer data may be external)."""
+    model = _inline_functions(model)
+    _check_domains(model)
+    _bind_dims(model, dict(dims or {}))
+    model = _infer_shapes(model, base_dir)
+    graph = Graph.from_onnx(model, base_dir=base_dir)
+    _check_complete(graph)
+    return graph
+
+
+def read_model(path: Path) -> onnx.ModelProto:
+    """Parse `path` (external data stays on disk), with one-line errors for every bad file."""
+    if not path.exists():
+        raise UserError(f"no such file: {path}")
+    if path.is_dir():
+        raise UserError(f"{path} is a directory; give the path of an .onnx file")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path} is empty; re-export the model")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not a readable ONNX model (truncated or not ONNX): {_first_line(exc)}") from None
+    if not model.opset_import or not model.HasField("graph") or len(model.graph.node) == 0:
+        raise UserError(f"{path} is not an ONNX model (no graph or no opset); is it the right file?")
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        raise UserError(f"{path} is not a valid ONNX model: {_first_line(exc)}") from None
+    _check_external_data(model, path.parent)
+    return model
+
+
+def parse_dims(items: list[str] | None) -> dict[str, int]:
+    """['batch=8', 'seq=128'] -> {'batch': 8, 'seq': 128}."""
+    dims: dict[str, int] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value.strip().isdigit() or int(value) <= 0:
+            raise UserError(f"cannot read --dim '{item}'; write NAME=VALUE with a positive integer")
+        dims[name.strip()] = int(value)
+    return dims
+
+
+# ---- steps -------------------------------------------------------------------------------
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
+    """Every external initializer's file exists and holds the bytes it claims."""
+    for init in model.graph.initializer:
+        if init.data_location != TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in init.external_data}
+        location = base_dir / info.get("location", "")
+        if not info.get("location") or not location.is_file():
+            raise UserError(f"external data file '{info.get('location', '?')}' for initializer "
+                            f"'{init.name}' not found next to the model in {base_dir}")
+        end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if end > location.stat().st_size:
+            raise UserError(f"external data file '{location.name}' is truncated: initializer "
+                            f"'{init.name}' needs {end} bytes, the file has {location.stat().st_size}")
+
+
+def _inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    if not model.functions:
+        return model
+    from onnx import inliner
+
+    return inliner.inline_local_functions(model)
+
+
+def _check_domains(model: onnx.ModelProto) -> None:
+    for index, node in enumerate(model.graph.node):
+        if node.domain not in SUPPORTED_DOMAINS:
+            raise UserError(f"unsupported op '{node.op_type}' from domain '{node.domain}' at node "
+                            f"'{node.name or index}'; memsched handles standard ONNX ops only")
+
+
+def _bind_dims(model: onnx.ModelProto, dims: dict[str, int]) -> None:
+    """Replace symbolic dims by the given values on inputs/outputs; drop stale value_info."""
+    g = model.graph
+    initializers = {i.name for i in g.initializer}
+    seen: set[str] = set()
+    for vi in list(g.input) + list(g.output):
+        if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+            continue
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param"):
+                seen.add(d.dim_param)
+                if d.dim_param in dims:
+                    d.dim_value = dims[d.dim_param]
+    unknown = sorted(set(dims) - seen)
+    if unknown:
+        have = ", ".join(sorted(seen)) or "none"
+        raise UserError(f"the model has no symbolic dimension named {', '.join(unknown)} "
+                        f"(symbolic dimensions: {have})")
+    for vi in g.input:
+        if vi.name in initializers:
+            continue
+        if not vi.type.HasField("tensor_type"):
+            raise UserError(f"input '{vi.name}' is not a tensor; memsched handles tensor inputs only")
+        ttype = vi.type.tensor_type
+        if not ttype.HasField("shape"):
+            raise UserError(f"input '{vi.name}' has no shape; give the model a fixed input shape")
+        for axis, d in enumerate(ttype.shape.dim):
+            if d.HasField("dim_param"):
+                raise UserError(f"input '{vi.name}' has unbound symbolic dimension '{d.dim_param}'; "
+                                f"pass --dim {d.dim_param}=VALUE")
+            if not d.HasField("dim_value"):
+                raise UserError(f"input '{vi.name}' has an unnamed unknown dimension (axis {axis}); "
+                                f"re-export it with a fixed shape")
+    for vi in g.output:  # symbolic output dims left over would clash with inference
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            for d in vi.type.tensor_type.shape.dim:
+                if d.HasField("dim_param"):
+                    d.Clear()
+    del g.value_info[:]
+
+
+def _infer_shapes(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelProto:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=False,
+                                                     data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        raise UserError(f"shape inference failed: {_first_line(exc)}") from None
+    unknown = _unknown_tensors(inferred)
+    if unknown:
+        _probe_shapes(inferred, unknown, base_dir)
+    return inferred
+
+
+def _unknown_tensors(model: onnx.ModelProto) -> list[str]:
+    known = {vi.name for vi in list(model.graph.value_info) + list(model.graph.output) + list(model.graph.input)
+             if _fully_shaped(vi)}
+    return [t for node in model.graph.node for t in node.output
+            if t and t not in known and node.op_type != "Constant"]
+
+
+def _fully_shaped(vi: onnx.ValueInfoProto) -> bool:
+    ttype = vi.type.tensor_type
+    return (vi.type.HasField("tensor_type") and ttype.elem_type != 0 and ttype.HasField("shape")
+            and all(d.HasField("dim_value") for d in ttype.shape.dim))
+
+
+def _probe_shapes(model: onnx.ModelProto, names: list[str], base_dir: str | None) -> None:
+    """Run the model once on zeros with `names` as extra outputs and record their shapes.
+
+    ONNX's own inference gives up on shape arithmetic such as Shape->Gather->Concat->Reshape
+    in some exports; a real run knows. Models past 2 GB cannot be probed in memory."""
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    if base_dir:
+        from onnx.external_data_helper import load_external_data_for_model
+
+        load_external_data_for_model(probe, base_dir)
+    if probe.ByteSize() >= TWO_GB:
+        return
+    existing = {o.name for o in probe.graph.output}
+    for name in names:
+        if name not in existing:
+            probe.graph.output.append(helper.make_empty_tensor_value_info(name))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 - the completeness check below names what stayed unknown
+        return
+    feeds = {}
+    initializers = {i.name for i in model.graph.initializer}
+    for vi in model.graph.input:
+        if vi.name in initializers:
+            continue
+        shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        feeds[vi.name] = np.zeros(shape, dtype=helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
+    try:
+        values = session.run(names, feeds)
+    except Exception:  # noqa: BLE001
+        return
+    by_name = {vi.name: vi for vi in list(model.graph.value_info) + list(model.graph.output)}
+    for name, value in zip(names, values):
+        elem = helper.np_dtype_to_tensor_dtype(value.dtype)
+        info = helper.make_tensor_value_info(name, elem, list(value.shape))
+        if name in by_name:
+            by_name[name].CopyFrom(info)
+        else:
+            model.graph.value_info.append(info)
+
+
+def _check_complete(graph: Graph) -> None:
+    """Every tensor an op touches has a static shape and a dtype; name the first that has not."""
+    for op in graph.ops:
+        for name in op.present_inputs:
+            if name not in graph.tensors:
+                raise UserError(f"tensor '{name}' read by {op_summary(op)} is never defined")
+        for name in op.present_outputs:
+            t = graph.tensors[name]
+            if t.shape is None or not t.dtype:
+                raise UserError(f"the shape of tensor '{name}' (output of {op_summary(op)}) is unknown "
+                                f"after shape inference; bind symbolic dims with --dim NAME=VALUE or "
+                                f"re-export with static shapes")
+    for name in graph.outputs:
+        if name not in graph.tensors:
+            raise UserError(f"graph output '{name}' is never produced")

@@ -1,0 +1,281 @@
+"""The memory model: the one judge of every schedule (DESIGN.md, "The memory model is the judge").
+
+Rules, stated once:
+1. Steps are numbered 0..n-1 in schedule order. A tensor occupies device memory in
+   *residencies*: each starts at the step that makes it resident (compute or recompute of
+   its producer, swap_in; step 0 for graph inputs and for initializer-backed tensors --
+   parameters, buffers, optimizer state, constants -- unless the plan starts them on the host)
+   and ends at its last use before the next event that ends it.
+2. A use is a compute/recompute step reading the tensor, or a swap_out copying it. A
+   residency ends at its last use; a swap_out ends it at the swap_out step (the copy reads
+   it, then its storage is released); an explicit free(t) ends it at the step before the free.
+   Initializer-backed tensors and graph outputs stay to the end of the step (n-1) unless
+   swapped out or freed. A residency with no use lives only at its own step.
+3. During a step, its inputs and its outputs are all resident (inputs end at, outputs start
+   at the same step).
+4. In-place: an output may alias an input (share its storage) only where that input's last
+   use is this op, both have the same byte size, and the op allows it (elementwise ops,
+   shape-only views, optimizer updates). The pair is one buffer: the output's bytes are not
+   counted at the aliasing step, and the input's residency ends there.
+5. Device bytes at a step = the sum of the bytes of the residencies covering it;
+   peak = the maximum over steps; arena size = a placement's highest end, never below peak.
+
+Anything that breaks these rules (a read of a tensor that is not resident, an op computed
+twice without `recompute`, a free before a use) raises ScheduleError naming the tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ScheduleError
+from .ir import Graph
+from .schedule import Plan, Schedule
+
+# Ops whose output may take the storage of an input of the same size (ONNX Runtime's
+# allocation planner allows the same for these).
+INPLACE_OPS = frozenset({
+    "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "HardSigmoid", "Softplus", "Erf",
+    "Abs", "Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Clip", "Add", "Sub", "Mul", "Div", "Pow",
+    "Identity", "Dropout", "Where", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast",
+})
+
+
+@dataclass(frozen=True)
+class Residency:
+    """One stretch of steps [start, end] during which `tensor` is on the device."""
+
+    tensor: str
+    index: int        # 0 for the first residency of the tensor, 1 for the next, ...
+    start: int
+    end: int
+    nbytes: int
+    kind: str         # the tensor's kind
+    shares_with: tuple[str, int] | None = None  # (tensor, index) whose storage it takes
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.tensor, self.index)
+
+
+@dataclass
+class MemoryProfile:
+    """Device bytes at every step of a schedule, and the residencies behind them."""
+
+    residencies: list[Residency]
+    live_bytes: np.ndarray           # int64, one entry per step
+    by_kind: dict[str, np.ndarray]   # kind -> int64 bytes per step
+    step_names: list[str]
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.live_bytes.max()) if len(self.live_bytes) else 0
+
+    @property
+    def peak_step(self) -> int:
+        return int(self.live_bytes.argmax()) if len(self.live_bytes) else 0
+
+    def kinds_at(self, step: int) -> dict[str, int]:
+        return {k: int(v[step]) for k, v in self.by_kind.items() if v[step]}
+
+    def live_at(self, step: int) -> list[Residency]:
+        return [r for r in self.residencies if r.start <= step <= r.end]
+
+
+def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = None,
+            on_host: frozenset[str] | set[str] = frozenset()) -> MemoryProfile:
+    """Apply the rules above to `schedule`; raise ScheduleError where it is invalid."""
+    aliases = aliases or {}
+    n = len(schedule)
+    tensors = graph.tensors
+    held_to_end = set(graph.outputs)
+    open_: dict[str, dict] = {}          # tensor -> the open residency being built
+    closed: list[dict] = []
+    counts: dict[str, int] = {}
+    computed: set[str] = set()
+    ever_produced: set[str] = set()
+    alias_events: list[tuple[str, str, int, int]] = []   # output, source, source index, step
+
+    def start(name: str, step: int) -> None:
+        index = counts.get(name, 0)
+        counts[name] = index + 1
+        open_[name] = {"tensor": name, "index": index, "start": step, "last_use": step, "end": None,
+                       "shares_with": None}
+        ever_produced.add(name)
+
+    def close(name: str, end: int, reason: str) -> None:
+        res = open_.pop(name)
+        res["end"], res["closed_by"] = end, reason
+        closed.append(res)
+
+    def use(name: str, step: int, what: str) -> None:
+        if name not in open_:
+            if name in ever_produced:
+                raise ScheduleError(f"tensor '{name}' is read by {what} at step {step} but is not "
+                                    f"resident there (freed or swapped out earlier)")
+            raise ScheduleError(f"tensor '{name}' is read by {what} at step {step} before it is produced")
+        open_[name]["last_use"] = step
+
+    for name in graph.inputs:
+        start(name, 0)
+    for t in graph.initializers():
+        if t.name not in on_host:
+            start(t.name, 0)
+        else:
+            ever_produced.add(t.name)
+
+    for i, step in enumerate(schedule):
+        if step.kind in ("compute", "recompute"):
+            op = graph.op_by_name.get(step.target)
+            if op is None:
+                raise ScheduleError(f"step {i} names op '{step.target}', which the graph does not have")
+            if step.kind == "compute":
+                if op.name in computed:
+                    raise ScheduleError(f"op '{op.name}' is computed twice (step {i}); mark replays "
+                                        f"as recompute")
+                computed.add(op.name)
+            elif op.name not in computed:
+                raise ScheduleError(f"op '{op.name}' is recomputed at step {i} before it is computed")
+            for name in op.present_inputs:
+                use(name, i, f"op '{op.name}'")
+            for name in op.present_outputs:
+                if name in open_:
+                    close(name, open_[name]["last_use"], "last use")
+                start(name, i)
+                source = aliases.get(name)
+                if source is not None:
+                    _check_alias(graph, op, name, source)
+                    open_[name]["shares_with"] = (source, counts[source] - 1)
+                    alias_events.append((name, source, counts[source] - 1, i))
+        elif step.kind == "swap_out":
+            use(step.target, i, "a swap-out")
+            close(step.target, i, "swap_out")
+        elif step.kind == "swap_in":
+            if step.target in open_:
+                raise ScheduleError(f"tensor '{step.target}' is swapped in at step {i} while resident")
+            if step.target not in ever_produced:
+                raise ScheduleError(f"tensor '{step.target}' is swapped in at step {i} before it exists")
+            start(step.target, i)
+        elif step.kind == "free":
+            if step.target not in open_:
+                raise ScheduleError(f"tensor '{step.target}' is freed at step {i} but is not resident")
+            close(step.target, i - 1, "free")
+        else:
+            raise ScheduleError(f"step {i} has unknown kind '{step.kind}'")
+
+    for name in list(open_):
+        t = tensors[name]
+        if t.is_static or name in held_to_end:
+            close(name, max(n - 1, open_[name]["start"]), "end of step")
+        else:
+            close(name, open_[name]["last_use"], "last use")
+
+    # in-place: the source must die at the aliasing op; its residency ends there
+    by_key = {(r["tensor"], r["index"]): r for r in closed}
+    for output, source, index, step in alias_events:
+        src = by_key[(source, index)]
+        if src["last_use"] != step or src["closed_by"] in ("swap_out", "free"):
+            raise ScheduleError(f"'{output}' may not alias '{source}': '{source}' is still used after "
+                                f"step {step}")
+        src["end"] = step
+
+    residencies = []
+    for r in closed:
+        t = tensors[r["tensor"]]
+        residencies.append(Residency(r["tensor"], r["index"], r["start"], r["end"], t.nbytes, t.kind,
+                                     r["shares_with"]))
+
+    live, by_kind = _timeline(residencies, n)
+    names = [str(s) for s in schedule]
+    return MemoryProfile(residencies, live, by_kind, names)
+
+
+def _check_alias(graph: Graph, op, output: str, source: str) -> None:
+    """The static half of rule 4; `analyze` checks that the source dies at the op."""
+    if source not in op.present_inputs:
+        raise ScheduleError(f"'{output}' may not alias '{source}': it is not an input of op '{op.name}'")
+    if graph.tensors[output].nbytes != graph.tensors[source].nbytes:
+        raise ScheduleError(f"'{output}' may not alias '{source}': their sizes differ")
+    if op.op_type not in INPLACE_OPS and op.phase != "update":
+        raise ScheduleError(f"'{output}' may not alias '{source}': {op.op_type} does not run in place")
+    if source in graph.outputs or source in graph.inputs:
+        raise ScheduleError(f"'{output}' may not alias '{source}': it is a graph input or output")
+
+
+def _timeline(residencies: list[Residency], n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Difference arrays: +bytes at start, -bytes after end, per kind, then a prefix sum."""
+    diffs: dict[str, np.ndarray] = {}
+    for r in residencies:
+        start = r.start + 1 if r.shares_with is not None else r.start
+        if start > r.end or n == 0:
+            continue
+        d = diffs.setdefault(r.kind, np.zeros(n + 1, dtype=np.int64))
+        d[start] += r.nbytes
+        d[r.end + 1] -= r.nbytes
+    by_kind = {k: np.cumsum(d)[:n] for k, d in sorted(diffs.items())}
+    live = np.sum(list(by_kind.values()), axis=0) if by_kind else np.zeros(n, dtype=np.int64)
+    return live.astype(np.int64), by_kind
+
+
+def analyze_plan(plan: Plan) -> MemoryProfile:
+    return analyze(plan.graph, plan.schedule, plan.aliases, plan.on_host)
+
+
+def validate(plan: Plan) -> MemoryProfile:
+    """Analyze a plan and check its budget and its placement (if it has one)."""
+    profile = analyze_plan(plan)
+    if plan.budget is not None and profile.peak_bytes > plan.budget:
+        step = profile.peak_step
+        raise ScheduleError(f"the plan needs {profile.peak_bytes} bytes at step {step} "
+                            f"({profile.step_names[step]}), over its budget of {plan.budget}")
+    if plan.offsets is not None:
+        check_placement(profile, plan.offsets)
+    return profile
+
+
+def buffers(profile: MemoryProfile) -> list[tuple[tuple[str, int], int, int, int]]:
+    """Storage buffers to place: (key, first step, last step, bytes); in-place chains merged."""
+    root: dict[tuple[str, int], tuple[str, int]] = {}
+    by_key = {r.key: r for r in profile.residencies}
+
+    def find(key):
+        while by_key[key].shares_with is not None:
+            key = by_key[key].shares_with
+        return key
+
+    spans: dict[tuple[str, int], list[int]] = {}
+    for r in profile.residencies:
+        k = find(r.key)
+        root[r.key] = k
+        span = spans.setdefault(k, [r.start, r.end, r.nbytes])
+        span[0], span[1], span[2] = min(span[0], r.start), max(span[1], r.end), max(span[2], r.nbytes)
+    return [(k, s, e, b) for k, (s, e, b) in spans.items()]
+
+
+def check_placement(profile: MemoryProfile, offsets: dict[tuple[str, int], int]) -> int:
+    """Check that no two buffers live at the same step overlap in the arena; return arena bytes.
+
+    In-place residencies are placed with the buffer they share (their own key may be absent)."""
+    items = []
+    for key, first, last, nbytes in buffers(profile):
+        if nbytes == 0:
+            continue
+        if key not in offsets:
+            raise ScheduleError(f"tensor '{key[0]}' (residency {key[1]}) has no arena offset")
+        offset = offsets[key]
+        if offset < 0:
+            raise ScheduleError(f"tensor '{key[0]}' has a negative arena offset")
+        items.append((first, last, offset, offset + nbytes, key))
+    items.sort()
+    active: list[tuple[int, int, int, tuple]] = []
+    arena = 0
+    for first, last, lo, hi, key in items:
+        active = [a for a in active if a[0] >= first]
+        for a_last, a_lo, a_hi, a_key in active:
+            if lo < a_hi and a_lo < hi:
+                raise ScheduleError(f"tensors '{key[0]}' and '{a_key[0]}' are live together at step "
+                                    f"{first} and overlap in the arena ([{lo},{hi}) vs [{a_lo},{a_hi}))")
+        active.append((last, lo, hi, key))
+        arena = max(arena, hi)
+    return arena

@@ -1,0 +1,32 @@
+"""What `memsched inspect` reports about a graph: ops, tensors, parameters, default-order peak."""
+from __future__ import annotations
+
+from collections import Counter
+
+from .ir import Graph
+from .memory import analyze
+from .schedule import default_schedule
+
+
+def inspect_graph(graph: Graph, top: int = 10) -> dict:
+    """A JSON-able summary (DESIGN.md keys: ops, tensors, parameter_bytes, peak_bytes)."""
+    profile = analyze(graph, default_schedule(graph))
+    step = profile.peak_step
+    params = graph.parameters()
+    largest = sorted(graph.tensors.values(), key=lambda t: (-t.nbytes, t.name))[:top]
+    return {
+        "graph": graph.name,
+        "ops": len(graph.ops),
+        "op_types": dict(sorted(Counter(op.op_type for op in graph.ops).items(), key=lambda kv: (-kv[1], kv[0]))),
+        "tensors": len(graph.tensors),
+        "inputs": {n: list(graph.tensors[n].shape) for n in graph.inputs},
+        "outputs": {n: list(graph.tensors[n].shape) for n in graph.outputs},
+        "parameters": sum(t.numel for t in params),
+        "parameter_bytes": sum(t.nbytes for t in params),
+        "peak_bytes": profile.peak_bytes,
+        "peak_step": step,
+        "peak_op": graph.ops[step].name if graph.ops else None,
+        "peak_by_kind": profile.kinds_at(step) if graph.ops else {},
+        "largest_tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype_name,
+                             "kind": t.kind, "bytes": t.nbytes} for t in largest],
+    }

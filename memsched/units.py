@@ -1,0 +1,32 @@
+"""Byte sizes for humans and from humans: '12GiB', '512 MB', '40%'."""
+from __future__ import annotations
+
+import re
+
+from .errors import UserError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'12GiB' -> 12884901888; plain integers are bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise UserError(f"cannot read '{text}' as a size; write e.g. 12GiB, 800MB or 1048576")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: int | float | None) -> str:
+    """1536 -> '1.50 KiB' (binary units, as GPU memory is sold and reported)."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
