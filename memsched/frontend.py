@@ -36,6 +36,10 @@ def lower(model: onnx.ModelProto, dims: dict[str, int] | None = None, base_dir: 
     _check_domains(model)
     _bind_dims(model, dict(dims or {}))
     model = _infer_shapes(model, base_dir)
+    try:  # after inference: outputs declared without shapes are fine once inferred
+        onnx.checker.check_model(_checkable(model))
+    except onnx.checker.ValidationError as exc:
+        raise UserError(f"not a valid ONNX model: {_first_line(exc)}") from None
     graph = Graph.from_onnx(model, base_dir=base_dir)
     _check_complete(graph)
     return graph
@@ -55,10 +59,6 @@ def read_model(path: Path) -> onnx.ModelProto:
         raise UserError(f"{path} is not a readable ONNX model (truncated or not ONNX): {_first_line(exc)}") from None
     if not model.opset_import or not model.HasField("graph") or len(model.graph.node) == 0:
         raise UserError(f"{path} is not an ONNX model (no graph or no opset); is it the right file?")
-    try:
-        onnx.checker.check_model(model)
-    except onnx.checker.ValidationError as exc:
-        raise UserError(f"{path} is not a valid ONNX model: {_first_line(exc)}") from None
     _check_external_data(model, path.parent)
     return model
 
@@ -94,6 +94,21 @@ def _check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
         if end > location.stat().st_size:
             raise UserError(f"external data file '{location.name}' is truncated: initializer "
                             f"'{init.name}' needs {end} bytes, the file has {location.stat().st_size}")
+
+
+def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with external initializers turned into typed inputs: the checker would look for
+    their files relative to the working directory; `_check_external_data` has checked them."""
+    external = [i for i in model.graph.initializer if i.data_location == TensorProto.EXTERNAL]
+    if not external:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    kept = [i for i in copy.graph.initializer if i.data_location != TensorProto.EXTERNAL]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    copy.graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in external)
+    return copy
 
 
 def _inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -1,0 +1,133 @@
+"""The front end: round trips without loss, and one clear line for every kind of bad input."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from memsched import frontend
+from memsched.errors import UserError
+from memsched.ir import Graph
+from memsched.onnx_utils import make_model, save_model_atomic
+
+from .conftest import run_cli
+from .graphs import mlp_model, reshape_model
+
+
+def ort_run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+@pytest.mark.parametrize("build", [mlp_model, reshape_model])
+def test_round_trip_is_lossless(tmp_path, build):
+    path = save_model_atomic(build(), tmp_path / "m.onnx")
+    graph = frontend.load(path)
+    emitted = graph.to_onnx()
+    onnx.checker.check_model(emitted, full_check=True)
+    x = np.random.default_rng(1).standard_normal(graph.tensors["x"].shape).astype(np.float32)
+    for a, b in zip(ort_run(onnx.load(str(path)), {"x": x}), ort_run(emitted, {"x": x})):
+        assert a.shape == b.shape and np.array_equal(a, b)
+    again = Graph.from_onnx(emitted)
+    assert [(o.name, o.op_type, o.inputs, o.outputs, o.attributes) for o in again.ops] == \
+        [(o.name, o.op_type, o.inputs, o.outputs, o.attributes) for o in graph.ops]
+    assert {n: (x.shape, x.dtype, x.kind) for n, x in again.tensors.items()} == \
+        {n: (x.shape, x.dtype, x.kind) for n, x in graph.tensors.items()}
+
+
+def test_kinds_and_phases_survive_the_round_trip(tmp_path):
+    graph = frontend.load(save_model_atomic(mlp_model(), tmp_path / "m.onnx"))
+    graph.tensors["h"].kind = "gradient"
+    graph.ops[1].phase = "backward"
+    again = Graph.from_onnx(graph.to_onnx())
+    assert again.tensors["h"].kind == "gradient" and again.ops[1].phase == "backward"
+    assert again.tensors["W1"].kind == "parameter" and again.ops[0].phase == "forward"
+
+
+def test_shape_arithmetic_and_missing_output_shapes_are_inferred(tmp_path):
+    graph = frontend.load(save_model_atomic(reshape_model(), tmp_path / "m.onnx"))
+    assert graph.tensors["flat"].shape == (2, 12)
+    assert graph.tensors["y"].shape == (2, 12)  # the graph output was declared without a shape
+    assert graph.tensors["s"].kind == "activation" and graph.tensors["minus1"].kind == "constant"
+
+
+def test_symbolic_dims_bind(tmp_path):
+    path = save_model_atomic(mlp_model(batch="batch"), tmp_path / "m.onnx")
+    graph = frontend.load(path, {"batch": 8})
+    assert graph.tensors["x"].shape == (8, 4) and graph.tensors["y"].shape == (8, 3)
+    with pytest.raises(UserError, match="unbound symbolic dimension 'batch'; pass --dim batch=VALUE"):
+        frontend.load(path)
+    with pytest.raises(UserError, match="no symbolic dimension named seq"):
+        frontend.load(path, {"batch": 8, "seq": 3})
+
+
+def test_model_over_2gb_with_external_data(tmp_path):
+    """A 2.25 GB initializer in an external file (sparse on disk): loads and inspects without reading it."""
+    rows = 9 * 2**28 // 4 // 64  # 2.25 GiB of float32 in a [rows, 64] weight
+    init = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[rows, 64])
+    init.data_location = TensorProto.EXTERNAL
+    nbytes = rows * 64 * 4
+    for key, value in (("location", "big.onnx.data"), ("offset", "0"), ("length", str(nbytes))):
+        init.external_data.add(key=key, value=value)
+    with open(tmp_path / "big.onnx.data", "wb") as f:
+        f.truncate(nbytes)
+    graph = helper.make_graph([helper.make_node("Gather", ["W", "idx"], ["y"], name="embed", axis=0)], "big",
+                              [helper.make_tensor_value_info("idx", TensorProto.INT64, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])], [init])
+    onnx.save_model(make_model(graph), str(tmp_path / "big.onnx"))
+    loaded = frontend.load(tmp_path / "big.onnx")
+    assert loaded.tensors["W"].nbytes == nbytes > 2**31
+    result = run_cli("inspect", tmp_path / "big.onnx", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["parameter_bytes"] == nbytes
+    os.unlink(tmp_path / "big.onnx.data")
+    result = run_cli("inspect", tmp_path / "big.onnx")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"memsched: error: external data file 'big.onnx.data' for initializer 'W' "
+                                     f"not found next to the model in {tmp_path}")
+
+
+def _bad_files(tmp_path):
+    good = tmp_path / "good.onnx"
+    save_model_atomic(mlp_model(), good)
+    data = good.read_bytes()
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    (tmp_path / "truncated.onnx").write_bytes(data[: len(data) // 2])
+    (tmp_path / "text.onnx").write_text("this is a readme, not a model\n" * 20)
+    (tmp_path / "adir").mkdir()
+    custom = mlp_model()
+    custom.graph.node[1].domain = "com.example"
+    custom.opset_import.append(helper.make_opsetid("com.example", 1))
+    save_model_atomic(custom, tmp_path / "custom.onnx")
+    save_model_atomic(mlp_model(batch="batch"), tmp_path / "symbolic.onnx")
+    return {
+        "missing": (tmp_path / "nope.onnx", "no such file"),
+        "directory": (tmp_path / "adir", "is a directory"),
+        "empty": (tmp_path / "empty.onnx", "is empty"),
+        "truncated": (tmp_path / "truncated.onnx", "not a readable ONNX model"),
+        "text": (tmp_path / "text.onnx", "not"),
+        "custom op": (tmp_path / "custom.onnx", "unsupported op 'Relu' from domain 'com.example' at node 'relu'"),
+        "unbound dim": (tmp_path / "symbolic.onnx", "pass --dim batch=VALUE"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "empty", "truncated", "text", "custom op",
+                                  "unbound dim"])
+def test_bad_input_is_one_line_exit_1(tmp_path, case):
+    path, expected = _bad_files(tmp_path)[case]
+    result = run_cli("inspect", path)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memsched: error:") and expected in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_bad_dim_option_is_a_user_error(tmp_path):
+    path = save_model_atomic(mlp_model(batch="batch"), tmp_path / "m.onnx")
+    result = run_cli("inspect", path, "--dim", "batch=zero")
+    assert result.returncode == 1 and "write NAME=VALUE" in result.stderr
