@@ -173,7 +173,7 @@ def he_std(fan: int) -> float:
 
 def conv(b: GraphBuilder, scope: str, x: str, cin: int, cout: int, kernel: int, *,
          stride: int = 1, pad: int = 0, groups: int = 1, bias: bool = False,
-         dims: int = 2) -> str:
+         dims: int = 2, out: str | None = None) -> str:
     """Conv (2D or 3D) as torch exports nn.Conv2d/3d, He-normal weights over fan_out.
 
     fan_out is (cout / groups) * kernel volume: torchvision's kaiming_normal_(mode="fan_out")
@@ -187,7 +187,8 @@ def conv(b: GraphBuilder, scope: str, x: str, cin: int, cout: int, kernel: int, 
     if bias:
         inputs.append(b.param(f"{scope}.bias", [cout], fill=0.0))
     return b.op("Conv", scope, inputs, dilations=[1] * dims, group=groups,
-                kernel_shape=[kernel] * dims, pads=[pad] * (2 * dims), strides=[stride] * dims)
+                kernel_shape=[kernel] * dims, pads=[pad] * (2 * dims), strides=[stride] * dims,
+                out=out)
 
 
 def conv_transpose(b: GraphBuilder, scope: str, x: str, cin: int, cout: int, kernel: int, *,
