@@ -298,11 +298,13 @@ def test_gpt2_is_causal():
 
 
 # -- batch norm in training mode, float16 -----------------------------------------------
-def test_bn_training_uses_batch_statistics_and_exposes_running_stats():
-    model = models.build("resnet18", batch=4, size=32, bn_training=True)
+# unet3d is the case where onnxruntime 1.31 goes wrong if the running stats dangle
+@pytest.mark.parametrize("name, options", [("resnet18", dict(batch=4, size=32)),
+                                           ("unet3d", dict(batch=2, size=16, width=8))])
+def test_bn_training_uses_batch_statistics_and_exposes_running_stats(name, options):
+    model = models.build(name, bn_training=True, **options)
     onnx.checker.check_model(model, full_check=True)
     bns = [n for n in model.graph.node if n.op_type == "BatchNormalization"]
-    assert len(bns) == 20
     assert all(len(n.output) == 3 and attr(n, "training_mode") == 1 for n in bns)
     outputs = [o.name for o in model.graph.output]
     assert outputs[0] == "logits"
@@ -314,9 +316,9 @@ def test_bn_training_uses_batch_statistics_and_exposes_running_stats():
     for a, b, c in zip(first, second, unoptimised):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-4)
-    # the stem BN's updated running mean is 0.9 * 0 + 0.1 * the batch mean: not zero
-    assert np.abs(first[1]).max() > 1e-3 and first[1].shape == (64,)
-    (eval_logits,) = session(models.build("resnet18", batch=4, size=32)).run(None, inputs)
+    # the first BN's updated running var is 0.9 * 1 + 0.1 * the batch variance (not 1)
+    assert np.abs(first[2] - 1).max() > 1e-2
+    (eval_logits,) = session(models.build(name, **options)).run(None, inputs)
     assert np.abs(eval_logits - first[0]).max() > 1e-2
 
 
