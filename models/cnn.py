@@ -76,31 +76,32 @@ def _conv_bn(b: GraphBuilder, x: str, conv_scope: str, bn_scope: str, cin: int, 
     return b.batch_norm(bn_scope, x, cout)
 
 
-def _downsample(b: GraphBuilder, scope: str, x: str, cin: int, cout: int, stride: int) -> str:
-    return _conv_bn(b, x, f"{scope}.downsample.0", f"{scope}.downsample.1", cin, cout, 1, stride)
+def _residual_block(b: GraphBuilder, scope: str, x: str, cin: int,
+                    convs: list[tuple[int, int, int]]) -> tuple[str, int]:
+    """torchvision BasicBlock / Bottleneck: conv{i}+bn{i} per (cout, kernel, stride), ReLU
+    between them; a 1x1 conv+BN downsample on the shortcut where the shape changes."""
+    y, c = x, cin
+    for i, (cout, kernel, stride) in enumerate(convs, start=1):
+        if i > 1:
+            y = relu(b, f"{scope}.relu", y)
+        y = _conv_bn(b, y, f"{scope}.conv{i}", f"{scope}.bn{i}", c, cout, kernel, stride)
+        c = cout
+    stride = max(s for _, _, s in convs)
+    if stride != 1 or cin != c:
+        x = _conv_bn(b, x, f"{scope}.downsample.0", f"{scope}.downsample.1", cin, c, 1, stride)
+    return relu(b, f"{scope}.relu", b.op("Add", scope, [y, x])), c
 
 
 def _basic_block(b: GraphBuilder, scope: str, x: str, cin: int, planes: int,
                  stride: int) -> tuple[str, int]:
-    y = relu(b, f"{scope}.relu", _conv_bn(b, x, f"{scope}.conv1", f"{scope}.bn1", cin, planes,
-                                          3, stride))
-    y = _conv_bn(b, y, f"{scope}.conv2", f"{scope}.bn2", planes, planes, 3)
-    if stride != 1 or cin != planes:
-        x = _downsample(b, scope, x, cin, planes, stride)
-    return relu(b, f"{scope}.relu", b.op("Add", scope, [y, x])), planes
+    return _residual_block(b, scope, x, cin, [(planes, 3, stride), (planes, 3, 1)])
 
 
 def _bottleneck(b: GraphBuilder, scope: str, x: str, cin: int, planes: int,
                 stride: int) -> tuple[str, int]:
-    """torchvision Bottleneck (ResNet v1.5: the stride sits on the 3x3 conv)."""
-    cout = planes * 4
-    y = relu(b, f"{scope}.relu", _conv_bn(b, x, f"{scope}.conv1", f"{scope}.bn1", cin, planes, 1))
-    y = relu(b, f"{scope}.relu", _conv_bn(b, y, f"{scope}.conv2", f"{scope}.bn2", planes, planes,
-                                          3, stride))
-    y = _conv_bn(b, y, f"{scope}.conv3", f"{scope}.bn3", planes, cout, 1)
-    if stride != 1 or cin != cout:
-        x = _downsample(b, scope, x, cin, cout, stride)
-    return relu(b, f"{scope}.relu", b.op("Add", scope, [y, x])), cout
+    """ResNet v1.5: the stride sits on the 3x3 conv; the block widens to 4 * planes."""
+    return _residual_block(b, scope, x, cin,
+                           [(planes, 1, 1), (planes, 3, stride), (4 * planes, 1, 1)])
 
 
 def _resnet(name: str, block, blocks: list[int], *, batch: int, size: int, classes: int,
