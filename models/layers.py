@@ -63,7 +63,6 @@ class GraphBuilder:
                  weights: bool = True, bn_training: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        self.dtype = dtype
         self.np_dtype = np.dtype(dtype)
         self.elem_type = DTYPES[dtype]
         self.weights = weights
@@ -82,7 +81,7 @@ class GraphBuilder:
         return name
 
     def finish(self, output: str, shape: list[int]) -> onnx.ModelProto:
-        """Declare `output` (produced by the last node) as the graph output and return the model.
+        """Declare `output` as the first graph output and return the finished model.
 
         Training-mode BN running statistics follow it as extra outputs; see `batch_norm`.
         """
@@ -130,13 +129,12 @@ class GraphBuilder:
         self.graph.node.append(helper.make_node(op_type, inputs, names, name=name, **attrs))
         return names[0] if outputs == 1 else names
 
-    def const(self, scope: str, value, dtype: str | np.dtype | None = None) -> str:
-        """A Constant node; floats take the model dtype unless `dtype` says otherwise."""
+    def const(self, scope: str, value) -> str:
+        """A Constant node; float values take the model's dtype, others keep theirs."""
         array = np.asarray(value)
-        if dtype is None:
-            dtype = self.np_dtype if array.dtype.kind == "f" else array.dtype
-        return self.op("Constant", scope, [],
-                       value=numpy_helper.from_array(array.astype(dtype), name=""))
+        if array.dtype.kind == "f":
+            array = array.astype(self.np_dtype)
+        return self.op("Constant", scope, [], value=numpy_helper.from_array(array, name=""))
 
     def shape_const(self, scope: str, shape: list[int]) -> str:
         return self.const(scope, np.array(shape, dtype=np.int64))
