@@ -7,6 +7,7 @@ import os
 import sys
 
 from memsched.errors import MemschedError
+from memsched.onnx_utils import save_model_atomic
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_dim_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_inspect)
+
+    p = sub.add_parser("models", help="the bundled model zoo: list it, export a model as ONNX")
+    models_sub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    p = models_sub.add_parser("list", help="every bundled model with its parameters at default size")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_models_list)
+    p = models_sub.add_parser("export", help="build a bundled model and write it as ONNX")
+    p.add_argument("name", help="a model name from `memsched models list`")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write it")
+    for flag, meta, what in (("--batch", "N", "batch size"), ("--size", "S", "input resolution"),
+                             ("--seq", "L", "sequence length"), ("--classes", "K", "number of classes"),
+                             ("--layers", "N", "transformer layers")):
+        p.add_argument(flag, type=int, metavar=meta, help=f"{what} (default: the model's)")
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="weight and activation type")
+    p.set_defaults(handler=cmd_models_export)
     return parser
 
 
@@ -60,6 +76,36 @@ def cmd_inspect(args) -> int:
         print_json(summary)
     else:
         print_inspect(summary)
+    return 0
+
+
+def cmd_models_list(args) -> int:
+    import models
+    from memsched.views import print_models
+
+    entries = models.catalog()
+    if args.json:
+        print_json({"models": entries})
+    else:
+        print_models(entries)
+    return 0
+
+
+def cmd_models_export(args) -> int:
+    import models
+    from memsched.errors import UserError
+
+    extra = {} if args.layers is None else {"layers": args.layers}
+    try:
+        model = models.build(args.name, batch=args.batch, size=args.size, seq=args.seq,
+                             classes=args.classes, dtype=args.dtype, **extra)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    try:
+        path = save_model_atomic(model, args.output)
+    except OSError as exc:
+        raise UserError(f"cannot write {args.output}: {exc.strerror or exc}") from exc
+    print(f"wrote {path}: {args.name}, {models.count_parameters(model):,} parameters")
     return 0
 
 

@@ -35,3 +35,14 @@ def print_inspect(summary: dict) -> None:
         largest.add_row(t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"], t["kind"],
                         format_bytes(t["bytes"]))
     out.print(largest)
+
+
+def print_models(entries: list[dict]) -> None:
+    """The bundled model zoo: name, parameters at default size, description."""
+    table = Table(title="bundled models (memsched models export NAME -o OUT.onnx)", title_justify="left")
+    table.add_column("name")
+    table.add_column("parameters", justify="right")
+    table.add_column("description")
+    for entry in entries:
+        table.add_row(entry["name"], f"{entry['parameters']:,}", entry["description"])
+    console().print(table)

@@ -17,6 +17,8 @@ from models import count_parameters
 from models.cnn import _adaptive_avg_pool
 from models.layers import GraphBuilder
 
+from .conftest import run_cli
+
 SMALL_VOCAB = 1000
 # Small configurations for the runtime tests, and the logits shape each must give.
 SMALL = {
@@ -372,3 +374,44 @@ def test_export_writes_a_loadable_model(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.onnx"]
     with pytest.raises(ValueError, match="needs weights"):
         models.export("mlp", tmp_path / "bare.onnx", weights=False)
+
+
+# -- command line -----------------------------------------------------------------------
+def test_cli_models_list_json():
+    result = run_cli("models", "list", "--json")
+    assert result.returncode == 0, result.stderr
+    entries = {e["name"]: e for e in json.loads(result.stdout)["models"]}
+    assert list(entries) == list(models.NAMES)
+    assert entries["resnet50"]["parameters"] == REFERENCE_PARAMETERS["resnet50"]
+    assert entries["bert-base"]["description"]
+
+
+def test_cli_models_list_table():
+    result = run_cli("models", "list")
+    assert result.returncode == 0, result.stderr
+    assert "gpt2" in result.stdout and "124,439,808" in result.stdout
+
+
+def test_cli_models_export(tmp_path):
+    out = tmp_path / "r18.onnx"
+    result = run_cli("models", "export", "resnet18", "-o", out, "--batch", "2", "--size", "32")
+    assert result.returncode == 0, result.stderr
+    assert "11,689,512 parameters" in result.stdout
+    expected = models.build("resnet18", batch=2, size=32)
+    assert onnx.load(out).SerializeToString() == expected.SerializeToString()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["models", "export", "resnet18", "--layers", "2"], "option 'layers' does not apply to resnet18"),
+    (["models", "export", "resnet5"], "unknown model 'resnet5'"),
+])
+def test_cli_models_export_errors_are_one_line(tmp_path, args, message):
+    out = tmp_path / "m.onnx"
+    result = run_cli(*args, "-o", out)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert "Traceback" not in result.stderr and not out.exists()
+
+
+def test_cli_models_export_needs_output():
+    assert run_cli("models", "export", "mlp").returncode == 2
