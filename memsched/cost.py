@@ -223,15 +223,16 @@ SMALL_CONSTANT = 64   # elements: constant inputs up to this size (shapes, axes)
 
 
 def signature(op: Op, graph: Graph) -> str:
-    """What determines an op's run time: domain, type, attributes, input shapes and dtypes, and
-    the values of small non-float constant inputs (shapes, axes, pads). Same signature, same time."""
+    """What determines an op's run time: domain, type, attributes, input shapes and dtypes, which
+    inputs are constants, and the values of small non-float constants (shapes, axes, pads).
+    Same signature, same time."""
     inputs = []
     for name in op.inputs:
         if not name:
             inputs.append(None)
             continue
         t = graph.tensors[name]
-        entry = [list(t.shape), int(t.dtype)]
+        entry = [list(t.shape), int(t.dtype), t.is_static]
         if t.is_static and t.numel <= SMALL_CONSTANT and not _is_float_dtype(t.dtype):
             entry.append(np.asarray(tensor_value(t, graph.base_dir)).ravel().tolist())
         inputs.append(entry)
