@@ -197,7 +197,8 @@ def from_dict(data: dict, default_name: str = "custom", where: str = "hardware p
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise UserError(f"{where}: missing key(s) {', '.join(missing)}")
-    known = set(_REQUIRED) | {"name", "description", "op_class_flops", "op_class_bandwidth"}
+    # 'calibration': the microbenchmark rows behind a calibrated profile, kept for the reader
+    known = set(_REQUIRED) | {"name", "description", "op_class_flops", "op_class_bandwidth", "calibration"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}")

@@ -111,10 +111,11 @@ class Simulation:
             "model_peak_bytes": self.profile.peak_bytes,
         }
         if timeline:
-            d["events"] = [{"stream": e.stream, "kind": e.kind, "target": e.target, "step": e.step,
-                            "start_s": e.start, "end_s": e.end, "bytes": e.nbytes, "tier": e.tier}
+            # the shapes memsched.figures.gantt_svg and memory_timeline_svg take (times in seconds)
+            d["events"] = [{"stream": e.stream, "kind": e.kind, "label": e.target, "step": e.step,
+                            "start": e.start, "end": e.end, "bytes": e.nbytes, "tier": e.tier}
                            for e in self.events]
-            d["memory_timeline"] = {"times_s": self.memory_times, "bytes_by_kind": self.memory_by_kind}
+            d["memory_timeline"] = {"x": self.memory_times, "xlabel": "time (s)", "by_kind": self.memory_by_kind}
         return d
 
 
