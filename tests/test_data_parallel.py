@@ -7,7 +7,7 @@ from onnx import helper
 from memsched.data_parallel import allreduce_time, data_parallel
 from memsched.schedule import Plan
 from memsched.simulate import simulate
-from tests.simgraphs import costs, hardware, lower
+from .simgraphs import costs, hardware, lower
 
 TIMES = dict(F1=1.0, F2=1.0, B2=1.0, B1x=1.0, B1=1.0, U2=0.5, U1=0.5)
 

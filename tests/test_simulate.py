@@ -8,7 +8,7 @@ import pytest
 from memsched.errors import ScheduleError, UserError
 from memsched.schedule import Plan, compute, swap_in, swap_out
 from memsched.simulate import simulate
-from tests.simgraphs import chain, costs, hardware, lower
+from .simgraphs import chain, costs, hardware, lower
 
 from onnx import helper
 
@@ -177,3 +177,12 @@ def test_table_without_the_op_and_no_hardware_are_user_errors():
         simulate(Plan.initial(g), hardware(), costs(A=1.0, B=1.0, C1=1.0, C2=1.0))
     with pytest.raises(UserError, match="hardware profile or a cost table"):
         simulate(Plan.initial(g))
+
+
+def test_json_feeds_the_report_figures():
+    from memsched.figures import gantt_svg, memory_timeline_svg
+
+    d = swapped().to_dict()
+    assert d["swapped_bytes"] == {"dram": 1024} and d["stall_s"] == 0.0
+    assert gantt_svg(d["events"]).startswith("<svg")
+    assert memory_timeline_svg([{"title": "plan", **d["memory_timeline"]}]).startswith("<svg")
