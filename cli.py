@@ -53,6 +53,41 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=int, metavar=meta, help=f"{what} (default: the model's)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="weight and activation type")
     p.set_defaults(handler=cmd_models_export)
+
+
+    hw = sub.add_parser("hardware", help="hardware profiles: list, show, calibrate this machine")
+    hw_sub = hw.add_subparsers(dest="hardware_command", required=True, metavar="ACTION")
+    p = hw_sub.add_parser("list", help="the bundled profiles")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_hardware_list)
+    p = hw_sub.add_parser("show", help="one profile, by preset name or TOML/JSON file")
+    p.add_argument("profile", metavar="NAME|FILE")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON (a valid profile file)")
+    p.set_defaults(handler=cmd_hardware_show)
+    p = hw_sub.add_parser("calibrate", help="measure this machine's CPU with ONNX Runtime microbenchmarks")
+    p.add_argument("-o", "--output", required=True, help="profile file to write (.json)")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per microbenchmark (median)")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_hardware_calibrate)
+
+    p = sub.add_parser("profile", help="time every op of a model with ONNX Runtime -> a cost table")
+    p.add_argument("model", help="an .onnx file")
+    p.add_argument("-o", "--output", required=True, help="cost table to write (.json)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs per op (median)")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    add_dim_option(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_profile)
+
+    p = sub.add_parser("simulate", help="predicted step time of a model's default schedule")
+    p.add_argument("model", help="an .onnx file")
+    p.add_argument("--hardware", default="cpu", help="preset name or profile file (default: cpu)")
+    p.add_argument("--costs", help="a cost table from `memsched profile` (else the roofline)")
+    add_dim_option(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_simulate)
     return parser
 
 
@@ -106,6 +141,87 @@ def cmd_models_export(args) -> int:
     except OSError as exc:
         raise UserError(f"cannot write {args.output}: {exc.strerror or exc}") from exc
     print(f"wrote {path}: {args.name}, {models.count_parameters(model):,} parameters")
+
+
+def cmd_hardware_list(args) -> int:
+    from memsched import hardware
+    from memsched.errors import UserError
+    from memsched.views import print_hardware_list
+
+    rows = []
+    for name in hardware.preset_names():
+        try:
+            rows.append(hardware.load(name).to_dict())
+        except UserError as exc:           # a measured preset not made on this install
+            rows.append({"name": name, "error": str(exc)})
+    if args.json:
+        print_json({"profiles": rows})
+    else:
+        print_hardware_list(rows)
+    return 0
+
+
+def cmd_hardware_show(args) -> int:
+    from memsched import hardware
+    from memsched.views import print_hardware
+
+    profile = hardware.load(args.profile).to_dict()
+    if args.json:
+        print_json(profile)
+    else:
+        print_hardware(profile)
+    return 0
+
+
+def cmd_hardware_calibrate(args) -> int:
+    from memsched.measure import calibrate
+    from memsched.onnx_utils import write_text_atomic
+    from memsched.views import print_hardware
+
+    hw, rows = calibrate(repeats=args.repeats, threads=args.threads)
+    profile = {**hw.to_dict(), "calibration": rows}
+    write_text_atomic(args.output, json.dumps(profile, indent=1) + "\n")
+    if args.json:
+        print_json({**profile, "path": args.output})
+    else:
+        print_hardware(profile)
+        print(f"written to {args.output}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from memsched import frontend
+    from memsched.measure import profile_graph
+    from memsched.views import print_cost_table
+
+    graph = frontend.load(args.model, frontend.parse_dims(args.dim))
+    table = profile_graph(graph, device=args.device, repeats=args.repeats, threads=args.threads)
+    table.save(args.output)
+    slowest = sorted(graph.ops, key=lambda op: -table.times[op.name])[:10]
+    summary = {**table.meta, "path": args.output, "total_s": table.total(),
+               "slowest": [{"op": op.name, "op_type": op.op_type, "seconds": table.times[op.name]}
+                           for op in slowest]}
+    if args.json:
+        print_json(summary)
+    else:
+        print_cost_table(summary)
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from memsched import frontend
+    from memsched.cost import CostTable
+    from memsched.schedule import Plan
+    from memsched.simulate import simulate
+    from memsched.views import print_simulation
+
+    graph = frontend.load(args.model, frontend.parse_dims(args.dim))
+    costs = CostTable.load(args.costs) if args.costs else None
+    result = simulate(Plan.initial(graph), args.hardware, costs).to_dict()
+    if args.json:
+        print_json(result)
+    else:
+        print_simulation(result)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Small ONNX helpers shared by the core and by models/: pinned versions, atomic save.
+"""Small ONNX helpers shared by the core and by models/: pinned versions, atomic saves.
 
 onnx 1.23 writes IR 14 / opset 28 by default, which onnxruntime 1.31 rejects; everything
 memsched builds is pinned to OPSET / IR_VERSION below.
@@ -57,6 +57,24 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
                 os.unlink(leftover)
             except FileNotFoundError:
                 pass
+        raise
+    return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` via a temp file + rename (JSON reports, cost tables, profiles)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
         raise
     return path
 

@@ -46,3 +46,81 @@ def print_models(entries: list[dict]) -> None:
     for entry in entries:
         table.add_row(entry["name"], f"{entry['parameters']:,}", entry["description"])
     console().print(table)
+
+
+def _rate(x: float, unit: str) -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= factor:
+            return f"{x / factor:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def _seconds(x: float) -> str:
+    for factor, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if abs(x) >= factor:
+            return f"{x / factor:.4g} {unit}"
+    return f"{x / 1e-9:.4g} ns"
+
+
+def print_hardware_list(profiles: list[dict]) -> None:
+    table = Table(title="hardware profiles", title_justify="left")
+    for col, justify in (("name", "left"), ("memory", "right"), ("fp32", "right"), ("mem bw", "right"),
+                         ("link h2d/d2h", "right"), ("description", "left")):
+        table.add_column(col, justify=justify)
+    for p in profiles:
+        if "error" in p:
+            table.add_row(p["name"], "-", "-", "-", "-", p["error"])
+            continue
+        table.add_row(p["name"], format_bytes(p["device_memory"]), _rate(p["peak_flops"]["float32"], "FLOP/s"),
+                      _rate(p["memory_bandwidth"], "B/s"),
+                      f"{_rate(p['link_h2d'], 'B/s')} / {_rate(p['link_d2h'], 'B/s')}", p["description"])
+    console().print(table)
+
+
+def print_hardware(p: dict) -> None:
+    out = console()
+    out.print(f"[bold]{p['name']}[/bold]: {p['description']}")
+    out.print(f"device memory {format_bytes(p['device_memory'])}, bandwidth {_rate(p['memory_bandwidth'], 'B/s')}, "
+              f"launch overhead {_seconds(p['launch_overhead'])}")
+    out.print("peak: " + ", ".join(f"{k} {_rate(v, 'FLOP/s')}" for k, v in p["peak_flops"].items()))
+    out.print(f"host link: h2d {_rate(p['link_h2d'], 'B/s')}, d2h {_rate(p['link_d2h'], 'B/s')}, "
+              f"latency {_seconds(p['link_latency'])}")
+    tiers = Table(title="host tiers", title_justify="left")
+    for col in ("tier", "capacity", "read", "write", "latency"):
+        tiers.add_column(col, justify="left" if col == "tier" else "right")
+    for name, t in p["tiers"].items():
+        tiers.add_row(name, format_bytes(t["capacity"]), _rate(t["read_bw"], "B/s"), _rate(t["write_bw"], "B/s"),
+                      _seconds(t["latency"]))
+    out.print(tiers)
+    if p.get("op_class_flops") or p.get("op_class_bandwidth"):
+        classes = Table(title="calibrated op classes", title_justify="left")
+        for col in ("class", "FLOP/s", "bandwidth"):
+            classes.add_column(col, justify="left" if col == "class" else "right")
+        for cls in sorted(set(p.get("op_class_flops", {})) | set(p.get("op_class_bandwidth", {}))):
+            f, b = p.get("op_class_flops", {}).get(cls), p.get("op_class_bandwidth", {}).get(cls)
+            classes.add_row(cls, _rate(f, "FLOP/s") if f else "-", _rate(b, "B/s") if b else "-")
+        out.print(classes)
+
+
+def print_cost_table(summary: dict) -> None:
+    out = console()
+    out.print(f"[bold]{summary['graph']}[/bold]: {summary['ops']} ops timed on {summary['provider']} "
+              f"({summary['timed_ops']} distinct), sum of op times {_seconds(summary['total_s'])}; "
+              f"written to {summary['path']}")
+    table = Table(title="slowest ops", title_justify="left")
+    for col in ("op", "type", "time"):
+        table.add_column(col, justify="right" if col == "time" else "left")
+    for row in summary["slowest"]:
+        table.add_row(row["op"], row["op_type"], _seconds(row["seconds"]))
+    out.print(table)
+
+
+def print_simulation(d: dict) -> None:
+    out = console()
+    out.print(f"step time [bold]{_seconds(d['step_time_s'])}[/bold] on {d['hardware'] or '-'} "
+              f"({d['cost_source']} op times): compute {_seconds(d['compute_busy_s'])}, "
+              f"stalled on transfers {_seconds(d['stall_s'])}")
+    out.print(f"peak device memory {format_bytes(d['peak_bytes'])} ({d['peak_bytes']:,} B)")
+    for tier, flow in d["traffic_bytes"].items():
+        out.print(f"{tier}: out {format_bytes(flow['out'])}, in {format_bytes(flow['in'])}, "
+                  f"held at most {format_bytes(d['host_peak_bytes'].get(tier, 0))}")

@@ -1,0 +1,350 @@
+"""Measured costs with ONNX Runtime: a cost table for a graph, and the calibrated `cpu` profile.
+
+`profile_graph` runs the graph op by op, each op in its own one-node session with its real
+shapes (parameters and constants embedded as initializers, as in the whole-graph session, so
+ONNX Runtime prepacks and re-lays them out the same way) and its real input values (each op's
+outputs feed the next ones; graph inputs are random normal floats and zero integers). An op is
+timed with inputs and outputs bound in advance (IOBinding): warm-up runs, then the median of
+the timed runs. Ops with the same signature (memsched.cost.signature) share one session and
+are timed once; a repeat is run once more only to produce its outputs, with the first op's
+weights (float values do not change the time).
+
+A one-node session pays ORT's per-Run overhead, which a node inside a whole graph does not;
+it pays the per-node dispatch, which it does. Both are measured first: `session_overhead`
+(one Run of a one-element Add) and `node_overhead` (the slope of Run time over a chain of
+such Adds). An op's time is then max(median - session_overhead, 0) + node_overhead.
+
+`calibrate` times microbenchmarks of every op class the same way and fits a roofline: an
+effective FLOP/s for conv, grouped conv and GEMM, an effective bandwidth for the
+memory-bound classes, the node overhead as launch overhead, and a memcpy for the "link"
+(on a CPU, swapping is a copy within DRAM). `memsched hardware calibrate -o FILE` writes it;
+the bundled `cpu` preset (memsched/profiles/cpu.json) was made that way on the dev machine.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from . import frontend
+from .cost import CostTable, op_cost, signature
+from .errors import UserError
+from .hardware import DRAM_LATENCY, Hardware, HostTier, optane_pmem
+from .ir import Graph, Op, tensor_value
+from .onnx_utils import make_model
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+MIN_TIMED_SECONDS = 0.02     # keep timing a fast op until this much time is covered ...
+MAX_RUNS = 200               # ... or this many runs
+
+
+def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
+    """An InferenceSession on `device`; raises UserError if ONNX Runtime fell back elsewhere."""
+    import onnxruntime as ort
+
+    if device not in PROVIDERS:
+        raise UserError(f"unknown device '{device}'; use cpu or cuda")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    wanted = PROVIDERS[device]
+    if wanted not in ort.get_available_providers():
+        raise UserError(f"ONNX Runtime here has no {wanted}; profile with --device cpu")
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=[wanted])
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+        raise UserError(f"ONNX Runtime cannot load the model: {str(exc).splitlines()[0]}") from None
+    if session.get_providers()[0] != wanted:
+        raise UserError(f"ONNX Runtime did not run on {device} (it used {session.get_providers()[0]})")
+    return session
+
+
+@dataclass
+class Timer:
+    """A session with its inputs and outputs bound, ready to be run repeatedly."""
+
+    session: object
+    binding: object
+    device: str
+
+    @classmethod
+    def bind(cls, session, feeds: dict[str, np.ndarray], outputs: list[tuple[str, tuple, np.dtype]],
+             device: str) -> "Timer":
+        import onnxruntime as ort
+
+        kind = "cuda" if device == "cuda" else "cpu"
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, kind, 0))
+        for name, shape, dtype in outputs:
+            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, kind, 0))
+        return cls(session, binding, device)
+
+    def run(self) -> float:
+        start = time.perf_counter()
+        self.session.run_with_iobinding(self.binding)
+        if self.device == "cuda":
+            self.binding.synchronize_outputs()
+        return time.perf_counter() - start
+
+    def median(self, repeats: int, warmup: int = 2) -> float:
+        for _ in range(warmup):
+            self.run()
+        samples: list[float] = []
+        while len(samples) < repeats or (sum(samples) < MIN_TIMED_SECONDS and len(samples) < MAX_RUNS):
+            samples.append(self.run())
+        return statistics.median(samples)
+
+    def outputs(self) -> list[np.ndarray]:
+        return [v.numpy() for v in self.binding.get_outputs()]
+
+
+# ---- the overheads of a one-node session -------------------------------------------------
+def _add_chain(length: int) -> onnx.ModelProto:
+    vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [1])  # noqa: E731
+    nodes = [helper.make_node("Add", [f"v{i}", "c"], [f"v{i + 1}"]) for i in range(length)]
+    return make_model(helper.make_graph(nodes, "chain", [vi("v0"), vi("c")], [vi(f"v{length}")]))
+
+
+def overheads(device: str = "cpu", threads: int = 0, repeats: int = 200) -> tuple[float, float]:
+    """(session_overhead, node_overhead) in seconds: one Run of a one-Add session, and the cost
+    of one more node in a session (slope over a chain of 1 and 33 Adds)."""
+    one = np.ones(1, np.float32)
+    times = []
+    for length in (1, 33):
+        timer = Timer.bind(make_session(_add_chain(length), device, threads), {"v0": one, "c": one},
+                           [(f"v{length}", (1,), np.float32)], device)
+        times.append(timer.median(repeats, warmup=20))
+    return times[0], max(times[1] - times[0], 0.0) / 32
+
+
+# ---- one op as a model -------------------------------------------------------------------
+def single_op_model(op: Op, graph: Graph) -> tuple[onnx.ModelProto, list[str]]:
+    """A one-node model computing `op`: static inputs as initializers, the others as inputs.
+    Returns the model and the names of its (non-initializer) inputs, in order."""
+    if op.domain not in ("", "ai.onnx"):
+        raise UserError(f"op '{op.name}' is in domain '{op.domain}', which ONNX Runtime cannot time")
+    feeds, inits = [], []
+    for name in dict.fromkeys(op.present_inputs):
+        t = graph.tensors[name]
+        if t.is_static:
+            inits.append(numpy_helper.from_array(tensor_value(t, graph.base_dir), name))
+        else:
+            feeds.append(name)
+    vi = lambda n: helper.make_tensor_value_info(n, graph.tensors[n].dtype, list(graph.tensors[n].shape))  # noqa: E731
+    node = helper.make_node(op.op_type, op.inputs, op.outputs, name=op.name, domain=op.domain or None)
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in op.attributes.items())
+    g = helper.make_graph([node], op.name, [vi(n) for n in feeds], [vi(n) for n in op.present_outputs], inits)
+    opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 17))
+    return make_model(g, opset=opset, ir_version=graph.ir_version), feeds
+
+
+def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    """Values for the graph inputs: standard normal floats, zero integers (valid indices/labels)."""
+    rng = np.random.default_rng(seed)
+    values = {}
+    for name in graph.inputs:
+        t = graph.tensors[name]
+        dtype = helper.tensor_dtype_to_np_dtype(t.dtype)
+        if np.issubdtype(dtype, np.floating):
+            values[name] = rng.standard_normal(t.shape).astype(dtype)
+        else:
+            values[name] = np.zeros(t.shape, dtype)
+    return values
+
+
+def _np_dtype(graph: Graph, name: str) -> np.dtype:
+    return helper.tensor_dtype_to_np_dtype(graph.tensors[name].dtype)
+
+
+def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads: int = 0, seed: int = 0,
+                  progress=None) -> CostTable:
+    """Time every op of `graph` with ONNX Runtime (see the module docstring)."""
+    if repeats < 1:
+        raise UserError("--repeats must be at least 1")
+    session_overhead, node_overhead = overheads(device, threads)
+    values = random_inputs(graph, seed)
+    last_use = {}
+    for i, op in enumerate(graph.ops):
+        for name in op.present_inputs:
+            last_use[name] = i
+    cache: dict[str, tuple[Timer, list[str], float]] = {}
+    times: dict[str, float] = {}
+    by_signature: dict[str, float] = {}
+    for i, op in enumerate(graph.ops):
+        sig = signature(op, graph)
+        outputs = [(n, graph.tensors[n].shape, _np_dtype(graph, n)) for n in op.present_outputs]
+        if sig not in cache:
+            model, feeds = single_op_model(op, graph)
+            session = make_session(model, device, threads)
+            timer = Timer.bind(session, {n: values[n] for n in feeds}, outputs, device)
+            raw = timer.median(repeats)
+            cache[sig] = (timer, feeds, max(raw - session_overhead, 0.0) + node_overhead)
+            by_signature[sig] = cache[sig][2]
+        else:       # same signature: reuse the session (its input/output names are the first op's)
+            timer, feeds, _ = cache[sig]
+            names = [o.name for o in timer.session.get_outputs()]
+            timer = Timer.bind(timer.session, {f: values[n] for f, n in zip(feeds, _feeds_of(op, graph))},
+                               [(s, shape, dtype) for s, (_, shape, dtype) in zip(names, outputs)], device)
+            timer.run()
+        times[op.name] = cache[sig][2]
+        for (name, _, _), value in zip(outputs, timer.outputs()):
+            values[name] = value
+        for name in op.present_inputs:
+            if last_use.get(name) == i and name not in graph.outputs:
+                values.pop(name, None)
+        if progress is not None:
+            progress(i + 1, len(graph.ops), op)
+    import onnxruntime as ort
+
+    meta = {"graph": graph.name, "device": device, "provider": PROVIDERS[device], "repeats": repeats,
+            "threads": threads, "onnxruntime": ort.__version__, "session_overhead_s": session_overhead,
+            "node_overhead_s": node_overhead, "timed_ops": len(cache), "ops": len(graph.ops)}
+    return CostTable(times, by_signature, meta)
+
+
+def _feeds_of(op: Op, graph: Graph) -> list[str]:
+    """The non-static inputs of `op`, in the order single_op_model binds them."""
+    return [n for n in dict.fromkeys(op.present_inputs) if not graph.tensors[n].is_static]
+
+
+# ---- calibration -------------------------------------------------------------------------
+def _bench_model(op_type: str, shapes: list[tuple], attrs: dict | None = None, weights: dict | None = None,
+                 const: dict | None = None) -> Graph:
+    """A one-node float32 model; `weights` (name -> shape) become random initializers and `const`
+    (name -> int64 array) constant inputs. Inputs named x0, x1, ... in order of `shapes`."""
+    rng = np.random.default_rng(0)
+    names = [f"x{i}" for i in range(len(shapes))]
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.1, n)
+             for n, s in (weights or {}).items()]
+    inits += [numpy_helper.from_array(np.asarray(v, np.int64), n) for n, v in (const or {}).items()]
+    inputs = names + list(weights or {}) + list(const or {})
+    node = helper.make_node(op_type, inputs, ["y"], name=op_type, **(attrs or {}))
+    vis = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in zip(names, shapes)]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    return frontend.lower(make_model(helper.make_graph([node], op_type, vis, [out], inits)))
+
+
+def _benchmarks() -> list[Graph]:
+    """Microbenchmarks per op class, at the sizes of small CNN / transformer training steps."""
+    b = _bench_model
+    conv = lambda x, w, **a: b("Conv", [x], dict(a), {"w": w})  # noqa: E731
+    big = (4, 64, 56, 56)
+    return [
+        b("MatMul", [(256, 512)], weights={"w": (512, 512)}),
+        b("MatMul", [(1024, 1024)], weights={"w": (1024, 1024)}),
+        b("MatMul", [(512, 3072)], weights={"w": (3072, 768)}),
+        b("MatMul", [(8, 12, 128, 64), (8, 12, 64, 128)]),
+        b("Gemm", [(64, 2048)], dict(transB=1), weights={"w": (1000, 2048)}),
+        conv((4, 64, 56, 56), (64, 64, 3, 3), pads=[1, 1, 1, 1]),
+        conv((4, 128, 28, 28), (128, 128, 3, 3), pads=[1, 1, 1, 1]),
+        conv((4, 256, 56, 56), (64, 256, 1, 1)),
+        conv((4, 256, 14, 14), (256, 256, 3, 3), pads=[1, 1, 1, 1]),
+        conv((2, 3, 224, 224), (64, 3, 7, 7), pads=[3, 3, 3, 3], strides=[2, 2]),
+        conv((4, 96, 56, 56), (96, 1, 3, 3), pads=[1, 1, 1, 1], group=96),
+        conv((4, 384, 14, 14), (384, 1, 3, 3), pads=[1, 1, 1, 1], group=384),
+        b("Add", [big, big]),
+        b("Mul", [big, (1, 64, 1, 1)]),
+        b("Relu", [big]),
+        b("Tanh", [big]),
+        b("Erf", [big]),
+        b("Sigmoid", [big]),
+        b("ReduceSum", [big], const={"axes": [0, 2, 3]}),
+        b("ReduceMean", [(1024, 768)], dict(axes=[-1])),
+        b("MaxPool", [(4, 64, 112, 112)], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+        b("GlobalAveragePool", [(8, 512, 7, 7)]),
+        b("BatchNormalization", [big], weights={"s": (64,), "bias": (64,), "m": (64,), "v": (64,)}),
+        b("LayerNormalization", [(1024, 768)], dict(axis=-1), weights={"s": (768,), "bias": (768,)}),
+        b("Softmax", [(96, 128, 128)], dict(axis=-1)),
+        b("Softmax", [(64, 1000)], dict(axis=-1)),
+        b("Transpose", [big], dict(perm=[0, 2, 3, 1])),
+        b("Concat", [(4, 64, 28, 28), (4, 64, 28, 28)], dict(axis=1)),
+        b("Gather", [], weights={"table": (8192, 768)}, const={"idx": np.arange(1024).reshape(8, 128) * 7}),
+    ]
+
+
+FLOP_CLASSES = ("conv", "conv_grouped", "gemm")
+
+
+def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0) -> tuple[Hardware, list[dict]]:
+    """Fit a roofline profile for this machine; returns it and the microbenchmark rows."""
+    if device != "cpu":
+        raise UserError("only the cpu profile is calibrated here; GPU profiles come from spec sheets")
+    session_overhead, node_overhead = overheads(device, threads)
+    rows = []
+    for g in _benchmarks():
+        op = g.ops[0]
+        model, feeds = single_op_model(op, g)
+        values = random_inputs(g)
+        outputs = [(n, g.tensors[n].shape, _np_dtype(g, n)) for n in op.present_outputs]
+        timer = Timer.bind(make_session(model, device, threads), {n: values[n] for n in feeds}, outputs, device)
+        seconds = max(timer.median(repeats) - session_overhead, 1e-9)
+        c = op_cost(op, g)
+        rows.append({"op": op.op_type, "class": c.op_class, "flops": c.flops, "bytes": c.bytes, "seconds": seconds,
+                     "flop_rate": c.flops / seconds, "byte_rate": c.bytes / seconds,
+                     "shapes": [list(g.tensors[n].shape) for n in op.present_inputs]})
+    flops, bandwidth = {}, {}
+    for cls in sorted({r["class"] for r in rows}):
+        mine = [r for r in rows if r["class"] == cls]
+        if cls in FLOP_CLASSES:
+            flops[cls] = statistics.median(r["flop_rate"] for r in mine)
+        else:
+            bandwidth[cls] = statistics.median(r["byte_rate"] for r in mine)
+    copy_bw, copy_latency = memcpy_rate()
+    memory = _physical_memory()
+    import onnxruntime as ort
+
+    hw = Hardware(
+        name="cpu", device_memory=memory, peak_flops={"float32": flops["gemm"]},
+        memory_bandwidth=bandwidth["elementwise"], launch_overhead=node_overhead,
+        link_h2d=copy_bw, link_d2h=copy_bw, link_latency=copy_latency,
+        tiers={"dram": HostTier(memory, copy_bw, copy_bw, DRAM_LATENCY), "nvdimm": optane_pmem()},
+        description=(f"{_cpu_name()}, {os.cpu_count()} cores, ONNX Runtime {ort.__version__} "
+                     f"({threads or 'default'} threads); calibrated {time.strftime('%Y-%m-%d')} by "
+                     f"`memsched hardware calibrate`; swaps are DRAM copies; nvdimm: Optane figures"),
+        op_class_flops=flops, op_class_bandwidth=bandwidth)
+    return hw, rows
+
+
+def memcpy_rate(nbytes: int = 256 * 2**20, repeats: int = 5) -> tuple[float, float]:
+    """(bytes/s of a large DRAM copy, seconds of a tiny one): the CPU 'link'."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    big = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        big.append(time.perf_counter() - start)
+    small_src, small_dst = np.ones(8, np.uint8), np.empty(8, np.uint8)
+    small = []
+    for _ in range(200):
+        start = time.perf_counter()
+        np.copyto(small_dst, small_src)
+        small.append(time.perf_counter() - start)
+    return nbytes / statistics.median(big), statistics.median(small)
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        raise UserError("cannot read this machine's memory size") from None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

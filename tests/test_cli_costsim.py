@@ -1,0 +1,61 @@
+"""The hardware, profile and simulate commands, as a user runs them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memsched.onnx_utils import save_model_atomic
+
+from .conftest import run_cli
+from .graphs import mlp_model
+
+
+def test_hardware_list_and_show_json():
+    result = run_cli("hardware", "list", "--json")
+    assert result.returncode == 0, result.stderr
+    names = [p["name"] for p in json.loads(result.stdout)["profiles"]]
+    assert names == ["v100-16gb", "v100-32gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "cpu"]
+    result = run_cli("hardware", "show", "h100-80gb", "--json")
+    shown = json.loads(result.stdout)
+    assert shown["memory_bandwidth"] == 3.35e12 and shown["tiers"]["nvdimm"]["read_bw"] == 38e9
+
+
+def test_show_prints_a_profile_file_that_loads_back(tmp_path):
+    result = run_cli("hardware", "show", "v100-32gb", "--json")
+    path = tmp_path / "mine.json"
+    path.write_text(result.stdout)
+    again = run_cli("hardware", "show", path, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout) == json.loads(result.stdout)
+    table = run_cli("hardware", "show", "cpu")
+    assert table.returncode == 0 and "calibrated op classes" in table.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("hardware", "show", "tpu-v9"), "unknown hardware 'tpu-v9'"),
+    (("hardware", "show", "missing.toml"), "no such hardware profile"),
+    (("profile", "missing.onnx", "-o", "c.json"), "no such file"),
+])
+def test_bad_input_is_one_line(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 1 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_profile_then_simulate_with_the_table(tmp_path):
+    model = save_model_atomic(mlp_model(batch=64, width=256), tmp_path / "m.onnx")
+    costs = tmp_path / "costs.json"
+    result = run_cli("profile", model, "-o", costs, "--repeats", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["ops"] == 3 and summary["path"] == str(costs)
+    table = json.loads(costs.read_text())
+    result = run_cli("simulate", model, "--costs", costs, "--json")
+    assert result.returncode == 0, result.stderr
+    sim = json.loads(result.stdout)
+    assert sim["cost_source"] == "measured" and sim["stall_s"] == 0.0
+    assert sim["step_time_s"] == pytest.approx(sum(table["times"].values()), rel=1e-12)
+    # peak bytes are the memory model's, exact: at relu h + a (64x256 floats each) + W1 + W2
+    assert sim["peak_bytes"] == sim["model_peak_bytes"] == 2 * 65536 + 4096 + 3072
+    roofline = json.loads(run_cli("simulate", model, "--hardware", "a100-80gb", "--json").stdout)
+    assert roofline["cost_source"] == "roofline" and roofline["hardware"] == "a100-80gb"
+    assert [e["label"] for e in roofline["events"]] == ["fc1", "relu", "fc2"]
