@@ -33,6 +33,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memsched", description="Plan how a training step uses GPU memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    p = sub.add_parser("compile", help="plan a model's memory: reorder, reuse, recompute, swap")
+    p.add_argument("model", help="an .onnx file")
+    add_dim_option(p)
+    p.add_argument("-o", "--output", metavar="OUT.onnx", help="write the scheduled graph (plan in its metadata)")
+    add_training_options(p)
+    p.add_argument("--hardware", default="v100-16gb", help="preset name or TOML/JSON profile (default v100-16gb)")
+    p.add_argument("--budget", help="device bytes the plan must fit: 12GiB, 800MB, or 40%% of the baseline peak")
+    p.add_argument("--strategies", default="order,reuse",
+                   help="comma-separated, from order,reuse,recompute,swap (default order,reuse)")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="seconds per solver (default 30)")
+    p.add_argument("--costs", metavar="COSTS.json", help="measured cost table from `memsched profile`")
+    p.add_argument("--data-parallel", type=int, metavar="N", help="also estimate N-worker data-parallel steps")
+    p.add_argument("--report", metavar="OUT.html", help="write the cost report as a self-contained HTML page")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_compile)
+
     p = sub.add_parser("inspect", help="ops, tensors, parameters and the default-order peak of a model")
     p.add_argument("model", help="an .onnx file")
     add_dim_option(p)
@@ -94,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
 def add_dim_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", action="append", metavar="NAME=VALUE", default=[],
                    help="bind a symbolic dimension (repeatable)")
+
+
+def add_training_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--train", action="store_true", help="plan the training step (forward, loss, backward, update)")
+    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse", "output"])
+    p.add_argument("--optimizer", default="sgd", choices=["none", "sgd", "momentum", "adam"])
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--freeze", action="append", default=[], metavar="PATTERN",
+                   help="parameters matching this fnmatch pattern are not trained (repeatable)")
 
 
 def print_json(obj) -> None:
@@ -222,6 +247,30 @@ def cmd_simulate(args) -> int:
         print_json(result)
     else:
         print_simulation(result)
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from memsched import frontend
+    from memsched.report import write_html
+    from memsched.views import print_compile, progress
+    from passes.pipeline import compile as compile_plan
+
+    with progress() as say:
+        result = compile_plan(args.model, dims=frontend.parse_dims(args.dim), train=args.train, loss=args.loss,
+                              optimizer=args.optimizer, lr=args.lr, freeze=tuple(args.freeze),
+                              hardware=args.hardware, budget=args.budget, strategies=args.strategies,
+                              time_limit=args.time_limit, costs=args.costs, data_parallel=args.data_parallel,
+                              progress=say)
+    written = {}
+    if args.report:
+        written["report"] = str(write_html(args.report, result.report, result.baseline_sim.to_dict(),
+                                           result.sim.to_dict()))
+    report = {**result.report, "written": written}
+    if args.json:
+        print_json(report)
+    else:
+        print_compile(report)
     return 0
 
 

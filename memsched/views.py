@@ -1,6 +1,8 @@
 """Terminal renderings of library results (rich tables). The CLI calls these to print."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from rich.console import Console
 from rich.table import Table
 
@@ -124,3 +126,47 @@ def print_simulation(d: dict) -> None:
     for tier, flow in d["traffic_bytes"].items():
         out.print(f"{tier}: out {format_bytes(flow['out'])}, in {format_bytes(flow['in'])}, "
                   f"held at most {format_bytes(d['host_peak_bytes'].get(tier, 0))}")
+
+
+@contextmanager
+def progress():
+    """A spinner on stderr naming what the planner is doing; yields the function that updates it."""
+    err = Console(stderr=True, highlight=False)
+    if not err.is_terminal:
+        yield lambda message: None
+        return
+    with err.status("starting") as status:
+        yield lambda message: status.update(message)
+
+
+def _seconds_or_dash(x) -> str:
+    return "-" if x is None else _seconds(x)
+
+
+def print_compile(report: dict) -> None:
+    """Baseline vs plan, the solver's word, and the one-line verdict."""
+    out = console()
+    base, plan, solver = report["baseline"], report["plan"], report["solver"]
+    budget = report["budget_bytes"]
+    out.print(f"[bold]{report['model']}[/bold] on {report['hardware']} "
+              f"({format_bytes(report['device_memory_bytes'])}), budget "
+              f"{format_bytes(budget) if budget is not None else 'none'}, strategies "
+              f"{','.join(report['strategies']) or 'none'}")
+    table = Table(title_justify="left")
+    for col, justify in (("", "left"), ("baseline", "right"), ("plan", "right")):
+        table.add_column(col, justify=justify)
+    table.add_row("peak device memory", format_bytes(base["peak_bytes"]), format_bytes(plan["peak_bytes"]))
+    table.add_row("arena", "-", format_bytes(plan["arena_bytes"]))
+    table.add_row("predicted step time", _seconds_or_dash(base["step_time_s"]), _seconds_or_dash(plan["step_time_s"]))
+    table.add_row("overhead", "", f"{plan['overhead'] * 100:+.2f}%")
+    table.add_row("recomputed ops", "", str(len(plan["recomputed_ops"])))
+    for tier, nbytes in plan["swapped_bytes"].items():
+        table.add_row(f"swapped to {tier}", "", format_bytes(nbytes))
+    out.print(table)
+    gap = ""
+    if solver.get("lower_bound_bytes"):
+        gap = f", lower bound {format_bytes(solver['lower_bound_bytes'])}"
+    out.print(f"solver: {solver['status']} in {solver['seconds']:.2f} s{gap}")
+    for what, path in report.get("written", {}).items():
+        out.print(f"wrote {what}: {path}")
+    out.print(f"[bold]{report['verdict']}[/bold]")

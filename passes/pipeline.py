@@ -1,0 +1,245 @@
+"""compile(): the whole flow of DESIGN.md in one call -- load, (train), plan, place, simulate.
+
+    model --frontend--> Graph --autodiff (train)--> Graph
+      baseline = the graph's own order, nothing reused (what frameworks do)
+      plan     = reuse -> order -> recompute -> swap (the strategies asked for; recompute and
+                 swap only while the plan is over its budget) -> placement
+    each pass's result is judged by the memory model; both plans are simulated.
+
+The result carries both plans and the report dict (the `compile`/`report` JSON of DESIGN.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from memsched import frontend
+from memsched import hardware as hardware_mod
+from memsched.cost import CostTable
+from memsched.errors import BudgetError, UserError
+from memsched.ir import Graph
+from memsched.data_parallel import data_parallel as data_parallel_estimate
+from memsched.memory import MemoryProfile, validate
+from memsched.report import input_pipeline, tensor_decisions
+from memsched.schedule import Plan
+from memsched.simulate import Simulation, simulate
+from memsched.units import format_bytes, parse_bytes
+
+STRATEGIES = ("order", "reuse", "recompute", "swap")
+DEFAULT_STRATEGIES = ("order", "reuse")
+# Data-parallel interconnect: 100 Gb/s InfiniBand (12.5 GB/s) with ~5 us per message.
+INTERCONNECT = (12.5e9, 5e-6)
+
+
+@dataclass
+class CompileResult:
+    graph: Graph
+    baseline: Plan
+    baseline_profile: MemoryProfile
+    baseline_sim: Simulation
+    plan: Plan
+    profile: MemoryProfile
+    sim: Simulation
+    report: dict
+
+
+def parse_budget(text: str | int | None, baseline_peak: int) -> int | None:
+    """'40%' -> 40% of the baseline peak; '12GiB' / '800MB' / 1048576 -> bytes; None -> None."""
+    if text is None:
+        return None
+    if isinstance(text, int):
+        return text
+    text = str(text).strip()
+    if text.endswith("%"):
+        try:
+            fraction = float(text[:-1]) / 100
+        except ValueError:
+            raise UserError(f"cannot read budget '{text}'; write e.g. 40% or 12GiB") from None
+        if not 0 < fraction:
+            raise UserError(f"budget '{text}' must be above 0%")
+        return int(baseline_peak * fraction)
+    return parse_bytes(text)
+
+
+def parse_strategies(text: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    items = text.split(",") if isinstance(text, str) else list(text or DEFAULT_STRATEGIES)
+    items = [s.strip() for s in items if s.strip()]
+    unknown = [s for s in items if s not in STRATEGIES]
+    if unknown:
+        raise UserError(f"unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
+    return tuple(s for s in STRATEGIES if s in items)
+
+
+def load_graph(model: "str | Path | Graph", dims: dict[str, int] | None = None, train: bool = False,
+               loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
+               freeze: tuple[str, ...] = ()) -> Graph:
+    """The graph to plan: the model itself, or its training step."""
+    graph = model if isinstance(model, Graph) else frontend.load(model, dims)
+    if train:
+        from .autodiff import build_training_step
+
+        graph = build_training_step(graph, loss=loss, optimizer=optimizer, lr=lr, freeze=tuple(freeze))
+    return graph
+
+
+def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, train: bool = False,
+            loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
+            freeze: tuple[str, ...] = (), hardware: "str | hardware_mod.Hardware" = "v100-16gb",
+            budget: str | int | None = None, strategies=DEFAULT_STRATEGIES, time_limit: float = 30.0,
+            costs: "CostTable | str | Path | None" = None, data_parallel: int | None = None,
+            progress: Callable[[str], None] | None = None) -> CompileResult:
+    """Plan `model`'s memory. Raises UserError on bad input, BudgetError if the budget cannot be met."""
+    say = progress or (lambda message: None)
+    strategies = parse_strategies(strategies)
+    hw = hardware_mod.load(hardware)
+    table = CostTable.load(costs) if isinstance(costs, (str, Path)) else costs
+    say("loading the model" + (" and building the training step" if train else ""))
+    graph = load_graph(model, dims, train, loss, optimizer, lr, freeze)
+
+    baseline = Plan.initial(graph, hardware=hw)
+    baseline_profile = validate(baseline)
+    budget_bytes = parse_budget(budget, baseline_profile.peak_bytes)
+    plan = dataclasses.replace(baseline, budget=None)
+    timings: dict[str, float] = {}
+
+    def run(name: str, apply) -> None:
+        nonlocal plan
+        say(f"{name}: planning ({len(plan.schedule)} steps)")
+        started = time.perf_counter()
+        plan = apply(plan)
+        validate(dataclasses.replace(plan, budget=None))  # every pass is judged
+        timings[name] = time.perf_counter() - started
+
+    passes = _passes()
+    for name in ("reuse", "order"):
+        if name in strategies:
+            run(name, lambda p, f=passes[name]: f(p, time_limit))
+    for name in ("recompute", "swap"):
+        if name in strategies and budget_bytes is not None and _peak(plan) > budget_bytes:
+            run(name, lambda p, f=passes[name]: f(dataclasses.replace(p, budget=budget_bytes), time_limit))
+    if budget_bytes is not None and _peak(plan) > budget_bytes:
+        reached = _peak(plan)
+        hint = "" if {"recompute", "swap"} <= set(strategies) else \
+            "; add recompute or swap to --strategies to go lower"
+        raise BudgetError(f"the budget of {format_bytes(budget_bytes)} ({budget_bytes:,} B) cannot be met with "
+                          f"{','.join(strategies) or 'no strategies'}: the smallest peak reached is "
+                          f"{format_bytes(reached)} ({reached:,} B){hint}", reached)
+    run("placement", lambda p: passes["placement"](p, min(time_limit, 10.0)))
+    plan = dataclasses.replace(plan, budget=budget_bytes)
+    profile = validate(plan)
+
+    say("simulating the baseline and the plan")
+    baseline_sim = simulate(baseline, hw, table)
+    sim = simulate(plan, hw, table)
+    report = build_report(graph, hw, budget_bytes, strategies, baseline_profile, baseline_sim, plan, profile,
+                          sim, timings, model)
+    report["tensors"] = tensor_decisions(plan)
+    report["input_pipeline"] = input_pipeline(graph, hw, sim.step_time, sim.stream_busy.get("h2d", 0.0))
+    if data_parallel:
+        report["data_parallel"] = data_parallel_estimate(plan, sim, data_parallel, *INTERCONNECT).to_dict()
+    return CompileResult(graph, baseline, baseline_profile, baseline_sim, plan, profile, sim, report)
+
+
+def _peak(plan: Plan) -> int:
+    return validate(dataclasses.replace(plan, budget=None, offsets=None)).peak_bytes
+
+
+def _passes() -> dict[str, Callable]:
+    """Strategy name -> pass. Imported here so a missing optional pass never breaks the others."""
+    from .order import order_pass
+    from .placement import place_pass
+    from .reuse import reuse_pass
+
+    table = {"order": order_pass, "reuse": lambda plan, limit: reuse_pass(plan), "placement": place_pass}
+    table.update(_optional_passes())
+    return table
+
+
+def _optional_passes() -> dict[str, Callable]:
+    """recompute and swap, where they are installed; otherwise a pass that says so clearly."""
+    found: dict[str, Callable] = {}
+    for name, module, function in (("recompute", "recompute", "recompute_pass"), ("swap", "swap", "swap_pass")):
+        try:
+            imported = __import__(f"passes.{module}", fromlist=[function])
+            found[name] = getattr(imported, function)
+        except (ImportError, AttributeError):
+            found[name] = _unavailable(name)
+    return found
+
+
+def _unavailable(name: str) -> Callable:
+    def refuse(plan, limit):
+        raise UserError(f"the {name} strategy is not available in this build of memsched")
+    return refuse
+
+
+# ---- the report ----------------------------------------------------------------------------
+def build_report(graph: Graph, hw, budget_bytes: int | None, strategies, baseline_profile: MemoryProfile,
+                 baseline_sim: Simulation, plan: Plan, profile: MemoryProfile, sim: Simulation,
+                 timings: dict[str, float], model) -> dict:
+    """The DESIGN.md `compile` JSON, plus what each pass did."""
+    notes = plan.notes
+    recomputed = sorted({s.target for s in plan.schedule if s.kind == "recompute"})
+    overhead = sim.step_time / baseline_sim.step_time - 1 if baseline_sim.step_time else 0.0
+    solver = _solver_summary(notes, timings)
+    report = {
+        "model": str(model) if not isinstance(model, Graph) else model.name,
+        "graph": {"ops": len(graph.ops), "tensors": len(graph.tensors),
+                  "parameter_bytes": sum(t.nbytes for t in graph.parameters()),
+                  "training": any(op.phase != "forward" for op in graph.ops)},
+        "hardware": hw.name,
+        "device_memory_bytes": hw.device_memory,
+        "budget_bytes": budget_bytes,
+        "strategies": list(strategies),
+        "baseline": {"peak_bytes": baseline_profile.peak_bytes, "step_time_s": baseline_sim.step_time,
+                     "peak_step": baseline_profile.peak_step},
+        "plan": {"peak_bytes": profile.peak_bytes, "arena_bytes": notes.get("placement", {}).get("arena_bytes"),
+                 "step_time_s": sim.step_time, "overhead": overhead, "stall_s": sim.stall,
+                 "recomputed_ops": recomputed, "swapped_bytes": {tier: t["out"] for tier, t in sim.traffic.items()},
+                 "host_peak_bytes": sim.host_peak, "steps": len(plan.schedule), "aliases": len(plan.aliases)},
+        "solver": solver,
+        "fits_device": profile.peak_bytes <= hw.device_memory,
+        "passes": {name: _jsonable(value) for name, value in notes.items()},
+        "pass_seconds": {name: round(t, 3) for name, t in timings.items()},
+    }
+    report["verdict"] = verdict(report)
+    return report
+
+
+def _solver_summary(notes: dict, timings: dict[str, float]) -> dict:
+    """One status for the whole plan: the weakest of the solver passes that ran."""
+    rank = {"optimal": 0, "feasible": 1, "heuristic": 2}
+    statuses = [notes[n]["status"] for n in ("order", "recompute", "swap") if n in notes and "status" in notes[n]]
+    status = max(statuses, key=lambda s: rank.get(s, 3)) if statuses else "heuristic"
+    return {"status": status, "seconds": round(sum(timings.values()), 3),
+            "lower_bound_bytes": notes.get("order", {}).get("lower_bound_bytes"),
+            "by_pass": {n: notes[n].get("status") for n in ("order", "recompute", "swap", "placement")
+                        if n in notes}}
+
+
+def verdict(report: dict) -> str:
+    """One line a person can act on: does it fit, at what cost."""
+    plan, base = report["plan"], report["baseline"]
+    saving = 1 - plan["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] else 0.0
+    cost = f"{plan['overhead'] * 100:+.1f}% step time"
+    target = report["budget_bytes"] if report["budget_bytes"] is not None else report["device_memory_bytes"]
+    where = f"the {format_bytes(target)} budget" if report["budget_bytes"] is not None else \
+        f"{format_bytes(target)} ({report['hardware']})"
+    fits = plan["peak_bytes"] <= target
+    return (f"{'fits in' if fits else 'does NOT fit in'} {where} at {cost}: peak {format_bytes(base['peak_bytes'])}"
+            f" -> {format_bytes(plan['peak_bytes'])} ({-saving * 100:+.1f}%)")
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
