@@ -85,6 +85,66 @@ def check_gradients(model: onnx.ModelProto, feeds: dict | None = None, *, loss: 
     return train
 
 
+def to_double(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same model in float64: float32 initializers, Constant values and I/O converted."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    g = copy.graph
+    for init in g.initializer:
+        if init.data_type == TensorProto.FLOAT:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float64), init.name))
+    for node in g.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
+                attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float64)))
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.DOUBLE
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        if vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+            vi.type.tensor_type.elem_type = TensorProto.DOUBLE
+    return copy
+
+
+def check_against_float64(model: onnx.ModelProto, feeds: dict, *, loss: str, rtol: float = 1e-3,
+                          atol: float = 1e-6, sample: int = 3, eps: float = 1e-6, seed: int = 0, **options):
+    """Gradients of the float32 training step run by ONNX Runtime against central
+    differences of the same step in float64, run by ONNX's reference evaluator (so ops
+    ONNX Runtime has no double kernel for are checked too): one random direction over all
+    parameters together, and `sample` single elements of each parameter.
+
+    Returns (training Graph, the float32 gradients by parameter)."""
+    from onnx.reference import ReferenceEvaluator
+
+    train = build_training_step(lower(model), loss=loss, optimizer="none", **options)
+    proto = train.to_onnx()
+    onnx.checker.check_model(proto)
+    params = training_info(train)["parameters"]
+    grads = dict(zip(params, session(proto).run([f"{p}.grad" for p in params], feeds)))
+    double = build_training_step(lower(to_double(model)), loss=loss, optimizer="none", **options).to_onnx()
+    probe = ReferenceEvaluator(with_inputs(double, params, outputs=["loss"]))
+    feeds64 = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feeds.items()}
+    values = initial_values(double, params)
+    rng = np.random.default_rng(seed)
+
+    def loss_at(delta: dict) -> float:
+        moved = {p: values[p] + delta[p] if p in delta else values[p] for p in params}
+        return float(probe.run(None, {**feeds64, **moved})[0])
+
+    direction = {p: rng.standard_normal(values[p].shape) for p in params}
+    numeric = (loss_at({p: eps * d for p, d in direction.items()})
+               - loss_at({p: -eps * d for p, d in direction.items()})) / (2 * eps)
+    analytic = sum(float((grads[p].astype(np.float64) * direction[p]).sum()) for p in params)
+    np.testing.assert_allclose(analytic, numeric, rtol=rtol, err_msg="directional derivative")
+    for p in params:
+        for index in rng.choice(values[p].size, min(sample, values[p].size), replace=False):
+            step = np.zeros(values[p].shape)
+            step.reshape(-1)[index] = eps
+            numeric = (loss_at({p: step}) - loss_at({p: -step})) / (2 * eps)
+            np.testing.assert_allclose(grads[p].reshape(-1)[index], numeric, rtol=rtol, atol=atol,
+                                       err_msg=f"gradient of '{p}' at flat index {index}")
+    return train, grads
+
+
 def one_op_model(op_type: str, inputs: list, attrs: dict | None = None, outputs: int = 1,
                  seed: int = 1, opset: int = 17) -> onnx.ModelProto:
     """A model of one `op_type` node fed by initializers, and a scalar output
