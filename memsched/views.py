@@ -35,3 +35,15 @@ def print_inspect(summary: dict) -> None:
         largest.add_row(t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"], t["kind"],
                         format_bytes(t["bytes"]))
     out.print(largest)
+
+
+def print_train_graph(summary: dict) -> None:
+    out = console()
+    phases = ", ".join(f"{phase} {count}" for phase, count in summary["phases"].items())
+    out.print(f"wrote [bold]{summary['output']}[/bold]: {summary['ops']} ops ({phases})")
+    out.print(f"loss {summary['loss']}, optimizer {summary['optimizer']} (lr {summary['lr']:g}); "
+              f"{summary['trainable_parameters']} trainable parameters, {summary['parameters']:,} values "
+              f"({format_bytes(summary['parameter_bytes'])}), optimizer state "
+              f"{format_bytes(summary['optimizer_state_bytes'])}")
+    inputs = ", ".join(f"{n} {'x'.join(map(str, s)) or 'scalar'}" for n, s in summary["inputs"].items())
+    out.print(f"inputs: {inputs}; outputs: loss + {summary['outputs'] - 1} per-parameter outputs")

@@ -36,9 +36,9 @@ backward pass when it drops anything).
 Gradient rules live in rules_elementwise, rules_shape and rules_nn, registered by op type
 in registry.RULES; losses in loss, optimizers in optimizer.
 """
-from .builder import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step
+from .builder import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step, describe
 from .loss import LOSSES
 from .optimizer import OPTIMIZERS
 from .registry import RULES
 
-__all__ = ["build_training_step", "GRAD_ROLES_KEY", "TRAINING_KEY", "LOSSES", "OPTIMIZERS", "RULES"]
+__all__ = ["build_training_step", "describe", "GRAD_ROLES_KEY", "TRAINING_KEY", "LOSSES", "OPTIMIZERS", "RULES"]

@@ -258,3 +258,27 @@ def _assemble(source: Graph, em: Emitter, extra_inputs, outputs, params, roles, 
     return Graph(em.ops, kept, inputs, outputs, name=source.name, opset_imports={"": opset},
                  ir_version=min(max(source.ir_version, IR_VERSION), 10), metadata=metadata,
                  base_dir=source.base_dir, doc_string=source.doc_string)
+
+
+def describe(graph: Graph) -> dict:
+    """What `memsched train-graph` reports about a training step (JSON-able)."""
+    info = json.loads(graph.metadata[TRAINING_KEY])
+    phases: dict[str, int] = {}
+    for op in graph.ops:
+        phases[op.phase] = phases.get(op.phase, 0) + 1
+    params = [graph.tensors[p] for p in info["parameters"]]
+    states = [t for t in graph.tensors.values() if t.kind == "optimizer_state"]
+    return {
+        "graph": graph.name,
+        "loss": info["loss"],
+        "optimizer": info["optimizer"],
+        "lr": info["lr"],
+        "ops": len(graph.ops),
+        "phases": phases,
+        "inputs": {n: list(graph.tensors[n].shape) for n in graph.inputs},
+        "outputs": len(graph.outputs),
+        "trainable_parameters": len(params),
+        "parameters": sum(t.numel for t in params),
+        "parameter_bytes": sum(t.nbytes for t in params),
+        "optimizer_state_bytes": sum(t.nbytes for t in states),
+    }
