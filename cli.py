@@ -104,6 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_dim_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_simulate)
+
+
+    p = sub.add_parser("train-graph", help="build the training step (forward, loss, backward, update) as ONNX")
+    p.add_argument("model", help="an .onnx file (a forward/inference graph)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the training step")
+    add_dim_option(p)
+    p.add_argument("--loss", choices=["cross_entropy", "mse", "output"], default="cross_entropy",
+                   help="cross_entropy against int64 'labels', mse against 'targets', or the model's "
+                        "scalar output (default: cross_entropy)")
+    p.add_argument("--optimizer", choices=["none", "sgd", "momentum", "adam"], default="none",
+                   help="none: gradients are outputs; else the update is part of the step (default: none)")
+    p.add_argument("--lr", type=float, default=0.01, metavar="F", help="learning rate (default: 0.01)")
+    p.add_argument("--freeze", action="append", default=[], metavar="PATTERN",
+                   help="do not train parameters matching this fnmatch pattern (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_train_graph)
     return parser
 
 
@@ -271,6 +287,22 @@ def cmd_compile(args) -> int:
         print_json(report)
     else:
         print_compile(report)
+
+
+def cmd_train_graph(args) -> int:
+    from memsched import frontend
+    from memsched.onnx_utils import save_model_atomic
+    from memsched.views import print_train_graph
+    from passes.autodiff import build_training_step, describe
+
+    graph = frontend.load(args.model, frontend.parse_dims(args.dim))
+    train = build_training_step(graph, loss=args.loss, optimizer=args.optimizer, lr=args.lr, freeze=args.freeze)
+    save_model_atomic(train.to_onnx(), args.output)
+    summary = {"output": str(args.output), **describe(train)}
+    if args.json:
+        print_json(summary)
+    else:
+        print_train_graph(summary)
     return 0
 
 

@@ -170,3 +170,15 @@ def print_compile(report: dict) -> None:
     for what, path in report.get("written", {}).items():
         out.print(f"wrote {what}: {path}")
     out.print(f"[bold]{report['verdict']}[/bold]")
+
+
+def print_train_graph(summary: dict) -> None:
+    out = console()
+    phases = ", ".join(f"{phase} {count}" for phase, count in summary["phases"].items())
+    out.print(f"wrote [bold]{summary['output']}[/bold]: {summary['ops']} ops ({phases})")
+    out.print(f"loss {summary['loss']}, optimizer {summary['optimizer']} (lr {summary['lr']:g}); "
+              f"{summary['trainable_parameters']} trainable parameters, {summary['parameters']:,} values "
+              f"({format_bytes(summary['parameter_bytes'])}), optimizer state "
+              f"{format_bytes(summary['optimizer_state_bytes'])}")
+    inputs = ", ".join(f"{n} {'x'.join(map(str, s)) or 'scalar'}" for n, s in summary["inputs"].items())
+    out.print(f"inputs: {inputs}; outputs: loss + {summary['outputs'] - 1} per-parameter outputs")

@@ -1,0 +1,284 @@
+"""build_training_step: forward graph in, one training-step graph out (see the package doc)."""
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+from collections import defaultdict
+
+from memsched.errors import UserError
+from memsched.ir import Graph, Op
+from memsched.onnx_utils import IR_VERSION, OPSET
+
+from . import rules_elementwise, rules_nn, rules_shape  # noqa: F401 - they fill RULES
+from .emitter import Emitter
+from .loss import LOSS_NAME, LOSSES, emit_loss
+from .optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
+from .registry import FLOAT_TYPES, RULES, differentiable_positions
+
+GRAD_ROLES_KEY = "memsched.grad_roles"
+TRAINING_KEY = "memsched.training"
+MIN_OPSET, MAX_OPSET = 13, 21
+
+
+def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: str = "none",
+                        lr: float = 0.01, freeze: tuple[str, ...] | list[str] = (), *,
+                        momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999),
+                        eps: float = 1e-8) -> Graph:
+    """Forward + loss + backward (+ optimizer update) of `graph` as one Graph.
+
+    Raises UserError for bad options and for every node that has no gradient rule, before
+    anything is built."""
+    hyper = _check_options(loss, optimizer, lr, momentum, betas, eps)
+    opset = _training_opset(graph)
+    if not graph.outputs:
+        raise UserError("the model has no output to train on")
+    output = graph.outputs[0]
+    live = _reaching_output(graph, output)
+    params = _trainable(graph, live, freeze)
+    requiring = _requiring_grad(graph, params)
+    needed = [op for op in graph.ops
+              if any(t in live for t in op.present_outputs)
+              and any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors))]
+    em = Emitter(graph, opset)
+    _check_supported(em, needed)
+    _check_free_names(graph, loss, optimizer, params)
+
+    needed_names = {op.name for op in needed}
+    for op in graph.ops:
+        rule = RULES.get(op.op_type)
+        if rule is not None and rule.forward is not None:
+            rule.forward(em, op, op.name in needed_names)
+        else:
+            em.keep(op)
+    em.phase = "loss"
+    extra_inputs, loss_backward = emit_loss(em, loss, output)
+
+    em.phase = "backward"
+    grads = {output: loss_backward()}
+    roles: dict[str, dict] = {}
+    finish_at = _last_contribution(graph, needed, params, requiring)
+    for index in reversed(range(len(needed))):
+        op = needed[index]
+        start = len(em.ops)
+        wants = _wants(graph, op, requiring)
+        with em.scope(f"{op.name}/grad"):
+            produced = RULES[op.op_type].grad(em, op, [grads.get(t) for t in op.outputs], wants)
+            produced = list(produced) + [None] * (len(op.inputs) - len(produced))
+            targets = {}
+            for name, want, grad in zip(op.inputs, wants, produced):
+                if not want:
+                    continue
+                if grad is None:
+                    raise RuntimeError(f"internal error: the {op.op_type} rule gave no gradient for "
+                                       f"'{name}' of node '{op.name}'")
+                grads[name] = grad if name not in grads else em.op("Add", [grads[name], grad])
+                targets[name] = grads[name]
+            for param in finish_at.get(index, ()):
+                targets[param] = grads[param] = _finish_param_grad(em, grads, param)
+        _tag_roles(em.ops[start:], op, targets, params, roles)
+
+    em.phase = "update"
+    outputs = [LOSS_NAME]
+    for param in params:
+        if optimizer == "none":
+            outputs.append(grads[param])
+        else:
+            start = len(em.ops)
+            outputs += emit_update(em, optimizer, param, grads[param], hyper)
+            roles.update({op.name: {"role": "update", "param": param} for op in em.ops[start:]})
+    return _assemble(graph, em, extra_inputs, outputs, params, roles, opset,
+                     {"loss": loss, "optimizer": optimizer, **hyper})
+
+
+# ---- analysis ---------------------------------------------------------------------------------
+def _check_options(loss, optimizer, lr, momentum, betas, eps) -> dict:
+    if loss not in LOSSES:
+        raise UserError(f"unknown loss '{loss}'; choose one of {', '.join(LOSSES)}")
+    if optimizer not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer '{optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
+    for name, value in (("learning rate", lr), ("eps", eps)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise UserError(f"the {name} must be a positive number, not {value!r}")
+    if not 0 <= momentum < 1 or not all(0 <= b < 1 for b in betas):
+        raise UserError("momentum and Adam betas must lie in [0, 1)")
+    return {"lr": float(lr), "momentum": float(momentum), "betas": [float(b) for b in betas], "eps": float(eps)}
+
+
+def _training_opset(graph: Graph) -> int:
+    version = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx"))
+    if version is None or not MIN_OPSET <= version <= MAX_OPSET:
+        raise UserError(f"the model uses ONNX opset {version}; memsched builds training steps for opsets "
+                        f"{MIN_OPSET}..{MAX_OPSET} (re-export the model, e.g. with opset_version=17)")
+    return max(version, OPSET)
+
+
+def _reaching_output(graph: Graph, output: str) -> set[str]:
+    """Float tensors with a differentiable path to `output`."""
+    live = {output}
+    for op in reversed(graph.ops):
+        if any(t in live for t in op.present_outputs):
+            live.update(op.inputs[i] for i in differentiable_positions(op, graph.tensors))
+    return live
+
+
+def _trainable(graph: Graph, live: set[str], freeze) -> list[str]:
+    """Float parameters that reach the loss, in order of first use; not BN running stats
+    (kind buffer), not 0-d scalars (constants of exports), not frozen."""
+    patterns = list(freeze)
+    order = list(dict.fromkeys(t for op in graph.ops for t in op.present_inputs))
+    candidates = [t for t in order if graph.tensors[t].kind == "parameter" and t in live
+                  and graph.tensors[t].dtype in FLOAT_TYPES and len(graph.tensors[t].shape or ()) > 0]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(t, pattern) for t in candidates):
+            raise UserError(f"--freeze '{pattern}' matches no trainable parameter")
+    params = [t for t in candidates if not any(fnmatch.fnmatchcase(t, p) for p in patterns)]
+    if not params:
+        raise UserError("the model has no trainable parameter that reaches its output"
+                        + (" (all are frozen)" if candidates else ""))
+    return params
+
+
+def _requiring_grad(graph: Graph, params: list[str]) -> set[str]:
+    """Tensors computed from a trainable parameter through differentiable inputs."""
+    requiring = set(params)
+    for op in graph.ops:
+        if any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors)):
+            requiring.update(t for t in op.present_outputs if graph.tensors[t].dtype in FLOAT_TYPES)
+    return requiring
+
+
+def _wants(graph: Graph, op: Op, requiring: set[str]) -> list[bool]:
+    positions = set(differentiable_positions(op, graph.tensors))
+    return [i in positions and op.inputs[i] in requiring for i in range(len(op.inputs))]
+
+
+def _check_supported(em: Emitter, needed: list[Op]) -> None:
+    """One UserError naming every node the backward pass cannot go through."""
+    missing: dict[str, list[str]] = defaultdict(list)
+    reasons = []
+    for op in needed:
+        rule = RULES.get(op.op_type) if op.domain in ("", "ai.onnx") else None
+        if rule is None:
+            missing[op.op_type if not op.domain else f"{op.domain}.{op.op_type}"].append(op.name)
+        elif rule.check is not None:
+            reason = rule.check(em, op)
+            if reason:
+                reasons.append(f"{op.op_type} node '{op.name}': {reason}")
+    if not missing and not reasons:
+        return
+    parts = [f"{op_type} ({'node' if len(names) == 1 else 'nodes'} {', '.join(repr(n) for n in names)})"
+             for op_type, names in sorted(missing.items())]
+    message = "cannot build the backward pass:"
+    if parts:
+        message += f" no gradient rule for {'; '.join(parts)}"
+    if reasons:
+        message += ("; " if parts else " ") + "; ".join(reasons)
+    raise UserError(message)
+
+
+def _check_free_names(graph: Graph, loss: str, optimizer: str, params: list[str]) -> None:
+    planned = [name for p in params for name in update_outputs(optimizer, p)]
+    planned += [f"{p}.{s}" for p in params for s in STATES[optimizer]]
+    if optimizer != "none":
+        planned += [f"{p}.grad" for p in params]
+    taken = [n for n in planned if n in graph.tensors]
+    if taken:
+        raise UserError(f"the model already has tensors named {', '.join(repr(n) for n in taken[:5])}, "
+                        f"which the training step needs for its own outputs")
+
+
+def _last_contribution(graph, needed, params, requiring) -> dict[int, list[str]]:
+    """index in `needed` -> parameters whose gradient is complete once that op is done."""
+    first: dict[str, int] = {}
+    for index, op in enumerate(needed):
+        for name, want in zip(op.inputs, _wants(graph, op, requiring)):
+            if want and name in params and name not in first:
+                first[name] = index
+    result: dict[int, list[str]] = defaultdict(list)
+    for param in params:
+        result[first[param]].append(param)
+    return result
+
+
+# ---- backward bookkeeping --------------------------------------------------------------------
+def _finish_param_grad(em: Emitter, grads: dict[str, str], param: str) -> str:
+    """Name the finished gradient of `param` `<param>.grad` (an Identity where it is shared)."""
+    grad, name = grads[param], f"{param}.grad"
+    shared = any(v == grad for k, v in grads.items() if k != param)
+    if shared or not em.rename(grad, name):
+        em.op("Identity", [grad], outputs=[name])
+    return name
+
+
+def _tag_roles(ops: list[Op], layer: Op, targets: dict[str, str], params: list[str],
+               roles: dict[str, dict]) -> None:
+    """Tag each backward op of a layer with a trainable parameter: dW (feeds only that
+    parameter's gradient), dX (feeds only input gradients) or shared (both)."""
+    param_set = set(params)
+    layer_params = [t for t in layer.present_inputs if t in param_set]
+    if not layer_params:
+        return
+    feeds: dict[str, set[str]] = defaultdict(set)   # tensor -> the inputs whose gradient it feeds
+    for name, grad in targets.items():
+        feeds[grad].add(name)
+    for op in reversed(ops):
+        reached = set().union(*(feeds.get(t, set()) for t in op.present_outputs))
+        for t in op.present_inputs:
+            feeds[t] |= reached
+        fed_params = reached & param_set
+        if reached and reached <= param_set and len(fed_params) == 1:
+            roles[op.name] = {"role": "dW", "layer": layer.name, "param": next(iter(fed_params))}
+        elif reached and not fed_params:
+            roles[op.name] = {"role": "dX", "layer": layer.name, "param": layer_params[0]}
+        elif reached:
+            roles[op.name] = {"role": "shared", "layer": layer.name, "param": layer_params[0]}
+
+
+# ---- assembly ---------------------------------------------------------------------------------
+def _assemble(source: Graph, em: Emitter, extra_inputs, outputs, params, roles, opset, training) -> Graph:
+    tensors = em.tensors
+    for name, t in tensors.items():
+        if t.kind == "output" and name not in outputs:
+            t.kind = "activation"
+    for op in em.ops:
+        if roles.get(op.name, {}).get("role") == "dW":
+            for t in op.present_outputs:
+                tensors[t].kind = "param_grad"
+    for param in params:
+        if f"{param}.grad" in tensors:
+            tensors[f"{param}.grad"].kind = "param_grad"
+    inputs = list(source.inputs) + list(extra_inputs)
+    used = set(inputs) | set(outputs) | {t for op in em.ops for t in op.present_inputs + op.present_outputs}
+    kept = {name: t for name, t in tensors.items() if name in used}
+    metadata = dict(source.metadata)
+    metadata[GRAD_ROLES_KEY] = json.dumps(roles, sort_keys=True)
+    metadata[TRAINING_KEY] = json.dumps({**training, "parameters": params,
+                                         "inputs": list(extra_inputs)}, sort_keys=True)
+    return Graph(em.ops, kept, inputs, outputs, name=source.name, opset_imports={"": opset},
+                 ir_version=min(max(source.ir_version, IR_VERSION), 10), metadata=metadata,
+                 base_dir=source.base_dir, doc_string=source.doc_string)
+
+
+def describe(graph: Graph) -> dict:
+    """What `memsched train-graph` reports about a training step (JSON-able)."""
+    info = json.loads(graph.metadata[TRAINING_KEY])
+    phases: dict[str, int] = {}
+    for op in graph.ops:
+        phases[op.phase] = phases.get(op.phase, 0) + 1
+    params = [graph.tensors[p] for p in info["parameters"]]
+    states = [t for t in graph.tensors.values() if t.kind == "optimizer_state"]
+    return {
+        "graph": graph.name,
+        "loss": info["loss"],
+        "optimizer": info["optimizer"],
+        "lr": info["lr"],
+        "ops": len(graph.ops),
+        "phases": phases,
+        "inputs": {n: list(graph.tensors[n].shape) for n in graph.inputs},
+        "outputs": len(graph.outputs),
+        "trainable_parameters": len(params),
+        "parameters": sum(t.numel for t in params),
+        "parameter_bytes": sum(t.nbytes for t in params),
+        "optimizer_state_bytes": sum(t.nbytes for t in states),
+    }

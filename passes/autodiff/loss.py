@@ -1,0 +1,97 @@
+"""Losses appended to the forward graph (phase `loss`), each with its backward seed.
+
+- cross_entropy: softmax cross-entropy over the last axis of the model's output (class
+  logits [N, C], or [N, L, V] for sequences), against an int64 input `labels` of the
+  output's shape less its last axis; mean over every label (N, or N*L).
+- mse: mean of (output - targets)^2 over every element, `targets` shaped as the output.
+- output: the model's output is the loss already (it must have one element).
+
+The loss tensor is named `loss`. Each loss returns a function that emits, in the backward
+phase, the gradient of `loss` with respect to the model's output.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from onnx import TensorProto
+
+from memsched.errors import UserError
+
+from .registry import FLOAT_TYPES
+
+LOSSES = ("cross_entropy", "mse", "output")
+LOSS_NAME = "loss"
+
+
+def emit_loss(em, loss: str, output: str) -> tuple[list[str], Callable[[], str]]:
+    """Emit `loss` over the model output `output`; return the extra graph inputs and the
+    function that emits d loss / d output."""
+    if em.dtype(output) not in FLOAT_TYPES:
+        raise UserError(f"the model's output '{output}' is not a float tensor; it cannot feed a loss")
+    if loss == "output":
+        return _output_loss(em, output)
+    for name in (LOSS_NAME, "labels" if loss == "cross_entropy" else "targets"):
+        if name in em.tensors:
+            raise UserError(f"the model already has a tensor named '{name}', which the training "
+                            f"step needs for its {'loss' if name == LOSS_NAME else name} input")
+    with em.scope("loss"):
+        return (_cross_entropy if loss == "cross_entropy" else _mse)(em, output)
+
+
+def _cross_entropy(em, logits):
+    shape = em.shape(logits)
+    if len(shape) < 2:
+        raise UserError(f"cross_entropy needs class logits of rank >= 2 (classes last); the output "
+                        f"'{logits}' has shape {list(shape)}")
+    labels = em.add_input("labels", shape[:-1], TensorProto.INT64)
+    axis = len(shape) - 1
+    log_probs = em.op("LogSoftmax", [logits], axis=axis)
+    where = em.op("Unsqueeze", [labels, em.ints([-1])])
+    picked = em.op("GatherElements", [log_probs, where], axis=axis)
+    mean = em.reduce("ReduceMean", picked, range(len(shape)), keepdims=False)
+    em.op("Neg", [mean], outputs=[LOSS_NAME], kind="output")
+    count = int(np.prod(shape[:-1]))
+
+    def backward() -> str:
+        """(softmax - onehot(labels)) / count."""
+        with em.scope("loss/grad"):
+            probs = em.op("Mul", [em.op("Exp", [log_probs]), em.scalar(1 / count, logits)])
+            minus = em.op("Expand", [em.scalar(-1 / count, logits), em.ints(shape[:-1] + (1,))])
+            return em.op("ScatterElements", [probs, where, minus], axis=axis, reduction="add")
+
+    return [labels], backward
+
+
+def _mse(em, output):
+    shape = em.shape(output)
+    targets = em.add_input("targets", shape, em.dtype(output))
+    diff = em.op("Sub", [output, targets])
+    mean = em.reduce("ReduceMean", em.op("Mul", [diff, diff]), range(len(shape)), keepdims=False)
+    em.op("Identity", [mean], outputs=[LOSS_NAME], kind="output")
+    count = int(np.prod(shape))
+
+    def backward() -> str:
+        with em.scope("loss/grad"):
+            return em.op("Mul", [diff, em.scalar(2 / count, output)])
+
+    return [targets], backward
+
+
+def _output_loss(em, output):
+    shape = em.shape(output)
+    if int(np.prod(shape)) != 1:
+        raise UserError(f"--loss output needs a model whose output is a scalar loss; '{output}' has "
+                        f"shape {list(shape)} (use --loss cross_entropy or mse)")
+    if output != LOSS_NAME:
+        if LOSS_NAME in em.tensors:
+            raise UserError(f"the model already has a tensor named '{LOSS_NAME}' that is not its output")
+        with em.scope("loss"):
+            em.op("Identity", [output], outputs=[LOSS_NAME], kind="output")
+    else:
+        em.tensors[LOSS_NAME].kind = "output"
+
+    def backward() -> str:
+        return em.const(np.ones(shape, dtype=em.np_dtype(output)))
+
+    return [], backward

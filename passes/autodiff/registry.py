@@ -1,0 +1,52 @@
+"""The registry of gradient rules, keyed by ONNX op type.
+
+A rule is a function `grad(em, op, dys, wants) -> list[str | None]`: given the Emitter,
+the forward op, the gradient of each of its outputs (None where an output does not reach
+the loss) and, per input, whether that input needs a gradient, it emits the backward ops
+and returns one gradient tensor name per input (None where none is wanted).
+
+Optional parts of a rule:
+- `inputs`: the input positions a gradient can flow into (default: every float input);
+  the others (shapes, indices, bounds, exponents given as constants) never get one;
+- `check(em, op) -> str | None`: why this particular node cannot be differentiated
+  (an unsupported attribute, a non-constant pad width), checked for every node first;
+- `forward(em, op, needed)`: emits the node's forward form for training (BatchNormalization
+  with batch statistics, MaxPool with its Indices output, ...) instead of copying it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from onnx import TensorProto
+
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+@dataclass(frozen=True)
+class Rule:
+    grad: Callable
+    inputs: tuple[int, ...] | None = None
+    check: Callable | None = None
+    forward: Callable | None = None
+
+
+RULES: dict[str, Rule] = {}
+
+
+def rule(*op_types: str, inputs: tuple[int, ...] | None = None, check: Callable | None = None,
+         forward: Callable | None = None):
+    """Register the decorated gradient function for `op_types`."""
+    def register(grad: Callable) -> Callable:
+        for op_type in op_types:
+            RULES[op_type] = Rule(grad, inputs, check, forward)
+        return grad
+    return register
+
+
+def differentiable_positions(op, tensors) -> list[int]:
+    """Input positions of `op` a gradient may flow into: float inputs the rule allows."""
+    known = RULES.get(op.op_type) if op.domain in ("", "ai.onnx") else None
+    allowed = known.inputs if known is not None and known.inputs is not None else range(len(op.inputs))
+    return [i for i in allowed if i < len(op.inputs) and op.inputs[i]
+            and tensors[op.inputs[i]].dtype in FLOAT_TYPES]

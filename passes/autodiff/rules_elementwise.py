@@ -1,0 +1,270 @@
+"""Gradient rules of elementwise ops: activations, arithmetic with broadcasting, Where,
+Cast, Clip, Dropout. Binary ops sum their gradients back to each input's shape."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .registry import FLOAT_TYPES, rule
+
+
+def _x(op):
+    return op.inputs[0]
+
+
+def _y(op):
+    return op.outputs[0]
+
+
+@rule("Identity")
+def identity(em, op, dys, wants):
+    return [dys[0]]
+
+
+@rule("Relu")
+def relu(em, op, dys, wants):
+    y = _y(op)
+    zero = em.scalar(0, y)
+    return [em.op("Where", [em.op("Greater", [y, zero]), dys[0], zero])]
+
+
+@rule("LeakyRelu")
+def leaky_relu(em, op, dys, wants):
+    y, dy = _y(op), dys[0]
+    alpha = em.scalar(op.attributes.get("alpha", 0.01), y)
+    positive = em.op("Greater", [_x(op), em.scalar(0, y)])
+    return [em.op("Where", [positive, dy, em.op("Mul", [dy, alpha])])]
+
+
+@rule("Sigmoid")
+def sigmoid(em, op, dys, wants):
+    y = _y(op)
+    slope = em.op("Mul", [y, em.op("Sub", [em.scalar(1, y), y])])
+    return [em.op("Mul", [dys[0], slope])]
+
+
+@rule("Tanh")
+def tanh(em, op, dys, wants):
+    y = _y(op)
+    slope = em.op("Sub", [em.scalar(1, y), em.op("Mul", [y, y])])
+    return [em.op("Mul", [dys[0], slope])]
+
+
+@rule("Exp")
+def exp(em, op, dys, wants):
+    return [em.op("Mul", [dys[0], _y(op)])]
+
+
+@rule("Log")
+def log(em, op, dys, wants):
+    return [em.op("Div", [dys[0], _x(op)])]
+
+
+@rule("Neg")
+def neg(em, op, dys, wants):
+    return [em.op("Neg", [dys[0]])]
+
+
+@rule("Reciprocal")
+def reciprocal(em, op, dys, wants):
+    y = _y(op)
+    return [em.op("Neg", [em.op("Mul", [dys[0], em.op("Mul", [y, y])])])]
+
+
+@rule("Sqrt")
+def sqrt(em, op, dys, wants):
+    y = _y(op)
+    return [em.op("Div", [em.op("Mul", [dys[0], em.scalar(0.5, y)]), y])]
+
+
+@rule("Abs")
+def abs_(em, op, dys, wants):
+    return [em.op("Mul", [dys[0], em.op("Sign", [_x(op)])])]
+
+
+@rule("Softplus")
+def softplus(em, op, dys, wants):
+    return [em.op("Mul", [dys[0], em.op("Sigmoid", [_x(op)])])]
+
+
+@rule("Erf")
+def erf(em, op, dys, wants):
+    x = _x(op)
+    gauss = em.op("Exp", [em.op("Neg", [em.op("Mul", [x, x])])])
+    return [em.op("Mul", [dys[0], em.op("Mul", [gauss, em.scalar(2 / math.sqrt(math.pi), x)])])]
+
+
+def _check_gelu(em, op):
+    approx = op.attributes.get("approximate", "none")
+    approx = approx.decode() if isinstance(approx, bytes) else approx
+    return None if approx in ("none", "tanh") else f"approximate='{approx}' is not supported"
+
+
+@rule("Gelu", check=_check_gelu)
+def gelu(em, op, dys, wants):
+    """none: d/dx x*Phi(x) = Phi(x) + x*phi(x); tanh: the derivative of its tanh formula."""
+    x, dy = _x(op), dys[0]
+    approx = op.attributes.get("approximate", "none")
+    approx = approx.decode() if isinstance(approx, bytes) else approx
+    half = em.scalar(0.5, x)
+    if approx == "tanh":
+        c, k = math.sqrt(2 / math.pi), 0.044715
+        x2 = em.op("Mul", [x, x])
+        inner = em.op("Mul", [em.op("Add", [em.scalar(1, x), em.op("Mul", [x2, em.scalar(k, x)])]),
+                              em.op("Mul", [x, em.scalar(c, x)])])
+        t = em.op("Tanh", [inner])
+        dinner = em.op("Add", [em.scalar(c, x), em.op("Mul", [x2, em.scalar(3 * k * c, x)])])
+        sech2 = em.op("Sub", [em.scalar(1, x), em.op("Mul", [t, t])])
+        left = em.op("Mul", [em.op("Add", [em.scalar(1, x), t]), half])
+        right = em.op("Mul", [em.op("Mul", [x, half]), em.op("Mul", [sech2, dinner])])
+        return [em.op("Mul", [dy, em.op("Add", [left, right])])]
+    cdf = em.op("Mul", [em.op("Add", [em.scalar(1, x), em.op("Erf", [em.op("Mul", [x, em.scalar(
+        1 / math.sqrt(2), x)])])]), half])
+    pdf = em.op("Mul", [em.op("Exp", [em.op("Mul", [em.op("Mul", [x, x]), em.scalar(-0.5, x)])]),
+                        em.scalar(1 / math.sqrt(2 * math.pi), x)])
+    return [em.op("Mul", [dy, em.op("Add", [cdf, em.op("Mul", [x, pdf])])])]
+
+
+@rule("Clip", inputs=(0,))
+def clip(em, op, dys, wants):
+    """Gradient passes where min <= x <= max (torch.clamp's rule)."""
+    x = _x(op)
+    inside = None
+    for position, compare in ((1, "GreaterOrEqual"), (2, "LessOrEqual")):
+        if len(op.inputs) > position and op.inputs[position]:
+            test = em.op(compare, [x, op.inputs[position]])
+            inside = test if inside is None else em.op("And", [inside, test])
+    if inside is None:
+        return [dys[0]]
+    return [em.op("Where", [inside, dys[0], em.scalar(0, x)])]
+
+
+@rule("Floor", "Ceil", "Round", "Sign", inputs=())
+def piecewise_constant(em, op, dys, wants):
+    """Zero almost everywhere: no gradient flows through."""
+    return [None]
+
+
+@rule("Cast", inputs=(0,))
+def cast(em, op, dys, wants):
+    x = _x(op)
+    if em.dtype(op.outputs[0]) not in FLOAT_TYPES:
+        return [None]
+    return [em.op("Cast", [dys[0]], to=em.dtype(x))]
+
+
+def _dropout_mode(em, op) -> tuple[float, bool] | None:
+    """(ratio, training) when both are known before running, else None."""
+    ratio = em.value(op.inputs[1]) if len(op.inputs) > 1 and op.inputs[1] else np.asarray(0.5)
+    training = em.value(op.inputs[2]) if len(op.inputs) > 2 and op.inputs[2] else np.asarray(False)
+    if ratio is None or training is None:
+        return None
+    return float(ratio), bool(training)
+
+
+def _check_dropout(em, op):
+    return None if _dropout_mode(em, op) is not None else "its ratio or training_mode is not a constant"
+
+
+def _dropout_masked(em, op) -> bool:
+    ratio, training = _dropout_mode(em, op)
+    return training and ratio > 0
+
+
+def _dropout_forward(em, op, needed):
+    """Training-mode dropout keeps its mask for the backward pass."""
+    if not (needed and _dropout_masked(em, op)):
+        em.keep(op)
+        return
+    mask = op.outputs[1] if len(op.outputs) > 1 and op.outputs[1] else em.fresh(f"{op.name}_mask")
+    em.keep(op, outputs=[op.outputs[0], mask])
+    em.saved[op.name] = {"mask": mask}
+
+
+@rule("Dropout", inputs=(0,), check=_check_dropout, forward=_dropout_forward)
+def dropout(em, op, dys, wants):
+    """Eval mode or ratio 0: identity. Training: dy * mask / (1 - ratio)."""
+    if not _dropout_masked(em, op):
+        return [dys[0]]
+    ratio, _ = _dropout_mode(em, op)
+    y = _y(op)
+    kept = em.op("Cast", [em.saved[op.name]["mask"]], to=em.dtype(y))
+    return [em.op("Mul", [dys[0], em.op("Mul", [kept, em.scalar(1 / (1 - ratio), y)])])]
+
+
+# ---- binary ops with broadcasting ---------------------------------------------------------
+def _shape_of(em, op, i):
+    return em.shape(op.inputs[i])
+
+
+@rule("Add", "Sum")
+def add(em, op, dys, wants):
+    return [em.sum_to(dys[0], _shape_of(em, op, i)) if w else None for i, w in enumerate(wants)]
+
+
+@rule("Sub")
+def sub(em, op, dys, wants):
+    grads = [None, None]
+    if wants[0]:
+        grads[0] = em.sum_to(dys[0], _shape_of(em, op, 0))
+    if wants[1]:
+        grads[1] = em.op("Neg", [em.sum_to(dys[0], _shape_of(em, op, 1))])
+    return grads
+
+
+@rule("Mul")
+def mul(em, op, dys, wants):
+    a, b = op.inputs[:2]
+    grads = [None, None]
+    if wants[0]:
+        grads[0] = em.sum_to(em.op("Mul", [dys[0], b]), em.shape(a))
+    if wants[1]:
+        grads[1] = em.sum_to(em.op("Mul", [dys[0], a]), em.shape(b))
+    return grads
+
+
+@rule("Div")
+def div(em, op, dys, wants):
+    """y = a / b: da = dy / b, db = -dy * y / b."""
+    a, b = op.inputs[:2]
+    grads = [None, None]
+    if wants[0]:
+        grads[0] = em.sum_to(em.op("Div", [dys[0], b]), em.shape(a))
+    if wants[1]:
+        scaled = em.op("Div", [em.op("Mul", [dys[0], _y(op)]), b])
+        grads[1] = em.op("Neg", [em.sum_to(scaled, em.shape(b))])
+    return grads
+
+
+@rule("Pow")
+def pow_(em, op, dys, wants):
+    """y = a^b: da = dy * b * a^(b-1), db = dy * y * ln(a)."""
+    a, b = op.inputs[:2]
+    grads = [None, None]
+    if wants[0]:
+        exponent = em.value(b)
+        if exponent is not None and exponent.size == 1:
+            e = float(exponent.reshape(()))
+            if e == 2:
+                slope = em.op("Mul", [a, em.scalar(2, a)])
+            else:
+                slope = em.op("Mul", [em.op("Pow", [a, em.scalar(e - 1, a)]), em.scalar(e, a)])
+        else:
+            slope = em.op("Mul", [em.op("Pow", [a, em.op("Sub", [b, em.scalar(1, b)])]), b])
+        grads[0] = em.sum_to(em.op("Mul", [dys[0], slope]), em.shape(a))
+    if wants[1]:
+        grads[1] = em.sum_to(em.op("Mul", [dys[0], em.op("Mul", [_y(op), em.op("Log", [a])])]), em.shape(b))
+    return grads
+
+
+@rule("Where", inputs=(1, 2))
+def where(em, op, dys, wants):
+    cond = op.inputs[0]
+    zero = em.scalar(0, op.outputs[0])
+    grads = [None, None, None]
+    if wants[1]:
+        grads[1] = em.sum_to(em.op("Where", [cond, dys[0], zero]), em.shape(op.inputs[1]))
+    if wants[2]:
+        grads[2] = em.sum_to(em.op("Where", [cond, zero, dys[0]]), em.shape(op.inputs[2]))
+    return grads

@@ -1,0 +1,393 @@
+"""Gradient rules of the layers: Conv/ConvTranspose, Gemm/MatMul, pooling, normalisation,
+Softmax/LogSoftmax.
+
+The input gradient (dX) and each parameter gradient (dW, dB) of a layer come from separate
+groups of ops, so the planner may run them apart. Conv dX is a ConvTranspose with the same
+geometry and the output_padding that restores X's size; Conv dW is a Conv whose input is X
+with batch and channels swapped and whose kernel is dY, with the stride and dilation roles
+swapped, then sliced to the kernel size (groups and depthwise through a reshape).
+BatchNormalization trains on batch statistics, as PyTorch's train mode does: its forward
+is rewritten into primitive ops that keep the batch mean and 1/std for the backward pass.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .registry import rule
+
+
+# ---- geometry -------------------------------------------------------------------------------
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _geometry(op, in_shape, kernel) -> dict:
+    """strides, dilations and explicit pads of a Conv/pool node (auto_pad resolved)."""
+    n = len(kernel)
+    attrs = op.attributes
+    strides = list(attrs.get("strides", [1] * n))
+    dilations = list(attrs.get("dilations", [1] * n))
+    pads = list(attrs.get("pads", [0] * (2 * n)))
+    auto_pad = _text(attrs.get("auto_pad", "NOTSET"))
+    if auto_pad == "VALID":
+        pads = [0] * (2 * n)
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pads = [0] * (2 * n)
+        for i, (size, k, s, d) in enumerate(zip(in_shape, kernel, strides, dilations)):
+            total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
+            small, large = total // 2, total - total // 2
+            pads[i], pads[n + i] = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+    return {"strides": strides, "dilations": dilations, "pads": pads}
+
+
+def _output_padding(in_size, out_size, kernel, geo) -> list[int]:
+    """The ConvTranspose output_padding that maps `out_size` back to `in_size` exactly."""
+    n = len(kernel)
+    s, d, p = geo["strides"], geo["dilations"], geo["pads"]
+    return [in_size[i] - (s[i] * (out_size[i] - 1) + (kernel[i] - 1) * d[i] + 1 - p[i] - p[n + i])
+            for i in range(n)]
+
+
+def _weight_grad(em, inp, ker, group, geo, kernel):
+    """sum over the batch of inp (x) ker, as one Conv: [Ck, Ci/group, *kernel].
+
+    For Conv dW, inp is X and ker is dY; for ConvTranspose dW, inp is dY and ker is X."""
+    n_batch, ci = em.shape(inp)[:2]
+    ck = em.shape(ker)[1]
+    spatial, spatial_k = list(em.shape(inp)[2:]), list(em.shape(ker)[2:])
+    n = len(spatial)
+    rest = list(range(3, 3 + n))
+    if group == 1:
+        a = em.transpose(inp, [1, 0] + list(range(2, 2 + n)))
+        k = em.transpose(ker, [1, 0] + list(range(2, 2 + n)))
+    else:
+        cig, ckg = ci // group, ck // group
+        a = em.reshape(em.transpose(em.reshape(inp, [n_batch, group, cig] + spatial), [2, 1, 0] + rest),
+                       [cig, group * n_batch] + spatial)
+        k = em.reshape(em.transpose(em.reshape(ker, [n_batch, group, ckg] + spatial_k), [1, 2, 0] + rest),
+                       [ck, n_batch] + spatial_k)
+    out = em.op("Conv", [a, k], group=group, kernel_shape=spatial_k, strides=geo["dilations"],
+                dilations=geo["strides"], pads=geo["pads"])
+    if list(em.shape(out)[2:]) != list(kernel):
+        out = em.op("Slice", [out, em.ints([0] * n), em.ints(kernel), em.ints(range(2, 2 + n))])
+    return em.transpose(out, [1, 0] + list(range(2, 2 + n)))
+
+
+def _bias_grad(em, dy):
+    return em.reduce("ReduceSum", dy, [0] + list(range(2, em.rank(dy))), keepdims=False)
+
+
+# ---- convolution ----------------------------------------------------------------------------
+@rule("Conv")
+def conv(em, op, dys, wants):
+    x, w = op.inputs[:2]
+    dy = dys[0]
+    kernel = list(em.shape(w)[2:])
+    geo = _geometry(op, em.shape(x)[2:], kernel)
+    group = op.attributes.get("group", 1)
+    grads = [None] * len(op.inputs)
+    if wants[0]:
+        out_pad = _output_padding(em.shape(x)[2:], em.shape(dy)[2:], kernel, geo)
+        grads[0] = em.op("ConvTranspose", [dy, w], group=group, kernel_shape=kernel, output_padding=out_pad,
+                         **geo)
+    if wants[1]:
+        grads[1] = _weight_grad(em, x, dy, group, geo, kernel)
+    if len(wants) > 2 and wants[2]:
+        grads[2] = _bias_grad(em, dy)
+    return grads
+
+
+def _check_conv_transpose(em, op):
+    if op.attributes.get("output_shape"):
+        return "output_shape is not supported (give pads and output_padding)"
+    if _text(op.attributes.get("auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
+        return "auto_pad SAME_* is not supported (give pads)"
+    return None
+
+
+@rule("ConvTranspose", check=_check_conv_transpose)
+def conv_transpose(em, op, dys, wants):
+    x, w = op.inputs[:2]
+    dy = dys[0]
+    kernel = list(em.shape(w)[2:])
+    n = len(kernel)
+    attrs = op.attributes
+    geo = {"strides": list(attrs.get("strides", [1] * n)), "dilations": list(attrs.get("dilations", [1] * n)),
+           "pads": [0] * (2 * n) if _text(attrs.get("auto_pad", "NOTSET")) == "VALID"
+           else list(attrs.get("pads", [0] * (2 * n)))}
+    group = attrs.get("group", 1)
+    grads = [None] * len(op.inputs)
+    if wants[0]:
+        grads[0] = em.op("Conv", [dy, w], group=group, kernel_shape=kernel, **geo)
+    if wants[1]:
+        grads[1] = _weight_grad(em, dy, x, group, geo, kernel)
+    if len(wants) > 2 and wants[2]:
+        grads[2] = _bias_grad(em, dy)
+    return grads
+
+
+# ---- matrix products ------------------------------------------------------------------------
+@rule("Gemm")
+def gemm(em, op, dys, wants):
+    """y = alpha * op(A) op(B) + beta * C, op = optional transpose."""
+    a, b = op.inputs[:2]
+    dy = dys[0]
+    alpha, beta = op.attributes.get("alpha", 1.0), op.attributes.get("beta", 1.0)
+    ta, tb = op.attributes.get("transA", 0), op.attributes.get("transB", 0)
+    grads = [None] * len(op.inputs)
+    if wants[0]:
+        grads[0] = (em.op("Gemm", [dy, b], alpha=alpha, transB=1 - tb) if not ta
+                    else em.op("Gemm", [b, dy], alpha=alpha, transA=tb, transB=1))
+    if wants[1]:
+        grads[1] = (em.op("Gemm", [a, dy], alpha=alpha, transA=1 - ta) if not tb
+                    else em.op("Gemm", [dy, a], alpha=alpha, transA=1, transB=ta))
+    if len(wants) > 2 and wants[2]:
+        grad = em.sum_to(dy, em.shape(op.inputs[2]))
+        grads[2] = grad if beta == 1.0 else em.op("Mul", [grad, em.scalar(beta, dy)])
+    return grads
+
+
+def _swap_last(em, x):
+    rank = em.rank(x)
+    return em.transpose(x, list(range(rank - 2)) + [rank - 1, rank - 2])
+
+
+@rule("MatMul")
+def matmul(em, op, dys, wants):
+    """Batched, broadcasting MatMul (1-D operands promoted as numpy does). A 2-D right
+    operand (a linear layer's weight) gets its gradients from Gemm over flattened rows."""
+    a, b = op.inputs[:2]
+    shape_a, shape_b = em.shape(a), em.shape(b)
+    a2 = shape_a if len(shape_a) >= 2 else (1,) + shape_a
+    b2 = shape_b if len(shape_b) >= 2 else shape_b + (1,)
+    batch = np.broadcast_shapes(a2[:-2], b2[:-2])
+    dy = em.reshape(dys[0], tuple(batch) + (a2[-2], b2[-1]))
+    grads = [None, None]
+    if len(b2) == 2:  # batch == a2[:-2]: the rows of A meet one weight matrix
+        rows = int(np.prod(a2[:-1], dtype=np.int64))
+        dy_rows = em.reshape(dy, (rows, b2[-1]))
+        if wants[0]:
+            grads[0] = em.reshape(em.op("Gemm", [dy_rows, em.reshape(b, b2)], transB=1), shape_a)
+        if wants[1]:
+            a_rows = em.reshape(a, (rows, a2[-1]))
+            grads[1] = em.reshape(em.op("Gemm", [a_rows, dy_rows], transA=1), shape_b)
+        return grads
+    if wants[0]:
+        grad = em.op("MatMul", [dy, _swap_last(em, em.reshape(b, b2))])
+        grads[0] = em.reshape(em.sum_to(grad, a2), shape_a)
+    if wants[1]:
+        grad = em.op("MatMul", [_swap_last(em, em.reshape(a, a2)), dy])
+        grads[1] = em.reshape(em.sum_to(grad, b2), shape_b)
+    return grads
+
+
+# ---- pooling --------------------------------------------------------------------------------
+def _pool_geometry(em, op):
+    x = op.inputs[0]
+    kernel = list(op.attributes["kernel_shape"])
+    return kernel, _geometry(op, em.shape(x)[2:], kernel)
+
+
+def _floor_shape(in_shape, kernel, geo):
+    n = len(kernel)
+    s, d, p = geo["strides"], geo["dilations"], geo["pads"]
+    return [(in_shape[i] + p[i] + p[n + i] - (kernel[i] - 1) * d[i] - 1) // s[i] + 1 for i in range(n)]
+
+
+def _check_max_pool(em, op):
+    if op.attributes.get("storage_order", 0):
+        return "storage_order=1 is not supported"
+    return None
+
+
+def _max_pool_forward(em, op, needed):
+    """Keep the argmax Indices output for the backward pass."""
+    if not needed:
+        em.keep(op)
+        return
+    indices = op.outputs[1] if len(op.outputs) > 1 and op.outputs[1] else em.fresh(f"{op.name}_indices")
+    em.keep(op, outputs=[op.outputs[0], indices])
+    em.saved[op.name] = {"indices": indices}
+
+
+@rule("MaxPool", inputs=(0,), check=_check_max_pool, forward=_max_pool_forward)
+def max_pool(em, op, dys, wants):
+    """Scatter-add dy to the argmax positions (flat indices over the whole input), which is
+    right where windows overlap (MaxUnpool is not)."""
+    x = op.inputs[0]
+    size = int(np.prod(em.shape(x)))
+    flat_dy = em.reshape(dys[0], [int(np.prod(em.shape(dys[0])))])
+    flat_idx = em.reshape(em.saved[op.name]["indices"], em.shape(flat_dy))
+    grad = em.op("ScatterElements", [em.zeros([size], x), flat_idx, flat_dy], axis=0, reduction="add")
+    return [em.reshape(grad, em.shape(x))]
+
+
+def _check_average_pool(em, op):
+    kernel, geo = _pool_geometry(em, op)
+    if any(d != 1 for d in geo["dilations"]):
+        return "dilations are not supported"
+    if list(em.shape(op.outputs[0])[2:]) != _floor_shape(em.shape(op.inputs[0])[2:], kernel, geo):
+        return "ceil_mode that changes the output size is not supported"
+    return None
+
+
+def _window_counts(in_shape, out_shape, kernel, geo) -> np.ndarray:
+    """How many real (unpadded) elements each output window covers."""
+    n = len(kernel)
+    per_axis = []
+    for i in range(n):
+        start = np.arange(out_shape[i]) * geo["strides"][i] - geo["pads"][i]
+        stop = np.minimum(start + kernel[i], in_shape[i])
+        per_axis.append(stop - np.maximum(start, 0))
+    counts = per_axis[0]
+    for axis_counts in per_axis[1:]:
+        counts = np.multiply.outer(counts, axis_counts)
+    return counts
+
+
+@rule("AveragePool", inputs=(0,), check=_check_average_pool)
+def average_pool(em, op, dys, wants):
+    """Spread dy / window size over each window: a ConvTranspose with a constant kernel
+    over the channels folded into the batch."""
+    x, dy = op.inputs[0], dys[0]
+    kernel, geo = _pool_geometry(em, op)
+    n_batch, channels, *spatial = em.shape(x)
+    out_spatial = list(em.shape(dy)[2:])
+    grad = em.reshape(dy, [n_batch * channels, 1] + out_spatial)
+    weight = np.ones([1, 1] + kernel, dtype=em.np_dtype(x))
+    if op.attributes.get("count_include_pad", 0) or not any(geo["pads"]):
+        weight /= np.prod(kernel)
+    else:
+        counts = _window_counts(spatial, out_spatial, kernel, geo)
+        grad = em.op("Mul", [grad, em.const((1.0 / counts).astype(em.np_dtype(x)))])
+    out_pad = _output_padding(spatial, out_spatial, kernel, geo)
+    grad = em.op("ConvTranspose", [grad, em.const(weight)], kernel_shape=kernel, output_padding=out_pad,
+                 strides=geo["strides"], pads=geo["pads"])
+    return [em.reshape(grad, em.shape(x))]
+
+
+@rule("GlobalAveragePool")
+def global_average_pool(em, op, dys, wants):
+    x = op.inputs[0]
+    area = int(np.prod(em.shape(x)[2:]))
+    return [em.op("Expand", [em.op("Mul", [dys[0], em.scalar(1 / area, x)]), em.ints(em.shape(x))])]
+
+
+# ---- normalisation --------------------------------------------------------------------------
+def _check_batch_norm(em, op):
+    stats = [t for t in op.outputs[1:] if t]
+    readers = [c.name for t in stats for c in em.source.consumers.get(t, [])]
+    if readers:
+        return f"its running statistics are read by {', '.join(repr(r) for r in readers)}"
+    return None
+
+
+def _batch_norm_forward(em, op, needed):
+    """Training-mode BN from batch statistics (biased variance, as PyTorch normalises)."""
+    x, scale, bias = op.inputs[:3]
+    rank = em.rank(x)
+    axes = [0] + list(range(2, rank))
+    channel_shape = [1, em.shape(x)[1]] + [1] * (rank - 2)
+    eps = op.attributes.get("epsilon", 1e-5)
+    with em.scope(op.name):
+        mean = em.reduce("ReduceMean", x, axes, keepdims=True)
+        centred = em.op("Sub", [x, mean])
+        var = em.reduce("ReduceMean", em.op("Mul", [centred, centred]), axes, keepdims=True)
+        inv_std = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, em.scalar(eps, x)])])])
+        scale_b = em.reshape(scale, channel_shape)
+        factor = em.op("Mul", [inv_std, scale_b])
+        scaled = em.op("Mul", [centred, factor])
+        em.op("Add", [scaled, em.reshape(bias, channel_shape)], outputs=[op.outputs[0]], name=op.name)
+    em.saved[op.name] = {"mean": mean, "inv_std": inv_std, "scale": scale_b}
+
+
+def _normalized(em, x, mean, inv_std):
+    return em.op("Mul", [em.op("Sub", [x, mean]), inv_std])
+
+
+def _norm_input_grad(em, dy, scale, x, mean, inv_std, axes):
+    """dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)), g = dy * scale."""
+    xhat = _normalized(em, x, mean, inv_std)
+    g = em.op("Mul", [dy, scale])
+    mean_g = em.reduce("ReduceMean", g, axes, keepdims=True)
+    mean_gx = em.reduce("ReduceMean", em.op("Mul", [g, xhat]), axes, keepdims=True)
+    centred = em.op("Sub", [em.op("Sub", [g, mean_g]), em.op("Mul", [xhat, mean_gx])])
+    return em.op("Mul", [centred, inv_std])
+
+
+@rule("BatchNormalization", inputs=(0, 1, 2), check=_check_batch_norm, forward=_batch_norm_forward)
+def batch_norm(em, op, dys, wants):
+    x, scale, bias = op.inputs[:3]
+    dy = dys[0]
+    saved = em.saved[op.name]
+    axes = [0] + list(range(2, em.rank(x)))
+    grads = [None] * len(op.inputs)
+    if wants[0]:
+        grads[0] = _norm_input_grad(em, dy, saved["scale"], x, saved["mean"], saved["inv_std"], axes)
+    if wants[1]:
+        xhat = _normalized(em, x, saved["mean"], saved["inv_std"])
+        grads[1] = em.reduce("ReduceSum", em.op("Mul", [dy, xhat]), axes, keepdims=False)
+    if wants[2]:
+        grads[2] = em.reduce("ReduceSum", dy, axes, keepdims=False)
+    return grads
+
+
+def _layer_norm_forward(em, op, needed):
+    """Keep LayerNormalization's Mean and InvStdDev outputs for the backward pass."""
+    if not needed:
+        em.keep(op)
+        return
+    outputs = list(op.outputs) + [""] * (3 - len(op.outputs))
+    outputs[1] = outputs[1] or em.fresh(f"{op.name}_mean")
+    outputs[2] = outputs[2] or em.fresh(f"{op.name}_inv_std")
+    em.keep(op, outputs=outputs)
+    em.saved[op.name] = {"mean": outputs[1], "inv_std": outputs[2]}
+
+
+def _layer_norm_stats(em, op):
+    """Mean and InvStdDev in the input's dtype (ONNX keeps them in the stash type)."""
+    x = op.inputs[0]
+    saved = em.saved[op.name]
+    return [s if em.dtype(s) == em.dtype(x) else em.op("Cast", [s], to=em.dtype(x))
+            for s in (saved["mean"], saved["inv_std"])]
+
+
+@rule("LayerNormalization", forward=_layer_norm_forward)
+def layer_norm(em, op, dys, wants):
+    x, scale = op.inputs[:2]
+    dy = dys[0]
+    rank = em.rank(x)
+    axis = op.attributes.get("axis", -1)
+    axis = axis + rank if axis < 0 else axis
+    norm_axes = list(range(axis, rank))
+    grads = [None] * len(op.inputs)
+    if wants[0]:
+        mean, inv_std = _layer_norm_stats(em, op)
+        grads[0] = _norm_input_grad(em, dy, scale, x, mean, inv_std, norm_axes)
+    if wants[1]:
+        mean, inv_std = _layer_norm_stats(em, op)
+        grads[1] = em.sum_to(em.op("Mul", [dy, _normalized(em, x, mean, inv_std)]), em.shape(scale))
+    if len(wants) > 2 and wants[2]:
+        grads[2] = em.sum_to(dy, em.shape(op.inputs[2]))
+    return grads
+
+
+# ---- softmax --------------------------------------------------------------------------------
+@rule("Softmax")
+def softmax(em, op, dys, wants):
+    """dx = y * (dy - sum(dy * y))."""
+    y, dy = op.outputs[0], dys[0]
+    axis = op.attributes.get("axis", -1)
+    total = em.reduce("ReduceSum", em.op("Mul", [dy, y]), [axis], keepdims=True)
+    return [em.op("Mul", [y, em.op("Sub", [dy, total])])]
+
+
+@rule("LogSoftmax")
+def log_softmax(em, op, dys, wants):
+    """dx = dy - exp(y) * sum(dy)."""
+    y, dy = op.outputs[0], dys[0]
+    axis = op.attributes.get("axis", -1)
+    total = em.reduce("ReduceSum", dy, [axis], keepdims=True)
+    return [em.op("Sub", [dy, em.op("Mul", [em.op("Exp", [y]), total])])]

@@ -1,0 +1,331 @@
+"""The training step as a whole: losses, optimizers, training runs, the graph's structure
+(phases, kinds, dW/dX roles, interface) and its errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from memsched.errors import UserError
+from memsched.frontend import lower
+from memsched.ir import Graph
+from memsched.memory import analyze
+from memsched.onnx_utils import make_model
+from memsched.schedule import default_schedule
+from passes.autodiff import GRAD_ROLES_KEY, build_training_step
+from tests.gradcheck import check_against_float64, check_gradients, initial_values, session, train_losses, training_info
+
+FLOAT, DOUBLE = TensorProto.FLOAT, TensorProto.DOUBLE
+
+
+def _init(name, array):
+    return numpy_helper.from_array(np.asarray(array), name)
+
+
+def mlp(batch=4, features=5, hidden=6, classes=3, dtype=np.float64, seed=0):
+    """x -> Gemm -> Relu -> Gemm -> logits."""
+    rng = np.random.default_rng(seed)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    inits = [_init("fc1.weight", rng.standard_normal((hidden, features)).astype(dtype) * 0.5),
+             _init("fc1.bias", rng.standard_normal(hidden).astype(dtype) * 0.1),
+             _init("fc2.weight", rng.standard_normal((classes, hidden)).astype(dtype) * 0.5),
+             _init("fc2.bias", np.zeros(classes, dtype))]
+    nodes = [helper.make_node("Gemm", ["x", "fc1.weight", "fc1.bias"], ["h"], name="fc1", transB=1),
+             helper.make_node("Relu", ["h"], ["a"], name="relu"),
+             helper.make_node("Gemm", ["a", "fc2.weight", "fc2.bias"], ["logits"], name="fc2", transB=1)]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", elem, [batch, features])],
+                              [helper.make_tensor_value_info("logits", elem, [batch, classes])], inits)
+    return make_model(graph)
+
+
+def small_cnn(batch=2, channels=3, size=8, classes=4, seed=0):
+    """conv-bn-relu-maxpool, depthwise conv-bn-relu, avgpool, global pool, flatten, gemm (float32)."""
+    rng = np.random.default_rng(seed)
+    f = np.float32
+    inits = [_init("conv1.weight", rng.standard_normal((6, channels, 3, 3)).astype(f) * 0.3),
+             _init("bn1.weight", np.ones(6, f)), _init("bn1.bias", np.zeros(6, f)),
+             _init("bn1.running_mean", np.zeros(6, f)), _init("bn1.running_var", np.ones(6, f)),
+             _init("conv2.weight", rng.standard_normal((6, 1, 3, 3)).astype(f) * 0.3),
+             _init("conv2.bias", np.zeros(6, f)),
+             _init("bn2.weight", np.ones(6, f)), _init("bn2.bias", np.zeros(6, f)),
+             _init("bn2.running_mean", np.zeros(6, f)), _init("bn2.running_var", np.ones(6, f)),
+             _init("fc.weight", rng.standard_normal((classes, 6)).astype(f) * 0.3),
+             _init("fc.bias", np.zeros(classes, f))]
+    nodes = [
+        helper.make_node("Conv", ["x", "conv1.weight"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c1", "bn1.weight", "bn1.bias", "bn1.running_mean",
+                                                "bn1.running_var"], ["b1"], name="bn1"),
+        helper.make_node("Relu", ["b1"], ["r1"], name="relu1"),
+        helper.make_node("MaxPool", ["r1"], ["p1"], name="pool1", kernel_shape=[3, 3], strides=[2, 2],
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["p1", "conv2.weight", "conv2.bias"], ["c2"], name="conv2", group=6,
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c2", "bn2.weight", "bn2.bias", "bn2.running_mean",
+                                                "bn2.running_var"], ["b2"], name="bn2"),
+        helper.make_node("Relu", ["b2"], ["r2"], name="relu2"),
+        helper.make_node("AveragePool", ["r2"], ["p2"], name="pool2", kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("GlobalAveragePool", ["p2"], ["g"], name="gap"),
+        helper.make_node("Flatten", ["g"], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1),
+    ]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", FLOAT, [batch, channels, size, size])],
+                              [helper.make_tensor_value_info("logits", FLOAT, [batch, classes])], inits)
+    return make_model(graph)
+
+
+def sequence_model(batch=2, seq=3, vocab=7, dim=4, seed=0):
+    """token ids -> embedding (Gather) + positions -> LayerNorm -> MatMul -> [N, L, V] logits."""
+    rng = np.random.default_rng(seed)
+    inits = [_init("wte", rng.standard_normal((vocab, dim))), _init("wpe", rng.standard_normal((seq, dim))),
+             _init("ln.weight", np.ones(dim)), _init("ln.bias", np.zeros(dim)),
+             _init("head", rng.standard_normal((dim, vocab)))]
+    nodes = [helper.make_node("Gather", ["wte", "ids"], ["tok"], name="embed"),
+             helper.make_node("Add", ["tok", "wpe"], ["h"], name="add_pos"),
+             helper.make_node("LayerNormalization", ["h", "ln.weight", "ln.bias"], ["n"], name="ln"),
+             helper.make_node("MatMul", ["n", "head"], ["logits"], name="head")]
+    graph = helper.make_graph(nodes, "seq", [helper.make_tensor_value_info("ids", TensorProto.INT64, [batch, seq])],
+                              [helper.make_tensor_value_info("logits", DOUBLE, [batch, seq, vocab])], inits)
+    return make_model(graph)
+
+
+rng = np.random.default_rng(42)
+MLP_FEEDS = {"x": rng.standard_normal((4, 5)), "labels": np.array([0, 2, 1, 2], dtype=np.int64)}
+CNN_FEEDS = {"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32), "labels": np.array([1, 3], dtype=np.int64)}
+SEQ_FEEDS = {"ids": np.array([[1, 6, 1], [0, 3, 5]], dtype=np.int64),
+             "labels": np.array([[6, 1, 2], [3, 5, 0]], dtype=np.int64)}
+
+
+# ---- losses ---------------------------------------------------------------------------------
+def test_cross_entropy_gradients_mlp():
+    check_gradients(mlp(), MLP_FEEDS, loss="cross_entropy")
+
+
+def test_cross_entropy_over_sequences_means_over_every_token():
+    train = check_gradients(sequence_model(), SEQ_FEEDS, loss="cross_entropy", rtol=1e-5)
+    logits = session(lower(sequence_model()).to_onnx()).run(None, {"ids": SEQ_FEEDS["ids"]})[0]
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(log_probs, SEQ_FEEDS["labels"][..., None], -1).mean()
+    loss, = session(train.to_onnx()).run(["loss"], SEQ_FEEDS)
+    assert loss.shape == () and np.isclose(loss, expected, rtol=1e-12)
+
+
+def test_mse_gradients_and_value():
+    feeds = {"x": MLP_FEEDS["x"], "targets": rng.standard_normal((4, 3))}
+    train = check_gradients(mlp(), feeds, loss="mse")
+    logits = session(mlp()).run(None, {"x": feeds["x"]})[0]
+    loss, = session(train.to_onnx()).run(["loss"], feeds)
+    assert np.isclose(loss, ((logits - feeds["targets"]) ** 2).mean(), rtol=1e-12)
+    assert train.inputs == ["x", "targets"]
+
+
+def test_cnn_gradients_with_batch_statistics():
+    """Conv, training-mode BN, MaxPool, depthwise conv, AveragePool, global pool, Gemm."""
+    check_against_float64(small_cnn(), CNN_FEEDS, loss="cross_entropy", sample=4)
+
+
+def test_batch_norm_uses_batch_statistics():
+    """Running stats (here deliberately off) do not change a training step's loss."""
+    model = small_cnn()
+    for init in model.graph.initializer:
+        if init.name.endswith("running_mean"):
+            init.CopyFrom(_init(init.name, np.full(6, 5.0, np.float32)))
+    losses = [session(build_training_step(lower(m)).to_onnx()).run(["loss"], CNN_FEEDS)[0]
+              for m in (model, small_cnn())]
+    assert np.isclose(losses[0], losses[1], rtol=1e-6)
+
+
+# ---- optimizers -----------------------------------------------------------------------------
+def _one_step(model, feeds, optimizer, **options):
+    train = build_training_step(lower(model), loss="cross_entropy", optimizer=optimizer, **options)
+    return train, dict(zip(train.outputs, session(train.to_onnx()).run(train.outputs, feeds)))
+
+
+def test_optimizer_updates_follow_pytorch_formulas():
+    lr = 0.1
+    _, plain = _one_step(mlp(), MLP_FEEDS, "none")
+    params = initial_values(mlp(), ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"])
+    grads = {p: plain[f"{p}.grad"] for p in params}
+
+    train, out = _one_step(mlp(), MLP_FEEDS, "sgd", lr=lr)
+    assert train.outputs == ["loss"] + [f"{p}.updated" for p in params]
+    for p in params:
+        np.testing.assert_allclose(out[f"{p}.updated"], params[p] - lr * grads[p], rtol=1e-12)
+
+    train, out = _one_step(mlp(), MLP_FEEDS, "momentum", lr=lr, momentum=0.5)
+    for p in params:   # first step: the buffer starts at zero, so it becomes the gradient
+        np.testing.assert_allclose(out[f"{p}.momentum_buffer.updated"], grads[p], rtol=1e-12)
+        np.testing.assert_allclose(out[f"{p}.updated"], params[p] - lr * grads[p], rtol=1e-12)
+
+    train, out = _one_step(mlp(), MLP_FEEDS, "adam", lr=lr, betas=(0.8, 0.9), eps=1e-3)
+    assert train.outputs[:5] == ["loss", "fc1.weight.updated", "fc1.weight.exp_avg.updated",
+                                 "fc1.weight.exp_avg_sq.updated", "fc1.weight.step.updated"]
+    for p in params:
+        g = grads[p]
+        m, v = 0.2 * g, 0.1 * g * g
+        expected = params[p] - lr / 0.2 * m / (np.sqrt(v) / np.sqrt(0.1) + 1e-3)
+        np.testing.assert_allclose(out[f"{p}.exp_avg.updated"], m, rtol=1e-12)
+        np.testing.assert_allclose(out[f"{p}.exp_avg_sq.updated"], v, rtol=1e-12)
+        assert out[f"{p}.step.updated"] == 1
+        np.testing.assert_allclose(out[f"{p}.updated"], expected, rtol=1e-10)
+
+
+def test_adam_second_step_uses_the_step_count():
+    """Two Adam steps fed back through the states equal the formula unrolled twice."""
+    losses = train_losses(mlp(), MLP_FEEDS, steps=2, loss="cross_entropy", optimizer="adam", lr=0.05)
+    assert len(losses) == 2 and losses[1] < losses[0]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+def test_mlp_loss_falls_over_20_steps(optimizer):
+    lr = {"sgd": 0.5, "momentum": 0.2, "adam": 0.05}[optimizer]
+    losses = train_losses(mlp(), MLP_FEEDS, steps=20, loss="cross_entropy", optimizer=optimizer, lr=lr)
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(np.isfinite(losses))
+
+
+def test_cnn_loss_falls_over_20_sgd_steps():
+    losses = train_losses(small_cnn(), CNN_FEEDS, steps=20, loss="cross_entropy", optimizer="sgd", lr=0.1)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_sequence_model_loss_falls_over_20_sgd_steps():
+    losses = train_losses(sequence_model(), SEQ_FEEDS, steps=20, loss="cross_entropy", optimizer="sgd", lr=0.5)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+# ---- structure ------------------------------------------------------------------------------
+def _roles(graph):
+    return json.loads(graph.metadata[GRAD_ROLES_KEY])
+
+
+def test_phases_are_in_framework_order_and_the_graph_is_valid_onnx():
+    train = build_training_step(lower(small_cnn()), optimizer="momentum")
+    order = {"forward": 0, "loss": 1, "backward": 2, "update": 3}
+    phases = [order[op.phase] for op in train.ops]
+    assert phases == sorted(phases) and set(phases) == {0, 1, 2, 3}
+    assert train.is_topological()
+    model = train.to_onnx()
+    onnx.checker.check_model(model, full_check=True)
+    assert {o.domain for o in model.opset_import} == {""} and model.opset_import[0].version == 17
+    assert all(n.domain == "" for n in model.graph.node)
+    # kinds, phases and roles survive the round trip through ONNX
+    back = Graph.from_onnx(model)
+    assert [op.phase for op in back.ops] == [op.phase for op in train.ops]
+    assert {n: t.kind for n, t in back.tensors.items()} == {n: t.kind for n, t in train.tensors.items()}
+    assert _roles(back) == _roles(train)
+
+
+def test_backward_follows_the_forward_in_reverse():
+    train = build_training_step(lower(small_cnn()))
+    forward = [op.name for op in train.ops if op.phase == "forward"]
+    roles = _roles(train)
+    layers = [roles[op.name]["layer"] for op in train.ops if op.name in roles]
+    first_seen = list(dict.fromkeys(layers))
+    assert first_seen == sorted(first_seen, key=lambda name: -forward.index(name))
+
+
+def test_tensor_kinds():
+    train = build_training_step(lower(small_cnn()), optimizer="adam")
+    kinds = {n: t.kind for n, t in train.tensors.items()}
+    assert "bn1.running_mean" not in kinds   # batch statistics: the running ones are not read
+    assert kinds["conv1.weight"] == "parameter" and kinds["loss"] == "output"
+    assert kinds["conv1.weight.grad"] == "param_grad"
+    assert kinds["conv1.weight.exp_avg"] == "optimizer_state" and kinds["conv1.weight.step"] == "optimizer_state"
+    assert kinds["conv1.weight.updated"] == "output" and kinds["logits"] == "activation"
+    assert kinds["labels"] == "input"
+    backward = {t for op in train.ops if op.phase == "backward" for t in op.present_outputs}
+    assert {kinds[t] for t in backward} == {"gradient", "param_grad"}
+    for t in train.tensors.values():
+        if t.kind == "optimizer_state":
+            assert not numpy_helper.to_array(t.data).any()
+
+
+def test_dw_and_dx_are_separate_ops_for_every_layer():
+    train = build_training_step(lower(small_cnn()), optimizer="sgd")
+    roles = _roles(train)
+    by_layer: dict[str, dict[str, set]] = {}
+    for op in train.ops:
+        role = roles.get(op.name)
+        if op.phase == "backward" and role:
+            by_layer.setdefault(role["layer"], {}).setdefault(role["role"], set()).add(role["param"])
+    assert "shared" not in {r for layer in by_layer.values() for r in layer}
+    assert by_layer["conv2"] == {"dX": {"conv2.weight"}, "dW": {"conv2.weight", "conv2.bias"}}
+    assert by_layer["bn1"] == {"dX": {"bn1.weight"}, "dW": {"bn1.weight", "bn1.bias"}}
+    assert by_layer["fc"] == {"dX": {"fc.weight"}, "dW": {"fc.weight", "fc.bias"}}
+    assert by_layer["conv1"] == {"dW": {"conv1.weight"}}   # the input image needs no gradient
+    conv_dw = [op for op in train.ops if roles.get(op.name) == {"role": "dW", "layer": "conv1",
+                                                                  "param": "conv1.weight"}]
+    assert conv_dw[-1].outputs == ["conv1.weight.grad"]
+    updates = [op for op in train.ops if op.phase == "update"]
+    assert {roles[op.name]["param"] for op in updates} == set(training_info(train)["parameters"])
+    assert all(roles[op.name]["role"] == "update" for op in updates)
+
+
+def test_default_schedule_is_valid_for_the_memory_model():
+    train = build_training_step(lower(mlp()), optimizer="sgd")
+    profile = analyze(train, default_schedule(train))
+    assert profile.peak_bytes > 0
+
+
+# ---- trainable parameters and errors --------------------------------------------------------
+def test_trainable_parameters_exclude_buffers_scalars_and_frozen():
+    train = build_training_step(lower(small_cnn()), freeze=["bn*", "conv1.*"])
+    params = training_info(train)["parameters"]
+    assert params == ["conv2.weight", "conv2.bias", "fc.weight", "fc.bias"]
+    assert train.outputs == ["loss"] + [f"{p}.grad" for p in params]
+    assert not any(op.op_type == "ConvTranspose" and op.phase == "backward" and "conv1" in op.name
+                   for op in train.ops)
+
+
+def test_freeze_pattern_that_matches_nothing_is_an_error():
+    with pytest.raises(UserError, match="--freeze 'nope' matches no trainable parameter"):
+        build_training_step(lower(mlp()), freeze=["nope"])
+
+
+def test_ops_without_a_gradient_rule_are_all_named():
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Sin", ["w"], ["a"], name="sin1"),
+             helper.make_node("Cos", ["a"], ["b"], name="cos1"),
+             helper.make_node("Sin", ["b"], ["c"], name="sin2"),
+             helper.make_node("Pad", ["c", "pads"], ["d"], name="reflect", mode="reflect"),
+             helper.make_node("ReduceSum", ["d"], ["out"], keepdims=0)]
+    graph = helper.make_graph(nodes, "bad", [], [helper.make_tensor_value_info("out", FLOAT, [])],
+                              [_init("w", rng.standard_normal((3, 3)).astype(np.float32)),
+                               _init("pads", np.array([0, 1, 0, 1], dtype=np.int64))])
+    with pytest.raises(UserError) as err:
+        build_training_step(lower(make_model(graph)), loss="output")
+    message = str(err.value)
+    assert "Cos (node 'cos1')" in message and "Sin (nodes 'sin1', 'sin2')" in message
+    assert "Pad node 'reflect': mode 'reflect' is not supported" in message
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"loss": "hinge"}, "unknown loss 'hinge'"),
+    ({"optimizer": "lbfgs"}, "unknown optimizer 'lbfgs'"),
+    ({"lr": -1.0}, "learning rate must be a positive number"),
+    ({"loss": "output"}, "needs a model whose output is a scalar loss"),
+    ({"freeze": ["*"]}, "no trainable parameter that reaches its output .all are frozen"),
+])
+def test_bad_options(options, message):
+    with pytest.raises(UserError, match=message):
+        build_training_step(lower(mlp()), **options)
+
+
+def test_old_opset_is_refused():
+    with pytest.raises(UserError, match="opset 11"):
+        build_training_step(lower(mlp()).replace(opset_imports={"": 11}))
+
+
+def test_shared_parameter_gets_one_accumulated_gradient():
+    """A weight used twice (tied embeddings) gets the sum of both contributions."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("MatMul", ["w", "w"], ["a"], name="square"),
+             helper.make_node("Mul", ["a", "w"], ["b"], name="again"),
+             helper.make_node("ReduceSum", ["b"], ["out"], keepdims=0)]
+    graph = helper.make_graph(nodes, "tied", [], [helper.make_tensor_value_info("out", DOUBLE, [])],
+                              [_init("w", rng.standard_normal((3, 3)))])
+    train = check_gradients(make_model(graph))
+    assert train.outputs == ["loss", "w.grad"]
