@@ -234,20 +234,24 @@ def validate(plan: Plan) -> MemoryProfile:
     return profile
 
 
-def buffers(profile: MemoryProfile) -> list[tuple[tuple[str, int], int, int, int]]:
-    """Storage buffers to place: (key, first step, last step, bytes); in-place chains merged."""
-    root: dict[tuple[str, int], tuple[str, int]] = {}
+def buffer_roots(profile: MemoryProfile) -> dict[tuple[str, int], tuple[str, int]]:
+    """Residency key -> the key of the storage buffer it lives in (in-place chains followed)."""
     by_key = {r.key: r for r in profile.residencies}
-
-    def find(key):
+    roots: dict[tuple[str, int], tuple[str, int]] = {}
+    for r in profile.residencies:
+        key = r.key
         while by_key[key].shares_with is not None:
             key = by_key[key].shares_with
-        return key
+        roots[r.key] = key
+    return roots
 
+
+def buffers(profile: MemoryProfile) -> list[tuple[tuple[str, int], int, int, int]]:
+    """Storage buffers to place: (key, first step, last step, bytes); in-place chains merged."""
+    roots = buffer_roots(profile)
     spans: dict[tuple[str, int], list[int]] = {}
     for r in profile.residencies:
-        k = find(r.key)
-        root[r.key] = k
+        k = roots[r.key]
         span = spans.setdefault(k, [r.start, r.end, r.nbytes])
         span[0], span[1], span[2] = min(span[0], r.start), max(span[1], r.end), max(span[2], r.nbytes)
     return [(k, s, e, b) for k, (s, e, b) in spans.items()]
