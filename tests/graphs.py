@@ -1,4 +1,3 @@
-<<<<<<< HEAD
 """Tiny hand-written ONNX graphs for tests (exact byte figures are easy to work out by hand)."""
 from __future__ import annotations
 
@@ -6,6 +5,9 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from memsched.onnx_utils import make_model
+import random
+from onnx import TensorProto
+from memsched.ir import Graph, Op, Tensor
 
 
 def mlp_model(batch: int | str = 2, width: int = 4) -> "onnx.ModelProto":
@@ -41,21 +43,6 @@ def reshape_model() -> "onnx.ModelProto":
     graph = helper.make_graph(nodes, "reshape", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [axes])
     return make_model(graph)
-=======
-"""Hand-written graphs for the planning-pass tests: exact byte sizes, training-shaped.
-
-Every tensor is a uint8 vector, so a tensor of N bytes has shape (N,) and the figures in
-the tests are plain sums. Initializer-backed tensors (parameters, the learning rate) carry a
-header-only TensorProto: static for the memory model, no data to build.
-"""
-from __future__ import annotations
-
-import random
-
-from onnx import TensorProto
-
-from memsched.ir import Graph, Op, Tensor
-
 
 class GraphBuilder:
     """Collects tensors and ops in order; `graph()` returns the Graph (stored order = order added)."""
@@ -178,4 +165,3 @@ def random_dag(seed: int, n_ops: int, max_bytes: int = 1000) -> Graph:
         if t not in consumed or rnd.random() < 0.1:
             b.output(t)
     return b.graph()
->>>>>>> orderreuse
