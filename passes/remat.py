@@ -1,0 +1,785 @@
+"""Rematerialisation under a memory budget: drop activations, replay their producers later.
+
+Works on an abstract DAG (a `RematProblem`): every node has a `cost` (time) and a `size`
+(bytes of its single output); edges are data dependencies; an initial topological order
+fixes when each node is first computed; `pinned_bytes` is always resident. Other modules map
+memsched's training plans onto this; here nothing knows about ONNX.
+
+Memory model (as Checkmate and Moccasin use it), the one judge is `evaluate`:
+- A schedule is a sequence of node ids; the first occurrence computes a node, a repeated id
+  is a recomputation.
+- Every input of a node must have been computed at an earlier step; it is then live.
+- A computation's output is live from its step until the last step that uses it as an input
+  before the node is next recomputed; an output used by nobody in that stretch (a sink's, for
+  one) is live only at its own step.
+- During a step, the node's inputs and its output are all live.
+- Peak = max over steps of the live bytes, plus `pinned_bytes`.
+
+Search space of every solver here (a *plan*): first computations follow the initial order;
+recomputations are inserted at *stages*, stage t being the recomputations placed just before
+order[t] (in topological order), then order[t] itself. Any plan is a valid schedule (every
+input comes earlier in the order), so solvers only trade cost against memory. A plan lets
+each node be computed at most `max_computations` (C) times.
+
+Solvers: checkpoint-all (no recomputation), Chen et al.'s sqrt(n) segments, a greedy
+evictor, and CP-SAT in the spirit of Moccasin (Bartan et al., ICML 2023): one retention
+interval per computation, O(n) integer variables, a cumulative constraint for memory.
+`plan` runs them and returns the cheapest schedule that fits.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import networkx as nx
+
+CHECKPOINT_ALL = "checkpoint_all"
+SQRT_N = "sqrt_n"
+GREEDY = "greedy"
+CPSAT = "cpsat"
+METHODS = (CHECKPOINT_ALL, SQRT_N, GREEDY, CPSAT)
+
+
+class RematInputError(ValueError):
+    """A graph that cannot be planned: missing file, bad JSON, a cycle, missing costs."""
+
+
+class BudgetInfeasible(Exception):
+    """No schedule within the budget was found; carries the smallest budget that was reached.
+
+    `smallest_budget` is the lowest peak any solver reached (a budget known to work);
+    `lower_bound` is a proven floor (no schedule can peak below it).
+    """
+
+    def __init__(self, budget_bytes: int, smallest_budget: int, lower_bound: int):
+        self.budget_bytes = budget_bytes
+        self.smallest_budget = smallest_budget
+        self.lower_bound = lower_bound
+        super().__init__(
+            f"budget {budget_bytes} bytes cannot be met; the smallest budget found is "
+            f"{smallest_budget} bytes (no schedule can go below {lower_bound} bytes)")
+
+
+# --------------------------------------------------------------------------- problem
+
+@dataclass(frozen=True)
+class RematProblem:
+    """A DAG in its initial topological order; nodes are referred to by position 0..n-1.
+
+    `ids[i]` is the user's id of the node at position i; `preds[i]` the positions of its
+    inputs (all < i). Build one with `make_problem` or `load_node_link`.
+    """
+
+    ids: tuple
+    cost: tuple[float, ...]
+    size: tuple[int, ...]
+    preds: tuple[tuple[int, ...], ...]
+    pinned_bytes: int = 0
+    succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        succs: list[list[int]] = [[] for _ in self.ids]
+        for v, inputs in enumerate(self.preds):
+            for u in inputs:
+                succs[u].append(v)
+        object.__setattr__(self, "succs", tuple(tuple(s) for s in succs))
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    @property
+    def base_cost(self) -> float:
+        """Cost of computing every node once: the floor of any schedule's cost."""
+        return float(sum(self.cost))
+
+
+def make_problem(graph: nx.DiGraph, order=None, pinned_bytes: int = 0,
+                 cost: str = "cost", size: str = "size") -> RematProblem:
+    """A RematProblem from a networkx DAG whose nodes carry `cost` and `size` attributes.
+
+    `order` (default: networkx's topological sort) must list every node once, inputs first.
+    """
+    if not isinstance(graph, nx.DiGraph) or graph.is_multigraph():
+        raise RematInputError("the graph must be a networkx DiGraph")
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = " -> ".join(repr(u) for u, _ in nx.find_cycle(graph))
+        raise RematInputError(f"the graph has a cycle: {cycle}")
+    order = list(nx.topological_sort(graph)) if order is None else list(order)
+    pos = {v: i for i, v in enumerate(order)}
+    if len(pos) != len(order) or set(pos) != set(graph.nodes):
+        raise RematInputError("the order must list every node of the graph exactly once")
+    for u, v in graph.edges:
+        if pos[u] >= pos[v]:
+            raise RematInputError(f"the order is not topological: {u!r} -> {v!r} runs backwards")
+    costs, sizes = [], []
+    for v in order:
+        attrs = graph.nodes[v]
+        for key in (cost, size):
+            if key not in attrs:
+                raise RematInputError(f"node {v!r} has no '{key}'")
+            value = attrs[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise RematInputError(f"node {v!r}: '{key}' must be a finite number >= 0, not {value!r}")
+        costs.append(float(attrs[cost]))
+        sizes.append(int(math.ceil(attrs[size])))
+    if pinned_bytes < 0:
+        raise RematInputError("pinned_bytes must be >= 0")
+    preds = tuple(tuple(sorted(pos[u] for u in graph.predecessors(v))) for v in order)
+    return RematProblem(tuple(order), tuple(costs), tuple(sizes), preds, int(pinned_bytes))
+
+
+def load_node_link(path, pinned_bytes: int = 0) -> RematProblem:
+    """A Checkmate / Moccasin graph: networkx node-link JSON, nodes with `cost_cpu` (time) and
+    `cost_ram` (bytes of the output), edges under "links" or "edges". The order is
+    `graph["order"]` when the file gives one, else a topological sort.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RematInputError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise RematInputError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RematInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+        raise RematInputError(f"{path}: not a node-link graph (no 'nodes' list)")
+    edges_key = "edges" if "edges" in data else "links"
+    if not isinstance(data.get(edges_key, []), list):
+        raise RematInputError(f"{path}: '{edges_key}' must be a list")
+    data = dict(data, directed=True, multigraph=False)  # edges are dependencies, whatever the file says
+    data.setdefault(edges_key, [])
+    try:
+        graph = nx.node_link_graph(data, edges=edges_key)
+    except (KeyError, TypeError, nx.NetworkXError) as exc:
+        raise RematInputError(f"{path}: malformed node-link graph ({type(exc).__name__}: {exc})") from None
+    order = graph.graph.get("order")
+    try:
+        return make_problem(graph, order, pinned_bytes, cost="cost_cpu", size="cost_ram")
+    except RematInputError as exc:
+        raise RematInputError(f"{path}: {exc}") from None
+
+
+def to_node_link(problem: RematProblem) -> dict:
+    """The problem as Checkmate-style node-link JSON data (what `load_node_link` reads)."""
+    graph = nx.DiGraph(order=list(problem.ids))
+    for i, v in enumerate(problem.ids):
+        graph.add_node(v, cost_cpu=problem.cost[i], cost_ram=problem.size[i])
+    for v, inputs in enumerate(problem.preds):
+        for u in inputs:
+            graph.add_edge(problem.ids[u], problem.ids[v])
+    return nx.node_link_data(graph, edges="links")
+
+
+def budget_from_fraction(problem: RematProblem, fraction: float) -> int:
+    """F x the peak of the initial order without recomputation (Checkmate's budget convention)."""
+    if not (fraction > 0 and math.isfinite(fraction)):
+        raise RematInputError(f"the budget fraction must be > 0, not {fraction!r}")
+    return int(fraction * checkpoint_all_peak(problem))
+
+
+def checkpoint_all_peak(problem: RematProblem) -> int:
+    return _liveness(problem, list(range(problem.n))).peak
+
+
+def memory_lower_bound(problem: RematProblem) -> int:
+    """No schedule peaks below this: every node runs with its inputs and output live."""
+    per_node = (problem.size[v] + sum(problem.size[u] for u in problem.preds[v]) for v in range(problem.n))
+    return problem.pinned_bytes + max(per_node, default=0)
+
+
+# --------------------------------------------------------------------------- the judge
+
+@dataclass
+class _Liveness:
+    """Computations ("instances") of a position-level schedule and the live bytes per step."""
+
+    error: str | None
+    node: list[int] = field(default_factory=list)     # instance -> node
+    start: list[int] = field(default_factory=list)    # instance -> step computed
+    end: list[int] = field(default_factory=list)      # instance -> last step live
+    uses: list[list[int]] = field(default_factory=list)  # instance -> steps reading it
+    memory: list[int] = field(default_factory=list)   # step -> live bytes incl. pinned
+    peak: int = 0
+    peak_step: int = 0
+
+
+def _liveness(problem: RematProblem, seq: list[int]) -> _Liveness:
+    """The memory model's body: see the module docstring. `seq` holds positions."""
+    out = _Liveness(None)
+    latest = [-1] * problem.n
+    for k, v in enumerate(seq):
+        for u in problem.preds[v]:
+            i = latest[u]
+            if i < 0:
+                out.error = (f"step {k}: {problem.ids[v]!r} needs {problem.ids[u]!r}, "
+                             f"which is not computed before")
+                return out
+            out.end[i] = k
+            out.uses[i].append(k)
+        latest[v] = len(out.node)
+        out.node.append(v)
+        out.start.append(k)
+        out.end.append(k)
+        out.uses.append([])
+    missing = [problem.ids[v] for v in range(problem.n) if latest[v] < 0]
+    if missing:
+        out.error = f"{len(missing)} node(s) never computed, e.g. {missing[0]!r}"
+        return out
+    delta = [0] * (len(seq) + 1)
+    for v, a, b in zip(out.node, out.start, out.end):
+        delta[a] += problem.size[v]
+        delta[b + 1] -= problem.size[v]
+    live = problem.pinned_bytes
+    for k in range(len(seq)):
+        live += delta[k]
+        out.memory.append(live)
+        if live > out.peak or k == 0:
+            out.peak, out.peak_step = live, k
+    return out
+
+
+def evaluate(problem: RematProblem, schedule) -> tuple[bool, int | None, float | None, dict]:
+    """Judge a schedule (node ids in run order): (valid, peak bytes, total cost, details).
+
+    details: "error" (why it is invalid, else None), "memory" (live bytes per step, pinned
+    included), "peak_step", "recomputations". Peak and cost are None when invalid.
+    """
+    index = {v: i for i, v in enumerate(problem.ids)}
+    seq = []
+    for k, v in enumerate(schedule):
+        try:
+            seq.append(index[v])
+        except (KeyError, TypeError):
+            return False, None, None, {"error": f"step {k}: unknown node {v!r}"}
+    lv = _liveness(problem, seq)
+    if lv.error:
+        return False, None, None, {"error": lv.error}
+    total = float(sum(problem.cost[v] for v in seq))
+    return True, lv.peak, total, {"error": None, "memory": lv.memory, "peak_step": lv.peak_step,
+                                  "recomputations": len(seq) - problem.n}
+
+
+# --------------------------------------------------------------------------- plans
+
+def schedule_from_plan(problem: RematProblem, plan: list[list[int]]) -> list[int]:
+    """Positions in run order: at each stage t, the recomputations planned there (in
+    topological order), then the node at position t. `plan[v]` lists v's recompute stages."""
+    by_stage: list[list[int]] = [[] for _ in range(problem.n)]
+    for v, stages in enumerate(plan):
+        for t in stages:
+            by_stage[t].append(v)
+    seq = []
+    for t in range(problem.n):
+        seq.extend(sorted(by_stage[t]))
+        seq.append(t)
+    return seq
+
+
+def plan_from_schedule(problem: RematProblem, schedule) -> list[list[int]] | None:
+    """The plan behind a schedule, or None when the schedule is not of the plan form."""
+    index = {v: i for i, v in enumerate(problem.ids)}
+    plan: list[list[int]] = [[] for _ in range(problem.n)]
+    pending: list[int] = []   # recomputations of the current stage t
+    t = 0
+    for v in schedule:
+        v = index.get(v)
+        if v is None or v > t:
+            return None
+        if v < t:
+            pending.append(v)
+            continue
+        if any(a >= b for a, b in zip(pending, pending[1:])):
+            return None   # not in topological order within the stage
+        for u in pending:
+            plan[u].append(t)
+        pending, t = [], t + 1
+    return plan if t == problem.n and not pending else None
+
+
+# --------------------------------------------------------------------------- results
+
+@dataclass(frozen=True)
+class Result:
+    """A schedule and how it was found.
+
+    overhead = total_cost / (sum of node costs) - 1. status: "optimal" (proven, within the
+    plan space), "feasible" (CP-SAT improved on the warm start; `lower_bound` is the proven
+    floor on total_cost), "heuristic" (a baseline, or CP-SAT found nothing better).
+    `runs` (from `plan`) holds every method's own result by name.
+    """
+
+    method: str
+    schedule: tuple
+    budget_bytes: int
+    peak_bytes: int
+    total_cost: float
+    overhead: float
+    status: str
+    seconds: float
+    lower_bound: float | None = None
+    runs: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.budget_bytes
+
+    @property
+    def recomputations(self) -> int:
+        return len(self.schedule) - len(set(self.schedule))
+
+
+def _result(problem: RematProblem, method: str, seq: list[int], budget: int, status: str,
+            started: float, lower_bound: float | None = None) -> Result:
+    """Judge `seq` with `evaluate` and wrap it; an invalid schedule here is a bug."""
+    schedule = tuple(problem.ids[v] for v in seq)
+    valid, peak, total, details = evaluate(problem, schedule)
+    if not valid:
+        raise RuntimeError(f"internal error: {method} produced an invalid schedule: {details['error']}")
+    base = problem.base_cost
+    overhead = total / base - 1.0 if base > 0 else 0.0
+    return Result(method, schedule, budget, peak, total, overhead, status,
+                  time.perf_counter() - started, lower_bound)
+
+
+# --------------------------------------------------------------------------- baselines
+
+def solve_checkpoint_all(problem: RematProblem, budget_bytes: int) -> Result:
+    """The initial order, nothing recomputed: the cheapest schedule there is, if it fits."""
+    started = time.perf_counter()
+    seq = list(range(problem.n))
+    result = _result(problem, CHECKPOINT_ALL, seq, budget_bytes, "heuristic", started)
+    if result.fits:  # no recomputation at all: nothing can be cheaper
+        result = replace(result, status="optimal", lower_bound=problem.base_cost)
+    return result
+
+
+def _sqrt_n_plan(problem: RematProblem, max_computations: int) -> list[list[int]]:
+    """Chen et al. along the order: segments of ~sqrt(n) positions whose last nodes are kept.
+    Any other node idle for more than a segment between two reads (for a training graph:
+    between forward and backward) is dropped across its longest idle stretch, then
+    recomputed -- with whatever dropped inputs it needs -- at the first stage after that
+    stretch that reads it, and kept from there on."""
+    n = problem.n
+    plan: list[list[int]] = [[] for _ in range(n)]
+    if max_computations < 2 or n == 0:
+        return plan
+    seg = max(1, math.ceil(math.sqrt(n)))
+    keep_until: list[int | None] = [None] * n   # last stage served by the first copy; None: never dropped
+    for v in range(n):
+        marks = [v, *sorted(problem.succs[v])]
+        if (v + 1) % seg == 0 or len(marks) < 2:
+            continue   # a segment boundary, or a sink
+        gap, last = max((b - a, a) for a, b in zip(marks, marks[1:]))
+        if gap > seg:   # idle for longer than a segment: worth a replay
+            keep_until[v] = last
+    for t in range(n):
+        stack = list(problem.preds[t])
+        while stack:
+            u = stack.pop()
+            if keep_until[u] is not None and t > keep_until[u] and not plan[u]:
+                plan[u].append(t)
+                stack.extend(problem.preds[u])
+    return plan
+
+
+def solve_sqrt_n(problem: RematProblem, budget_bytes: int, max_computations: int = 2) -> Result:
+    """Chen et al.'s sqrt(n) segment checkpointing, generalised to DAGs along the order."""
+    started = time.perf_counter()
+    seq = schedule_from_plan(problem, _sqrt_n_plan(problem, max_computations))
+    return _result(problem, SQRT_N, seq, budget_bytes, "heuristic", started)
+
+
+def _greedy_plan(problem: RematProblem, budget: int, max_computations: int) -> list[list[int]]:
+    """Evict at the peak step, cheapest time per byte first, until the budget holds.
+
+    Each round finds the peak step k*, and for every output live but idle there, the cost of
+    recomputing it at its next use (with the inputs that would otherwise be kept alive across
+    k*, recursively) against the bytes that frees at k*. Returns the lowest-peak plan seen.
+    """
+    n = problem.n
+    plan: list[list[int]] = [[] for _ in range(n)]
+    best_plan, best_peak = [list(s) for s in plan], None
+    for _ in range(n * max(0, max_computations - 1) + 1):
+        seq = schedule_from_plan(problem, plan)
+        lv = _liveness(problem, seq)
+        if best_peak is None or lv.peak < best_peak:
+            best_plan, best_peak = [list(s) for s in plan], lv.peak
+        if lv.peak <= budget:
+            break
+        move = _best_eviction(problem, plan, seq, lv, max_computations)
+        if move is None:
+            break
+        stage, nodes = move
+        for w in nodes:
+            bisect.insort(plan[w], stage)
+    return best_plan
+
+
+def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computations: int):
+    """(stage, nodes to recompute there) with the least cost per byte freed at the peak step."""
+    n, k_peak = problem.n, lv.peak_step
+    stage_of, stage_start = [], [0]   # step -> its stage; stage -> its first step
+    for k, v in enumerate(seq):
+        stage_of.append(len(stage_start) - 1)
+        if v == len(stage_start) - 1:   # the main step closes its stage
+            stage_start.append(k + 1)
+    by_stage: list[list[int]] = [[] for _ in range(n)]
+    for v, stages in enumerate(plan):
+        for s in stages:
+            by_stage[s].append(v)
+    for lst in by_stage:
+        lst.sort()
+    instances_of: list[list[int]] = [[] for _ in range(n)]
+    for i, v in enumerate(lv.node):
+        instances_of[v].append(i)
+
+
+    def new_step(stage: int, w: int) -> int:
+        """Where a recomputation of w at `stage` lands in the current sequence."""
+        return stage_start[stage] + bisect.bisect_left(by_stage[stage], w)
+
+    def serving(u: int, step: int) -> int:
+        """The instance of u that a read just before `step` would use."""
+        inst = instances_of[u]
+        starts = [lv.start[i] for i in inst]
+        return inst[bisect.bisect_left(starts, step) - 1]
+
+    best = None
+    for i, v in enumerate(lv.node):
+        if not (lv.start[i] < k_peak < lv.end[i]) or len(plan[v]) >= max_computations - 1:
+            continue  # not live across k*, or no recomputation left
+        after = bisect.bisect_right(lv.uses[i], k_peak)
+        if after and lv.uses[i][after - 1] == k_peak:
+            continue  # an input of the peak step itself
+        stage = stage_of[lv.uses[i][after]]
+        if new_step(stage, v) <= k_peak:
+            continue  # the recomputation would land before the peak step
+        chosen, extra, todo = {v}, 0, [v]
+        while todo:
+            w = todo.pop()
+            step = new_step(stage, w)
+            for u in problem.preds[w]:
+                if u in chosen:
+                    continue
+                j = serving(u, step)
+                if lv.start[j] > k_peak or lv.end[j] >= k_peak:
+                    continue  # already live at k* (or computed after it): no new bytes there
+                if len(plan[u]) < max_computations - 1 and stage not in plan[u] and u not in chosen:
+                    chosen.add(u)
+                    todo.append(u)
+                else:
+                    extra += problem.size[u]
+        freed = problem.size[v] - extra
+        if freed <= 0:
+            continue
+        score = (sum(problem.cost[w] for w in chosen) / freed, -freed)
+        if best is None or score < best[0]:
+            best = (score, stage, sorted(chosen))
+    return None if best is None else (best[1], best[2])
+
+
+def solve_greedy(problem: RematProblem, budget_bytes: int, max_computations: int = 2) -> Result:
+    """Greedy eviction: cheapest recomputation per byte of peak freed, until the budget holds
+    (or nothing more helps; the result then has the lowest peak it reached)."""
+    started = time.perf_counter()
+    seq = schedule_from_plan(problem, _greedy_plan(problem, budget_bytes, max_computations))
+    return _result(problem, GREEDY, seq, budget_bytes, "heuristic", started)
+
+
+# --------------------------------------------------------------------------- CP-SAT
+
+def recompute_candidates(problem: RematProblem, min_gap: int = 2, forced=()) -> tuple[set, list]:
+    """(nodes worth recomputing, last stage at which each node may be read; None for sinks).
+
+    Recomputing v can only help if some stage strictly between two of its reads (or between
+    its computation and its first read) could go without it -- a gap of `min_gap` stages or
+    more -- or if a consumer may itself be recomputed later (and then reads v again).
+    Nodes in `forced` (a warm start's recomputations) are always candidates.
+    """
+    forced = set(forced)
+    candidates: set[int] = set()
+    last_read: list[int | None] = [None] * problem.n
+    for v in reversed(range(problem.n)):
+        readers = problem.succs[v]
+        if not readers:
+            continue
+        last_read[v] = max(last_read[c] if c in candidates else c for c in readers)
+        marks = [v, *sorted(readers)]
+        gap = max(b - a for a, b in zip(marks, marks[1:]))
+        if v in forced or gap >= min_gap or any(c in candidates for c in readers):
+            candidates.add(v)
+    return candidates, last_read
+
+
+def _integer_costs(costs) -> tuple[list[int], float]:
+    """Costs as integers for CP-SAT, rounded down (so bound / scale stays a true lower bound)."""
+    top = max(costs, default=0.0)
+    if top <= 0:
+        return [0] * len(costs), 1.0
+    if top <= 10**6 and all(float(c).is_integer() for c in costs):
+        return [int(c) for c in costs], 1.0
+    scale = 10**6 / top
+    return [math.floor(c * scale) for c in costs], scale
+
+
+@dataclass
+class _Copy:
+    """One computation of a node and its retention interval [start, fin) over points."""
+
+    present: object   # True, or a Boolean literal (recomputations are optional)
+    stage: object     # an int (first computation) or an IntVar
+    start: object     # point of the computation: an int or a linear expression
+    fin: object       # IntVar: first point where the output is no longer retained
+    length: object = None   # IntVar fin - start (recomputations only; CP-SAT wants it affine)
+
+
+@dataclass
+class RematModel:
+    """A CP-SAT model of the plan space and the handles needed to hint it and read it."""
+
+    model: object
+    copies: list[list[_Copy]]
+    serves: dict          # (u, v, k) -> [(j, literal)]: which copy of u the read by copy k of v uses
+    cost_scale: float
+    width: int            # points per stage
+
+
+def build_model(problem: RematProblem, budget_bytes: int, candidates: set, last_read: list,
+                max_computations: int = 2) -> RematModel | None:
+    """Moccasin-style model; None when the pinned bytes alone exceed the budget.
+
+    Points: stage t has n+1 points, t*(n+1)+v for a recomputation of v (topological order
+    inside the stage) and t*(n+1)+n for the main computation of position t. Every node has up
+    to C computations, each retained over [start, fin); the first is fixed at its main point.
+    A read of u at point P needs a copy of u with start < P < fin; memory is a cumulative over
+    the retention intervals. Retention covers exactly the liveness of `evaluate`, so any
+    solution fits the budget under the judge.
+    """
+    from ortools.sat.python import cp_model
+
+    n = problem.n
+    width = n + 1
+    unit = math.gcd(*problem.size) or 1
+    capacity = (budget_bytes - problem.pinned_bytes) // unit
+    if capacity < 0:
+        return None
+    model = cp_model.CpModel()
+    icost, scale = _integer_costs(problem.cost)
+
+    def main(t: int) -> int:
+        return t * width + n
+
+    copies: list[list[_Copy]] = []
+    intervals, demands, objective = [], [], []
+    for v in range(n):
+        readers = problem.succs[v]
+        hi = main(last_read[v]) + 1 if readers else main(v) + 1
+        lo = main(v) + 1
+        if readers and v not in candidates:
+            lo = main(max(readers)) + 1   # one copy serves every read
+        fin = model.new_int_var(lo, hi, f"fin_{v}_0")
+        intervals.append(model.new_interval_var(main(v), fin - main(v), fin, f"keep_{v}_0"))
+        demands.append(problem.size[v] // unit)
+        node_copies = [_Copy(True, v, main(v), fin)]
+        for j in range(1, max_computations if v in candidates else 1):
+            present = model.new_bool_var(f"re_{v}_{j}")
+            stage = model.new_int_var(v + 1, last_read[v], f"stage_{v}_{j}")
+            start = stage * width + v
+            fin = model.new_int_var((v + 1) * width + v + 1, hi, f"fin_{v}_{j}")
+            length = model.new_int_var(1, hi - (v + 1) * width - v, f"len_{v}_{j}")
+            intervals.append(model.new_optional_interval_var(start, length, fin, present, f"keep_{v}_{j}"))
+            demands.append(problem.size[v] // unit)
+            previous = node_copies[-1]
+            model.add(previous.fin <= start).only_enforce_if(present)
+            if j >= 2:
+                model.add_implication(present, previous.present)
+            objective.append(icost[v] * present)
+            node_copies.append(_Copy(present, stage, start, fin, length))
+        copies.append(node_copies)
+
+    serves = {}
+    for v in range(n):
+        for k, read in enumerate(copies[v]):
+            point = read.start
+            for u in problem.preds[v]:
+                if len(copies[u]) == 1:
+                    if k:   # reads by first computations are in fin's domain already
+                        model.add(copies[u][0].fin >= point + 1).only_enforce_if(read.present)
+                    continue
+                options = []
+                for j, source in enumerate(copies[u]):
+                    lit = model.new_bool_var(f"serve_{u}_{j}_{v}_{k}")
+                    model.add(source.fin >= point + 1).only_enforce_if(lit)
+                    if j:
+                        model.add(source.start <= point - 1).only_enforce_if(lit)
+                        model.add_implication(lit, source.present)
+                    options.append((j, lit))
+                clause = model.add_bool_or([lit for _, lit in options])
+                if k:
+                    clause.only_enforce_if(read.present)
+                serves[(u, v, k)] = options
+    model.add_cumulative(intervals, demands, capacity)
+    _add_covering_cuts(model, problem, budget_bytes, unit, copies)
+    model.minimize(sum(objective))
+    return RematModel(model, copies, serves, scale, width)
+
+
+def _add_covering_cuts(model, problem: RematProblem, budget_bytes: int, unit: int, copies) -> None:
+    """Redundant cuts that give CP-SAT's LP a real bound: at the main step of stage t, every
+    output live there without recomputation stays live unless its node is recomputed at all
+    and is neither run nor read at t, so those recomputations must cover the excess bytes."""
+    no_recompute = _liveness(problem, list(range(problem.n)))
+    live_until = [no_recompute.end[v] for v in range(problem.n)]
+    for t, live in enumerate(no_recompute.memory):
+        excess = live - budget_bytes
+        if excess <= 0:
+            continue
+        droppable = [v for v in range(t) if live_until[v] > t and len(copies[v]) > 1
+                     and v not in problem.preds[t]]
+        model.add(sum((problem.size[v] // unit) * copies[v][1].present for v in droppable)
+                  >= -(-excess // unit))
+
+
+def _plan_points(problem: RematProblem, plan: list[list[int]], width: int):
+    """For a plan: its schedule, liveness, and each step's point in the model's numbering."""
+    seq = schedule_from_plan(problem, plan)
+    lv = _liveness(problem, seq)
+    points, t = [], 0
+    for v in seq:
+        points.append(t * width + (problem.n if v == t else v))
+        t += v == t
+    return seq, lv, points
+
+
+def add_hint(rm: RematModel, problem: RematProblem, plan: list[list[int]]) -> bool:
+    """Hint every variable from a plan; False (no hint) when the model cannot express it."""
+    if any(len(stages) >= len(rm.copies[v]) for v, stages in enumerate(plan) if stages):
+        return False
+    _, lv, points = _plan_points(problem, plan, rm.width)
+    instances: list[list[int]] = [[] for _ in range(problem.n)]
+    for i, v in enumerate(lv.node):
+        instances[v].append(i)
+    model = rm.model
+    for v, node_copies in enumerate(rm.copies):
+        for j, copy in enumerate(node_copies):
+            if j < len(instances[v]):
+                i = instances[v][j]
+                if j:
+                    model.add_hint(copy.present, True)
+                    model.add_hint(copy.stage, plan[v][j - 1])
+                model.add_hint(copy.fin, points[lv.end[i]] + 1)
+                if j:
+                    model.add_hint(copy.length, points[lv.end[i]] + 1 - points[lv.start[i]])
+            else:
+                model.add_hint(copy.present, False)   # absent: any value in the domain
+                model.add_hint(copy.stage, v + 1)
+                model.add_hint(copy.fin, (v + 1) * rm.width + v + 1)
+                model.add_hint(copy.length, 1)
+    for (u, v, k), options in rm.serves.items():
+        read_point = points[lv.start[instances[v][k]]] if k < len(instances[v]) else None
+        starts = [points[lv.start[i]] for i in instances[u]]
+        serving = None if read_point is None else bisect.bisect_left(starts, read_point) - 1
+        for j, lit in options:
+            model.add_hint(lit, j == serving)
+    return True
+
+
+def read_plan(rm: RematModel, solver) -> list[list[int]]:
+    """The plan in a CP-SAT solution: each node's recomputation stages."""
+    plan = []
+    for node_copies in rm.copies:
+        plan.append(sorted(solver.value(c.stage) for c in node_copies[1:] if solver.boolean_value(c.present)))
+    return plan
+
+
+def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0,
+                warm_start: Result | None = None, max_computations: int = 2,
+                min_gap: int = 2) -> Result | None:
+    """Least-cost plan within the budget by CP-SAT, warm-started from `warm_start`.
+
+    Returns None when no schedule within the budget was found (proven or timed out).
+    Status: "optimal" (proven within the plan space), "feasible" (better than the warm start,
+    not proven; lower_bound says how far it can still go), "heuristic" (nothing better found).
+    """
+    from ortools.sat.python import cp_model
+
+    started = time.perf_counter()
+    hint = plan_from_schedule(problem, warm_start.schedule) if warm_start is not None else None
+    forced = {v for v, stages in enumerate(hint) if stages} if hint else set()
+    candidates, last_read = recompute_candidates(problem, min_gap, forced)
+    rm = build_model(problem, budget_bytes, candidates, last_read, max_computations)
+    if rm is None:
+        return None
+    if hint is not None:
+        add_hint(rm, problem, hint)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s - (time.perf_counter() - started))
+    solver.parameters.num_workers = os.cpu_count() or 1
+    solver.parameters.random_seed = 0
+    status = solver.solve(rm.model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    seq = schedule_from_plan(problem, read_plan(rm, solver))
+    lower = problem.base_cost + solver.best_objective_bound / rm.cost_scale
+    result = _result(problem, CPSAT, seq, budget_bytes, "feasible", started, lower)
+    if not result.fits:
+        raise RuntimeError(f"internal error: CP-SAT plan peaks at {result.peak_bytes} bytes, "
+                           f"over the budget {budget_bytes}")
+    if status == cp_model.OPTIMAL:
+        label = "optimal"
+    elif warm_start is not None and warm_start.fits and result.total_cost >= warm_start.total_cost:
+        label = "heuristic"
+    else:
+        label = "feasible"
+    return replace(result, status=label, lower_bound=min(lower, result.total_cost))
+
+
+# --------------------------------------------------------------------------- entry point
+
+def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, method: str = "auto",
+         max_computations: int = 2) -> Result:
+    """The cheapest schedule within `budget_bytes`: baselines first, then CP-SAT warm-started
+    from the best of them. `method` = "auto" (all), or one of METHODS (CP-SAT still runs the
+    baselines for its warm start). Raises BudgetInfeasible naming the smallest budget reached.
+    """
+    started = time.perf_counter()
+    if method != "auto" and method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose auto or one of {', '.join(METHODS)}")
+    if time_limit_s <= 0:
+        raise ValueError("time_limit_s must be > 0")
+    if max_computations < 1:
+        raise ValueError("max_computations must be >= 1")
+    budget_bytes = int(budget_bytes)
+    runs: dict[str, Result] = {}
+    wanted = METHODS if method in ("auto", CPSAT) else (method,)
+    if CHECKPOINT_ALL in wanted:
+        runs[CHECKPOINT_ALL] = solve_checkpoint_all(problem, budget_bytes)
+    if SQRT_N in wanted:
+        runs[SQRT_N] = solve_sqrt_n(problem, budget_bytes, max_computations)
+    if GREEDY in wanted:
+        runs[GREEDY] = solve_greedy(problem, budget_bytes, max_computations)
+    fitting = [r for r in runs.values() if r.fits]
+    best = min(fitting, key=lambda r: r.total_cost, default=None)
+    lower = memory_lower_bound(problem)
+    if CPSAT in wanted and budget_bytes >= lower and not (best and best.status == "optimal"):
+        warm = best or min(runs.values(), key=lambda r: r.peak_bytes)
+        found = solve_cpsat(problem, budget_bytes, time_limit_s, warm, max_computations)
+        if found is not None:
+            runs[CPSAT] = found
+            if best is None or found.total_cost < best.total_cost:
+                best = found
+            else:   # no cheaper than the warm start: keep its name, take CP-SAT's verdict
+                best = replace(best, status=found.status, lower_bound=found.lower_bound)
+    if best is None:
+        raise BudgetInfeasible(budget_bytes, min(r.peak_bytes for r in runs.values()), lower)
+    return replace(best, seconds=time.perf_counter() - started, runs=runs)
