@@ -17,15 +17,17 @@ PAGE = 4096
 MIB_PAGES = 256   # pages in a MiB
 
 
-def training_problem(forward: nx.DiGraph, backward_factor: float = 2.0, pinned_bytes: int = 0) -> RematProblem:
-    """Mirror a forward DAG (nodes with `cost`, `size`) into forward + loss + backward."""
+def training_problem(forward: nx.DiGraph, backward_factor: float = 2.0, pinned_bytes: int = 0,
+                     loss_bytes: int = PAGE) -> RematProblem:
+    """Mirror a forward DAG (nodes with `cost`, `size`, optional `rank` to order ties) into
+    forward + loss + backward."""
     order = list(nx.lexicographical_topological_sort(forward, key=lambda v: forward.nodes[v].get("rank", 0)))
     graph = nx.DiGraph()
     for v in order:
         graph.add_node(v, cost=forward.nodes[v]["cost"], size=forward.nodes[v]["size"])
     graph.add_edges_from(forward.edges)
     sinks = [v for v in order if forward.out_degree(v) == 0]
-    graph.add_node("loss", cost=min(graph.nodes[v]["cost"] for v in sinks), size=PAGE)
+    graph.add_node("loss", cost=min(graph.nodes[v]["cost"] for v in sinks), size=loss_bytes)
     for v in sinks:
         graph.add_edge(v, "loss")
     for v in reversed(order):
