@@ -1,0 +1,103 @@
+"""Recompute planner benchmark: every method on training-shaped graphs at budget fractions
+0.9 and 0.8 of the no-recomputation peak. Prints one JSON object on stdout (progress on
+stderr). `--quick` runs a few small cases with a short limit.
+
+    python bench/bench_remat.py [--quick] [--time-limit S] [--only NAME ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from passes import remat  # noqa: E402
+from passes import remat_graphs as graphs  # noqa: E402
+
+FULL_CASES = {
+    "chain-100": lambda: graphs.chain(100, seed=0),
+    "unet-5": lambda: graphs.unet(depth=5, convs=2, seed=0),
+    "resnet-50": lambda: graphs.resnet((3, 4, 6, 3), seed=0),
+    "random-100": lambda: graphs.random_layered(100, seed=0),
+    "random-300": lambda: graphs.random_layered(300, seed=0),
+    "random-1000": lambda: graphs.random_layered(1000, seed=0),
+}
+QUICK_CASES = {
+    "chain-30": lambda: graphs.chain(30, seed=0),
+    "resnet-small": lambda: graphs.resnet((1, 2, 2, 1), seed=0),
+    "random-100": lambda: graphs.random_layered(100, seed=0),
+}
+FRACTIONS = (0.9, 0.8)
+
+
+def method_summary(run: remat.Result | None, full_peak: int) -> dict:
+    if run is None:
+        return {"fits": False, "overhead": None, "peak_fraction": None, "status": None, "seconds": None}
+    return {"fits": run.fits, "overhead": round(run.overhead, 6) if run.fits else None,
+            "peak_fraction": round(run.peak_bytes / full_peak, 4), "status": run.status,
+            "seconds": round(run.seconds, 3)}
+
+
+def bench_case(name: str, problem: remat.RematProblem, fraction: float, time_limit: float) -> dict:
+    full_peak = remat.checkpoint_all_peak(problem)
+    budget = remat.budget_from_fraction(problem, fraction)
+    started = time.perf_counter()
+    row = {"graph": name, "nodes": problem.n, "fraction": fraction, "budget_bytes": budget}
+    try:
+        result = remat.plan(problem, budget, time_limit_s=time_limit)
+    except remat.BudgetInfeasible as err:
+        row.update(feasible=False, smallest_budget_bytes=err.smallest_budget,
+                   seconds=round(time.perf_counter() - started, 2))
+        return row
+    runs = result.runs
+    methods = {m: method_summary(runs.get(m), full_peak) for m in remat.METHODS}
+    cp = runs.get(remat.CPSAT)
+    rivals = [runs[m].overhead for m in (remat.SQRT_N, remat.GREEDY) if m in runs and runs[m].fits]
+    row.update(
+        feasible=True, winner=result.method, status=result.status, overhead=round(result.overhead, 6),
+        lower_bound_overhead=(round(result.lower_bound / problem.base_cost - 1, 6)
+                              if result.lower_bound is not None else None),
+        seconds=round(time.perf_counter() - started, 2), methods=methods,
+        cpsat_feasible=cp is not None and cp.fits,
+        cpsat_ahead=cp is not None and all(cp.overhead <= r + 1e-12 for r in rivals),
+        cpsat_strictly_ahead=cp is not None and all(cp.overhead < r for r in rivals))
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few small cases, 5 s limit")
+    parser.add_argument("--time-limit", type=float, default=None, help="CP-SAT seconds per case (60; quick: 5)")
+    parser.add_argument("--only", nargs="*", default=None, help="case names to run")
+    args = parser.parse_args(argv)
+    cases = QUICK_CASES if args.quick else FULL_CASES
+    limit = args.time_limit or (5.0 if args.quick else 60.0)
+    if args.only:
+        unknown = set(args.only) - set(cases)
+        if unknown:
+            parser.error(f"unknown case(s) {sorted(unknown)}; choose from {sorted(cases)}")
+        cases = {k: v for k, v in cases.items() if k in args.only}
+    rows = []
+    for name, make in cases.items():
+        problem = make()
+        for fraction in FRACTIONS:
+            row = bench_case(name, problem, fraction, limit)
+            rows.append(row)
+            print(f"{name} n={problem.n} F={fraction}: {row.get('status', 'infeasible')} "
+                  f"overhead={row.get('overhead')} in {row['seconds']} s", file=sys.stderr, flush=True)
+    feasible = [r for r in rows if r["feasible"]]
+    print(json.dumps({
+        "benchmark": "remat", "quick": args.quick, "time_limit_s": limit, "cpu_count": os.cpu_count(),
+        "cases": rows,
+        "cpsat_feasible_everywhere": all(r.get("cpsat_feasible") for r in rows),
+        "cpsat_ahead_everywhere": bool(feasible) and all(r["cpsat_ahead"] for r in feasible),
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
