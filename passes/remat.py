@@ -38,6 +38,8 @@ from pathlib import Path
 
 import networkx as nx
 
+from memsched.errors import BudgetError, UserError
+
 CHECKPOINT_ALL = "checkpoint_all"
 SQRT_N = "sqrt_n"
 GREEDY = "greedy"
@@ -45,12 +47,13 @@ CPSAT = "cpsat"
 METHODS = (CHECKPOINT_ALL, SQRT_N, GREEDY, CPSAT)
 
 
-class RematInputError(ValueError):
-    """A graph that cannot be planned: missing file, bad JSON, a cycle, missing costs."""
+class RematInputError(UserError, ValueError):
+    """A graph or argument that cannot be planned: missing file, bad JSON, a cycle, missing
+    costs, a bad option (the CLI exits 1)."""
 
 
-class BudgetInfeasible(Exception):
-    """No schedule within the budget was found; carries the smallest budget that was reached.
+class BudgetInfeasible(BudgetError):
+    """No schedule within the budget was found (the CLI exits 3).
 
     `smallest_budget` is the lowest peak any solver reached (a budget known to work);
     `lower_bound` is a proven floor (no schedule can peak below it).
@@ -62,7 +65,7 @@ class BudgetInfeasible(Exception):
         self.lower_bound = lower_bound
         super().__init__(
             f"budget {budget_bytes} bytes cannot be met; the smallest budget found is "
-            f"{smallest_budget} bytes (no schedule can go below {lower_bound} bytes)")
+            f"{smallest_budget} bytes (no schedule can go below {lower_bound} bytes)", smallest_budget)
 
 
 # --------------------------------------------------------------------------- problem
@@ -754,11 +757,11 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
     """
     started = time.perf_counter()
     if method != "auto" and method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose auto or one of {', '.join(METHODS)}")
-    if time_limit_s <= 0:
-        raise ValueError("time_limit_s must be > 0")
+        raise RematInputError(f"unknown method {method!r}; choose auto or one of {', '.join(METHODS)}")
+    if not time_limit_s > 0:
+        raise RematInputError(f"the time limit must be > 0 seconds, not {time_limit_s!r}")
     if max_computations < 1:
-        raise ValueError("max_computations must be >= 1")
+        raise RematInputError("max_computations must be >= 1")
     budget_bytes = int(budget_bytes)
     runs: dict[str, Result] = {}
     wanted = METHODS if method in ("auto", CPSAT) else (method,)
@@ -783,3 +786,17 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
     if best is None:
         raise BudgetInfeasible(budget_bytes, min(r.peak_bytes for r in runs.values()), lower)
     return replace(best, seconds=time.perf_counter() - started, runs=runs)
+
+
+def summary(problem: RematProblem, result: Result) -> dict:
+    """The result as JSON-ready data (DESIGN.md's `remat` keys, then extras)."""
+    return {
+        "nodes": problem.n, "budget_bytes": result.budget_bytes, "peak_bytes": result.peak_bytes,
+        "total_cost": result.total_cost, "overhead": result.overhead, "seconds": result.seconds,
+        "status": result.status, "schedule": list(result.schedule),
+        "method": result.method, "lower_bound": result.lower_bound, "base_cost": problem.base_cost,
+        "pinned_bytes": problem.pinned_bytes, "recomputations": result.recomputations,
+        "methods": {name: {"fits": run.fits, "peak_bytes": run.peak_bytes, "total_cost": run.total_cost,
+                           "overhead": run.overhead, "status": run.status, "seconds": run.seconds}
+                    for name, run in result.runs.items()},
+    }

@@ -251,9 +251,9 @@ def test_infeasible_budget_names_the_smallest_budget_found():
 
 def test_plan_rejects_bad_arguments():
     problem = graphs.chain(3)
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(remat.RematInputError, match="unknown method"):
         remat.plan(problem, 10**9, method="magic")
-    with pytest.raises(ValueError, match="time_limit_s"):
+    with pytest.raises(remat.RematInputError, match="time limit"):
         remat.plan(problem, 10**9, time_limit_s=0)
 
 
