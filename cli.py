@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_simulate)
 
 
+    p = sub.add_parser("remat", help="least-cost recomputation plan for a Checkmate-format graph under a budget")
+    p.add_argument("graph", metavar="GRAPH.json", help="networkx node-link JSON, nodes with cost_cpu and cost_ram")
+    p.add_argument("--budget-fraction", type=float, required=True, metavar="F",
+                   help="budget as a fraction of the graph's peak without recomputation (e.g. 0.8)")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="CP-SAT seconds (default 30)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_remat)
+
     p = sub.add_parser("train-graph", help="build the training step (forward, loss, backward, update) as ONNX")
     p.add_argument("model", help="an .onnx file (a forward/inference graph)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the training step")
@@ -287,6 +295,21 @@ def cmd_compile(args) -> int:
         print_json(report)
     else:
         print_compile(report)
+
+
+def cmd_remat(args) -> int:
+    from memsched.views import print_remat
+    from passes import remat
+
+    problem = remat.load_node_link(args.graph)
+    budget = remat.budget_from_fraction(problem, args.budget_fraction)
+    result = remat.plan(problem, budget, time_limit_s=args.time_limit)
+    summary = remat.summary(problem, result)
+    if args.json:
+        print_json(summary)
+    else:
+        print_remat(summary)
+    return 0
 
 
 def cmd_train_graph(args) -> int:

@@ -182,3 +182,22 @@ def print_train_graph(summary: dict) -> None:
               f"{format_bytes(summary['optimizer_state_bytes'])}")
     inputs = ", ".join(f"{n} {'x'.join(map(str, s)) or 'scalar'}" for n, s in summary["inputs"].items())
     out.print(f"inputs: {inputs}; outputs: loss + {summary['outputs'] - 1} per-parameter outputs")
+
+
+def print_remat(summary: dict) -> None:
+    """`memsched remat`: the chosen plan, then every method tried."""
+    out = console()
+    lower = summary["lower_bound"]
+    bound = f", proven floor +{lower / summary['base_cost'] - 1:.3%}" if lower and summary["base_cost"] else ""
+    out.print(f"[bold]{summary['method']}[/bold] ({summary['status']}{bound}): peak "
+              f"{format_bytes(summary['peak_bytes'])} within {format_bytes(summary['budget_bytes'])}, "
+              f"{summary['recomputations']} recomputations, cost +{summary['overhead']:.3%} "
+              f"in {summary['seconds']:.1f} s ({summary['nodes']} nodes)")
+    table = Table(title="methods", title_justify="left")
+    for col, justify in (("method", "left"), ("fits", "left"), ("peak", "right"), ("overhead", "right"),
+                         ("status", "left"), ("seconds", "right")):
+        table.add_column(col, justify=justify)
+    for name, run in summary["methods"].items():
+        table.add_row(name, "yes" if run["fits"] else "no", format_bytes(run["peak_bytes"]),
+                      f"+{run['overhead']:.3%}", run["status"], f"{run['seconds']:.2f}")
+    out.print(table)

@@ -1,0 +1,84 @@
+"""`memsched remat GRAPH.json --budget-fraction F`: JSON keys, exit codes, one-line errors."""
+from __future__ import annotations
+
+import json
+
+from passes import remat
+from passes import remat_graphs as graphs
+
+from .conftest import run_cli
+from .test_remat import independent_check, tables
+
+REMAT_KEYS = {"nodes", "budget_bytes", "peak_bytes", "total_cost", "overhead", "seconds", "status", "schedule"}
+
+
+def write_graph(tmp_path, problem) -> str:
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(remat.to_node_link(problem)))
+    return str(path)
+
+
+def assert_one_line_error(result, code: int) -> str:
+    assert result.returncode == code, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr and lines[0].startswith("memsched: error:")
+    return lines[0]
+
+
+def test_remat_json(tmp_path):
+    problem = graphs.resnet((1, 1), seed=1)
+    result = run_cli("remat", write_graph(tmp_path, problem), "--budget-fraction", "0.8", "--time-limit", "3",
+                     "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert REMAT_KEYS <= set(out)
+    assert out["nodes"] == problem.n
+    assert out["budget_bytes"] == remat.budget_from_fraction(problem, 0.8)
+    assert out["status"] in ("optimal", "feasible", "heuristic")
+    inputs, size = tables(problem)
+    valid, peak, reason = independent_check(inputs, size, 0, out["schedule"])
+    assert valid, reason
+    assert peak == out["peak_bytes"] <= out["budget_bytes"]
+    cost = dict(zip(problem.ids, problem.cost))
+    assert abs(sum(cost[v] for v in out["schedule"]) - out["total_cost"]) < 1e-6
+    assert abs(out["overhead"] - (out["total_cost"] / problem.base_cost - 1)) < 1e-9
+    assert len(out["schedule"]) > problem.n    # 0.8 of the peak needs recomputation
+
+
+def test_remat_table(tmp_path):
+    result = run_cli("remat", write_graph(tmp_path, graphs.chain(8)), "--budget-fraction", "0.9",
+                     "--time-limit", "2")
+    assert result.returncode == 0, result.stderr
+    assert "methods" in result.stdout and "greedy" in result.stdout and "recomputations" in result.stdout
+
+
+def test_remat_infeasible_budget_exits_3_naming_the_smallest_budget(tmp_path):
+    problem = graphs.chain(8)
+    result = run_cli("remat", write_graph(tmp_path, problem), "--budget-fraction", "0.01", "--time-limit", "2")
+    line = assert_one_line_error(result, 3)
+    assert "smallest budget found is" in line
+    smallest = int(line.split("smallest budget found is ")[1].split()[0])
+    assert smallest >= remat.memory_lower_bound(problem)
+
+
+def test_remat_user_errors_exit_1(tmp_path):
+    assert "no such file" in assert_one_line_error(
+        run_cli("remat", tmp_path / "missing.json", "--budget-fraction", "0.8"), 1)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    assert "not valid JSON" in assert_one_line_error(run_cli("remat", bad, "--budget-fraction", "0.8"), 1)
+    cyclic = tmp_path / "cyclic.json"
+    cyclic.write_text(json.dumps({"nodes": [{"id": 0, "cost_cpu": 1, "cost_ram": 4},
+                                            {"id": 1, "cost_cpu": 1, "cost_ram": 4}],
+                                  "links": [{"source": 0, "target": 1}, {"source": 1, "target": 0}]}))
+    assert "cycle" in assert_one_line_error(run_cli("remat", cyclic, "--budget-fraction", "0.8"), 1)
+    good = write_graph(tmp_path, graphs.chain(3))
+    assert "fraction" in assert_one_line_error(run_cli("remat", good, "--budget-fraction", "0"), 1)
+    assert "time limit" in assert_one_line_error(
+        run_cli("remat", good, "--budget-fraction", "0.9", "--time-limit", "0"), 1)
+
+
+def test_remat_usage_errors_exit_2(tmp_path):
+    good = write_graph(tmp_path, graphs.chain(3))
+    assert run_cli("remat", good).returncode == 2                              # no budget
+    assert run_cli("remat", good, "--budget-fraction", "lots").returncode == 2
