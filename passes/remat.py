@@ -19,7 +19,11 @@ Search space of every solver here (a *plan*): first computations follow the init
 recomputations are inserted at *stages*, stage t being the recomputations placed just before
 order[t] (in topological order), then order[t] itself. Any plan is a valid schedule (every
 input comes earlier in the order), so solvers only trade cost against memory. A plan lets
-each node be computed at most `max_computations` (C) times.
+each node be computed at most `max_computations` (C) times. "optimal" from CP-SAT means
+optimal over plans (C computations per node, recomputation only for `recompute_candidates`,
+costs rounded down to integers); brute force over all schedules agrees on small graphs.
+
+This judge is for abstract DAGs only; ONNX plans keep memsched/memory.py as their judge.
 
 Solvers: checkpoint-all (no recomputation), Chen et al.'s sqrt(n) segments, a greedy
 evictor, and CP-SAT in the spirit of Moccasin (Bartan et al., ICML 2023): one retention
