@@ -450,7 +450,6 @@ def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computat
     for i, v in enumerate(lv.node):
         instances_of[v].append(i)
 
-
     def new_step(stage: int, w: int) -> int:
         """Where a recomputation of w at `stage` lands in the current sequence."""
         return stage_start[stage] + bisect.bisect_left(by_stage[stage], w)

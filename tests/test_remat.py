@@ -180,6 +180,18 @@ def test_cpsat_beats_the_baselines_on_a_resnet():
     assert result.total_cost < result.runs[remat.SQRT_N].total_cost
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.9, 0.8])
+def test_cpsat_proves_resnet50_optimal_within_a_minute(fraction):
+    problem = graphs.resnet((3, 4, 6, 3), seed=0)
+    budget = remat.budget_from_fraction(problem, fraction)
+    result = remat.plan(problem, budget, time_limit_s=60.0)
+    assert_fits(problem, result, budget)
+    assert result.status == "optimal" and result.method == remat.CPSAT
+    assert result.overhead < 0.005
+    assert result.total_cost < result.runs[remat.GREEDY].total_cost
+
+
 def test_warm_start_is_a_solution_of_the_model():
     """The greedy plan, hinted and fixed, satisfies the CP-SAT model: the model's memory
     accounting is no stricter than the judge's."""
