@@ -49,6 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_compile)
 
+    p = sub.add_parser("tune-batch", help="the largest batch that fits per strategy set, and the fastest per sample")
+    p.add_argument("model", help="a bundled model name (memsched models list) or an .onnx file with a symbolic batch")
+    add_dim_option(p)
+    p.add_argument("--batch-dim", help="the symbolic dimension that is the batch (default: the first one)")
+    p.add_argument("--size", type=int, help="input resolution (bundled image models)")
+    p.add_argument("--seq", type=int, help="sequence length (bundled transformers)")
+    p.add_argument("--hardware", default="v100-16gb", help="preset name or TOML/JSON profile (default v100-16gb)")
+    p.add_argument("--budget", help="device bytes to fit instead of the device's memory, e.g. 12GiB")
+    p.add_argument("--strategies", action="append", metavar="SET",
+                   help="a strategy set to compare, e.g. order,reuse (repeatable; default: none, order,reuse, full)")
+    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse", "output"])
+    p.add_argument("--optimizer", default="sgd", choices=["none", "sgd", "momentum", "adam"])
+    p.add_argument("--time-limit", type=float, default=5.0, metavar="S", help="seconds per solver per batch")
+    p.add_argument("--max-batch", type=int, default=1 << 16, help="stop the search here")
+    p.add_argument("--plot", metavar="OUT.svg", help="write time per sample against batch size")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_tune_batch)
+
     p = sub.add_parser("inspect", help="ops, tensors, parameters and the default-order peak of a model")
     p.add_argument("model", help="an .onnx file")
     add_dim_option(p)
@@ -326,6 +344,31 @@ def cmd_train_graph(args) -> int:
         print_json(summary)
     else:
         print_train_graph(summary)
+    return 0
+
+
+def cmd_tune_batch(args) -> int:
+    from memsched import frontend
+    from memsched.figures import batch_curve_svg
+    from memsched.onnx_utils import write_text_atomic
+    from memsched.views import print_tune, progress
+    from passes.pipeline import parse_strategies
+    from passes.tune import STRATEGY_SETS, graph_builder, tune_batch
+
+    sets = STRATEGY_SETS if not args.strategies else \
+        {text: parse_strategies(text if text != "none" else ()) for text in args.strategies}
+    build = graph_builder(args.model, frontend.parse_dims(args.dim), args.batch_dim, args.size, args.seq)
+    with progress() as say:
+        result = tune_batch(build, hardware=args.hardware, budget=args.budget, strategy_sets=sets, loss=args.loss,
+                            optimizer=args.optimizer, time_limit=args.time_limit, max_batch=args.max_batch,
+                            progress=say)
+    out = result.to_dict()
+    if args.plot:
+        out["plot"] = str(write_text_atomic(args.plot, batch_curve_svg(result.rows)))
+    if args.json:
+        print_json(out)
+    else:
+        print_tune(out)
     return 0
 
 

@@ -97,18 +97,26 @@ def _check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
 
 
 def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` with external initializers turned into typed inputs: the checker would look for
-    their files relative to the working directory; `_check_external_data` has checked them."""
-    external = [i for i in model.graph.initializer if i.data_location == TensorProto.EXTERNAL]
-    if not external:
+    """`model` with data-less initializers turned into typed inputs. External ones: the checker
+    would look for their files relative to the working directory (`_check_external_data` has
+    checked them); header-only ones (shape-only graphs built for planning) have no data at all."""
+    dataless = [i for i in model.graph.initializer if _dataless(i)]
+    if not dataless:
         return model
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    kept = [i for i in copy.graph.initializer if i.data_location != TensorProto.EXTERNAL]
+    kept = [i for i in copy.graph.initializer if not _dataless(i)]
     del copy.graph.initializer[:]
     copy.graph.initializer.extend(kept)
-    copy.graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in external)
+    copy.graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in dataless)
     return copy
+
+
+def _dataless(init: TensorProto) -> bool:
+    if init.data_location == TensorProto.EXTERNAL:
+        return True
+    return not init.raw_data and not any(len(getattr(init, f)) for f in (
+        "float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data"))
 
 
 def _inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:

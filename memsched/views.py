@@ -201,3 +201,26 @@ def print_remat(summary: dict) -> None:
         table.add_row(name, "yes" if run["fits"] else "no", format_bytes(run["peak_bytes"]),
                       f"+{run['overhead']:.3%}", run["status"], f"{run['seconds']:.2f}")
     out.print(table)
+
+
+def print_tune(result: dict) -> None:
+    """Per strategy set: the largest batch that fits and the fastest per sample."""
+    out = console()
+    table = Table(title=f"batch size search (fits in {format_bytes(result['capacity_bytes'])})", title_justify="left")
+    for col, justify in (("strategies", "left"), ("largest batch", "right"), ("fastest batch", "right"),
+                         ("time/sample", "right"), ("peak there", "right")):
+        table.add_column(col, justify=justify)
+    for name, largest in result["largest_batch"].items():
+        best = result["best"].get(name)
+        table.add_row(name, "-" if largest is None else str(largest), str(best["batch"]) if best else "-",
+                      _seconds_or_dash(best["time_per_sample_s"]) if best else "-",
+                      format_bytes(best["peak_bytes"]) if best else "-")
+    out.print(table)
+    overall = result["best_overall"]
+    if overall:
+        out.print(f"[bold]best predicted throughput: batch {overall['batch']} with {overall['strategy']} "
+                  f"({_seconds(overall['time_per_sample_s'])} per sample)[/bold]")
+    else:
+        out.print("[bold]no batch size fits[/bold]")
+    if result.get("plot"):
+        out.print(f"wrote plot: {result['plot']}")

@@ -65,7 +65,9 @@ def parse_budget(text: str | int | None, baseline_peak: int) -> int | None:
 
 
 def parse_strategies(text: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
-    items = text.split(",") if isinstance(text, str) else list(text or DEFAULT_STRATEGIES)
+    if text is None:
+        return DEFAULT_STRATEGIES
+    items = text.split(",") if isinstance(text, str) else list(text)
     items = [s.strip() for s in items if s.strip()]
     unknown = [s for s in items if s not in STRATEGIES]
     if unknown:

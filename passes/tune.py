@@ -1,0 +1,182 @@
+"""Mini-batch size tuning: the largest batch that fits per strategy set, and the fastest per sample.
+
+Published experience: maximising GPU utilisation does not find the fastest batch; minimising
+the time per sample does, and a memory plan moves where that optimum can be. For each
+strategy set, the batch size is searched, not listed: doubling from 1 until the plan no
+longer fits the device (or the budget), then bisection between the last fit and the first
+miss (peak memory grows with the batch). Every batch tried is compiled with the pipeline and
+simulated; the rows keep peak, fit and predicted time per sample. The batch with the best
+predicted throughput is the fitting row with the least time per sample.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import onnx
+
+from memsched import frontend
+from memsched import hardware as hardware_mod
+from memsched.errors import BudgetError, UserError
+from memsched.ir import Graph
+
+from memsched.units import parse_bytes
+
+from .pipeline import compile as compile_plan
+
+# Strategy sets compared; "none" is the framework baseline (no plan).
+STRATEGY_SETS = {"none": (), "order,reuse": ("order", "reuse"),
+                 "full": ("order", "reuse", "recompute", "swap")}
+MAX_BATCH = 1 << 16
+
+
+@dataclasses.dataclass
+class TuneResult:
+    rows: list[dict]                     # one per (strategy set, batch) compiled
+    largest: dict[str, int | None]       # strategy set -> largest batch that fits
+    best: dict[str, dict | None]         # strategy set -> its row with the least time per sample
+    best_overall: dict | None
+    capacity_bytes: int
+
+    def to_dict(self) -> dict:
+        return {"capacity_bytes": self.capacity_bytes, "largest_batch": self.largest,
+                "best": self.best, "best_overall": self.best_overall, "rows": self.rows}
+
+
+def graph_builder(model: str, dims: dict[str, int] | None = None, batch_dim: str | None = None,
+                  size: int | None = None, seq: int | None = None) -> Callable[[int], Graph]:
+    """batch -> forward Graph. MODEL is a bundled model name or an ONNX file with a symbolic batch dim."""
+    import models
+
+    names = {entry["name"] for entry in models.catalog()}
+    if model in names and not Path(model).exists():
+        extra = {k: v for k, v in (("size", size), ("seq", seq)) if v is not None}
+        return lambda batch: frontend.lower(models.build(model, batch=batch, weights=False, **extra))
+    proto = frontend.read_model(Path(model))
+    dim = batch_dim or _first_symbolic_dim(proto)
+    if dim is None:
+        raise UserError(f"{model} has a fixed batch size; export it with a symbolic batch dimension "
+                        f"(e.g. torch.onnx.export(..., dynamic_axes=...)) or name a bundled model")
+    base_dir = str(Path(model).parent)
+
+    def build(batch: int) -> Graph:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)
+        return frontend.lower(copy, {**(dims or {}), dim: batch}, base_dir=base_dir)
+    return build
+
+
+def _first_symbolic_dim(model: onnx.ModelProto) -> str | None:
+    initializers = {i.name for i in model.graph.initializer}
+    for vi in model.graph.input:
+        if vi.name in initializers:
+            continue
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param"):
+                return d.dim_param
+    return None
+
+
+def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: str | int | None = None,
+               strategy_sets: dict[str, tuple[str, ...]] | None = None, train: bool = True,
+               loss: str = "cross_entropy", optimizer: str = "sgd", time_limit: float = 5.0,
+               max_batch: int = MAX_BATCH, progress: Callable[[str], None] | None = None) -> TuneResult:
+    """Search the batch size per strategy set; see the module docstring."""
+    say = progress or (lambda message: None)
+    hw = hardware_mod.load(hardware)
+    if budget is not None and str(budget).strip().endswith("%"):
+        raise UserError("tune-batch needs an absolute budget (e.g. 12GiB): a percentage of the "
+                        "baseline peak changes with the batch size")
+    capacity = parse_bytes(budget) if budget is not None else hw.device_memory
+    sets = strategy_sets or STRATEGY_SETS
+    rows: list[dict] = []
+    cache: dict[int, Graph] = {}
+
+    def evaluate(name: str, strategies: tuple[str, ...], batch: int) -> dict:
+        say(f"{name}: batch {batch}")
+        if batch not in cache:
+            cache.clear()  # graphs are rebuilt per batch; keep one
+            cache[batch] = build(batch)
+        graph = cache[batch]
+        row = {"strategy": name, "batch": batch}
+        try:
+            result = compile_plan(graph, train=train, loss=loss, optimizer=optimizer, hardware=hw,
+                                  budget=capacity if {"recompute", "swap"} & set(strategies) else None,
+                                  strategies=strategies, time_limit=time_limit)
+        except BudgetError as exc:
+            row.update(fits=False, peak_bytes=exc.smallest_feasible_bytes, step_time_s=None, time_per_sample_s=None)
+        else:
+            report = result.report
+            peak = report["plan"]["peak_bytes"]
+            row.update(fits=peak <= capacity, peak_bytes=peak, arena_bytes=report["plan"]["arena_bytes"], baseline_peak_bytes=report["baseline"]["peak_bytes"],
+                       step_time_s=report["plan"]["step_time_s"],
+                       time_per_sample_s=report["plan"]["step_time_s"] / batch,
+                       overhead=report["plan"]["overhead"])
+        rows.append(row)
+        return row
+
+    largest: dict[str, int | None] = {}
+    best: dict[str, dict | None] = {}
+    for name, strategies in sets.items():
+        seen: dict[int, dict] = {}
+
+        def row(b: int) -> dict:
+            if b not in seen:
+                seen[b] = evaluate(name, strategies, b)
+            return seen[b]
+        largest[name] = search_largest(lambda b: row(b)["fits"], max_batch)
+        if largest[name] is not None:
+            refine_fastest(row, seen, largest[name])
+        best[name] = _fastest(list(seen.values()))
+    overall = _fastest(rows)
+    return TuneResult(rows, largest, best, overall, capacity)
+
+
+def search_largest(fits: Callable[[int], bool], max_batch: int = MAX_BATCH) -> int | None:
+    """The largest b in [1, max_batch] with fits(b), assuming fits is monotone (true, then false).
+
+    Doubling finds the first miss, bisection the boundary: O(log b) calls."""
+    if not fits(1):
+        return None
+    low, high = 1, 2
+    while high <= max_batch and fits(high):
+        low, high = high, high * 2
+    high = min(high, max_batch + 1)
+    while high - low > 1:  # fits(low), not fits(high) (or high past the cap)
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def refine_fastest(row: Callable[[int], dict], seen: dict[int, dict], largest: int) -> None:
+    """Evaluate batches around the fastest one tried so far until its neighbours are known.
+
+    Time per sample falls with the batch while fixed costs amortise and rises once the plan
+    must recompute or swap more; on such a unimodal curve an integer ternary search between
+    the best point's bracketing neighbours finds the minimum."""
+    def cost(b: int) -> float:
+        r = row(b)
+        return r["time_per_sample_s"] if r["fits"] and r.get("time_per_sample_s") else float("inf")
+
+    tried = sorted(b for b in seen if b <= largest)
+    best = min(tried, key=lambda b: (cost(b), -b))
+    index = tried.index(best)
+    low = tried[index - 1] if index > 0 else 1
+    high = tried[index + 1] if index + 1 < len(tried) else largest
+    while high - low > 2:
+        a, b = low + (high - low) // 3, high - (high - low) // 3
+        if (cost(a), -a) < (cost(b), -b):
+            high = b
+        else:
+            low = a
+    for b in range(low, high + 1):
+        cost(b)
+
+
+def _fastest(rows: list[dict]) -> dict | None:
+    fitting = [r for r in rows if r["fits"] and r.get("time_per_sample_s")]
+    return min(fitting, key=lambda r: (r["time_per_sample_s"], -r["batch"])) if fitting else None

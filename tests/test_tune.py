@@ -1,0 +1,62 @@
+"""tune-batch: the search's choices equal brute force on a small model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from memsched.hardware import load
+from memsched.onnx_utils import save_model_atomic
+from passes.pipeline import compile as compile_plan
+from passes.tune import graph_builder, search_largest, tune_batch
+
+from .conftest import run_cli
+
+SETS = {"none": (), "reuse": ("reuse",)}
+
+
+def tiny_gpu(mib: float):
+    return dataclasses.replace(load("v100-16gb"), device_memory=int(mib * 2**20), name="tiny")
+
+
+def test_search_largest_is_exact_on_monotone_predicates():
+    for boundary in (1, 2, 3, 7, 8, 9, 100, 1023, 1024):
+        calls = []
+        assert search_largest(lambda b: calls.append(b) or b <= boundary, 4096) == boundary
+        assert len(calls) <= 2 * boundary.bit_length() + 2
+    assert search_largest(lambda b: False) is None
+    assert search_largest(lambda b: True, 50) == 50
+
+
+def test_tune_batch_matches_brute_force():
+    """Every batch from 1 to past the boundary compiled one by one: same largest and fastest batch."""
+    hw = tiny_gpu(2.2)
+    build = graph_builder("mlp")
+    result = tune_batch(build, hardware=hw, strategy_sets=SETS, time_limit=1)
+    assert result.largest["none"] is None  # the baseline keeps every gradient: 3.07 MB even at batch 1
+    assert not compile_plan(build(1), train=True, hardware=hw, strategies=()).report["plan"]["peak_bytes"] <= hw.device_memory
+    rows = {}
+    for b in range(1, result.largest["reuse"] + 6):
+        report = compile_plan(build(b), train=True, hardware=hw, strategies=("reuse",), time_limit=1).report
+        rows[b] = (report["plan"]["peak_bytes"] <= hw.device_memory, report["plan"]["step_time_s"] / b)
+    fits = [b for b, (ok, _) in rows.items() if ok]
+    assert fits == list(range(1, max(fits) + 1)) and result.largest["reuse"] == max(fits)
+    fastest = min(fits, key=lambda b: (rows[b][1], -b))
+    assert result.best["reuse"]["batch"] == fastest
+    assert result.best["reuse"]["time_per_sample_s"] == pytest.approx(rows[fastest][1], rel=1e-12)
+
+
+def test_tune_batch_cli(tmp_path):
+    plot = tmp_path / "curve.svg"
+    result = run_cli("tune-batch", "mlp", "--strategies", "none", "--strategies", "reuse", "--budget", "2.2MiB",
+                     "--json", "--plot", plot)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert set(out["largest_batch"]) == {"none", "reuse"} and out["best_overall"]["fits"]
+    assert plot.read_text().startswith("<svg")
+    fixed = save_model_atomic(__import__("models").build("mlp", batch=4), tmp_path / "fixed.onnx")
+    result = run_cli("tune-batch", fixed)
+    assert result.returncode == 1 and "fixed batch size" in result.stderr
+    result = run_cli("tune-batch", "mlp", "--budget", "50%")
+    assert result.returncode == 1 and "absolute budget" in result.stderr
