@@ -37,13 +37,14 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from . import frontend
-from .cost import CostTable, op_cost, signature
+from .cost import CostTable, op_class, op_cost, signature
 from .errors import UserError
 from .hardware import DRAM_LATENCY, Hardware, HostTier, optane_pmem
 from .ir import Graph, Op, tensor_value
@@ -184,6 +185,9 @@ def dram_reads(graph: Graph, cache_bytes: int) -> dict[str, int]:
             for t in graph.inputs:
                 touch(buffer[t])
         for op in graph.ops:
+            if op_class(op) == "shape":            # views and shape queries read no data
+                reads[op.name] = 0
+                continue
             inputs, outputs = list(dict.fromkeys(op.present_inputs)), op.present_outputs
             if measured:
                 fits_alone = sum(graph.tensors[t].nbytes for t in inputs + outputs) <= cache_bytes
@@ -286,7 +290,7 @@ def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     return values
 
 
-def _np_dtype(graph: Graph, name: str) -> np.dtype:
+def np_dtype(graph: Graph, name: str) -> np.dtype:
     return helper.tensor_dtype_to_np_dtype(graph.tensors[name].dtype)
 
 
@@ -311,7 +315,7 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
     by_signature: dict[str, float] = {}
     for i, op in enumerate(graph.ops):
         sig = signature(op, graph)
-        outputs = [(n, graph.tensors[n].shape, _np_dtype(graph, n)) for n in op.present_outputs]
+        outputs = [(n, graph.tensors[n].shape, np_dtype(graph, n)) for n in op.present_outputs]
         if sig not in sessions:
             model, feeds = single_op_model(op, graph)
             session = make_session(model, device, threads)
@@ -407,8 +411,15 @@ def _benchmarks() -> list[Graph]:
 FLOP_CLASSES = ("conv", "conv_grouped", "gemm")
 
 
-def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0) -> tuple[Hardware, list[dict]]:
-    """Fit a roofline profile for this machine; returns it and the microbenchmark rows."""
+def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0,
+              references: Sequence[Graph] = ()) -> tuple[Hardware, list[dict]]:
+    """Fit a roofline profile for this machine; returns it and the rows it was fitted to.
+
+    An op class's effective rate is an aggregate over the ops of that class in the reference
+    graphs (real training steps, timed as `profile_graph` does), or over the microbenchmarks
+    for classes the references lack: total FLOPs (conv, grouped conv, GEMM) or total bytes (the
+    others) over their total time less one launch overhead per op. On the references the
+    roofline then adds up to the measured time of each class."""
     if device != "cpu":
         raise UserError("only the cpu profile is calibrated here; GPU profiles come from spec sheets")
     session_overhead, node_overhead = overheads(device, threads)
@@ -417,33 +428,51 @@ def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0) -> tuple
         op = g.ops[0]
         model, feeds = single_op_model(op, g)
         values = random_inputs(g)
-        outputs = [(n, g.tensors[n].shape, _np_dtype(g, n)) for n in op.present_outputs]
+        outputs = [(n, g.tensors[n].shape, np_dtype(g, n)) for n in op.present_outputs]
         timer = Timer.bind(make_session(model, device, threads), {n: values[n] for n in feeds}, outputs, device,
                            threads)
-        seconds = max(timer.median(repeats) - session_overhead, 1e-9)
+        seconds = max(timer.median(repeats) - session_overhead, 0.0) + node_overhead
         c = op_cost(op, g)
-        rows.append({"op": op.op_type, "class": c.op_class, "flops": c.flops, "bytes": c.bytes, "seconds": seconds,
-                     "flop_rate": c.flops / seconds, "byte_rate": c.bytes / seconds,
+        rows.append({"source": "microbenchmark", "op": op.op_type, "class": c.op_class, "ops": 1,
+                     "flops": c.flops, "bytes": c.bytes, "seconds": seconds,
                      "shapes": [list(g.tensors[n].shape) for n in op.present_inputs]})
+    for g in references:
+        table = profile_graph(g, device, repeats, threads)
+        totals: dict[str, dict] = {}
+        for op in g.ops:
+            c = op_cost(op, g)
+            if c.op_class == "shape":
+                continue
+            row = totals.setdefault(c.op_class, {"source": g.name, "class": c.op_class, "ops": 0, "flops": 0,
+                                                 "bytes": 0, "seconds": 0.0})
+            row["ops"] += 1
+            row["flops"] += c.flops
+            row["bytes"] += c.bytes
+            row["seconds"] += table.times[op.name]
+        rows.extend(totals.values())
     flops, bandwidth = {}, {}
     for cls in sorted({r["class"] for r in rows}):
-        mine = [r for r in rows if r["class"] == cls]
-        if cls in FLOP_CLASSES:
-            flops[cls] = statistics.median(r["flop_rate"] for r in mine)
-        else:
-            bandwidth[cls] = statistics.median(r["byte_rate"] for r in mine)
+        mine = [r for r in rows if r["class"] == cls and r["source"] != "microbenchmark"] or \
+               [r for r in rows if r["class"] == cls]
+        busy = sum(max(r["seconds"] - r["ops"] * node_overhead, 0.0) for r in mine)
+        work = sum(r["flops"] if cls in FLOP_CLASSES else r["bytes"] for r in mine)
+        if busy > 0 and work > 0:
+            (flops if cls in FLOP_CLASSES else bandwidth)[cls] = work / busy
+    peak = max(r["flops"] / r["seconds"] for r in rows if r["class"] in FLOP_CLASSES)   # the best kernel seen
     copy_bw, copy_latency = memcpy_rate()
     memory = _physical_memory()
     import onnxruntime as ort
 
+    names = ", ".join(g.name for g in references) or "none"
     hw = Hardware(
-        name="cpu", device_memory=memory, peak_flops={"float32": flops["gemm"]},
+        name="cpu", device_memory=memory, peak_flops={"float32": peak},
         memory_bandwidth=bandwidth["elementwise"], launch_overhead=node_overhead,
         link_h2d=copy_bw, link_d2h=copy_bw, link_latency=copy_latency,
         tiers={"dram": HostTier(memory, copy_bw, copy_bw, DRAM_LATENCY), "nvdimm": optane_pmem()},
         description=(f"{_cpu_name()}, {os.cpu_count()} cores, ONNX Runtime {ort.__version__} "
                      f"({threads or 'default'} intra-op threads); calibrated {time.strftime('%Y-%m-%d')} by "
-                     f"`memsched hardware calibrate`; swaps are DRAM copies; nvdimm: Optane figures"),
+                     f"`memsched hardware calibrate` on microbenchmarks and the training steps of {names}; "
+                     f"swaps are DRAM copies; nvdimm: Optane figures"),
         op_class_flops=flops, op_class_bandwidth=bandwidth)
     return hw, rows
 
