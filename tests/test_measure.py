@@ -50,7 +50,15 @@ def test_bundled_cpu_profile_is_calibrated_for_every_class_it_prices():
 def test_calibrated_roofline_adds_up_to_the_measured_classes():
     from memsched.measure import calibrate
 
-    reference = chain().replace(name="chain")          # Relu, Relu, Relu, Relu, Add: elementwise only
+    from onnx import TensorProto, helper
+
+    from memsched.onnx_utils import make_model
+
+    # elementwise only, on 1 MiB tensors: memory bound (bytes / bandwidth wins the roofline's max)
+    vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [1 << 18])  # noqa: E731
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["y"])]
+    reference = frontend.lower(make_model(helper.make_graph(nodes, "chain", [vi("x")], [vi("y")])))
     hw, rows = calibrate(repeats=5, references=[reference])
     measured = next(r for r in rows if r["source"] == "chain" and r["class"] == "elementwise")
     predicted = sum(op_time(op, reference, hw) for op in reference.ops)
