@@ -101,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = hw_sub.add_parser("calibrate", help="measure this machine's CPU with ONNX Runtime microbenchmarks")
     p.add_argument("-o", "--output", required=True, help="profile file to write (.json)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per microbenchmark (median)")
-    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="ONNX Runtime intra-op threads (default 1: timed in CPU time, immune to other load)")
+    p.add_argument("--references", default="vgg16,unet2d", metavar="MODELS",
+                   help="bundled models whose training steps the class rates are fitted to ('' for none)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_hardware_calibrate)
 
@@ -110,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="cost table to write (.json)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per op (median)")
-    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="ONNX Runtime intra-op threads (0: its default; 1: timed in CPU time, immune to other load)")
     add_dim_option(p)
+    add_training_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_profile)
 
@@ -120,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="cpu", help="preset name or profile file (default: cpu)")
     p.add_argument("--costs", help="a cost table from `memsched profile` (else the roofline)")
     add_dim_option(p)
+    add_training_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_simulate)
 
@@ -244,8 +250,10 @@ def cmd_hardware_calibrate(args) -> int:
     from memsched.measure import calibrate
     from memsched.onnx_utils import write_text_atomic
     from memsched.views import print_hardware
+    from passes.calibration import reference_graphs
 
-    hw, rows = calibrate(repeats=args.repeats, threads=args.threads)
+    references = reference_graphs([n.strip() for n in args.references.split(",") if n.strip()])
+    hw, rows = calibrate(repeats=args.repeats, threads=args.threads, references=references)
     profile = {**hw.to_dict(), "calibration": rows}
     write_text_atomic(args.output, json.dumps(profile, indent=1) + "\n")
     if args.json:
@@ -260,8 +268,10 @@ def cmd_profile(args) -> int:
     from memsched import frontend
     from memsched.measure import profile_graph
     from memsched.views import print_cost_table
+    from passes.pipeline import load_graph
 
-    graph = frontend.load(args.model, frontend.parse_dims(args.dim))
+    graph = load_graph(args.model, frontend.parse_dims(args.dim), args.train, args.loss, args.optimizer, args.lr,
+                       tuple(args.freeze))
     table = profile_graph(graph, device=args.device, repeats=args.repeats, threads=args.threads)
     table.save(args.output)
     slowest = sorted(graph.ops, key=lambda op: -table.times[op.name])[:10]
@@ -281,8 +291,10 @@ def cmd_simulate(args) -> int:
     from memsched.schedule import Plan
     from memsched.simulate import simulate
     from memsched.views import print_simulation
+    from passes.pipeline import load_graph
 
-    graph = frontend.load(args.model, frontend.parse_dims(args.dim))
+    graph = load_graph(args.model, frontend.parse_dims(args.dim), args.train, args.loss, args.optimizer, args.lr,
+                       tuple(args.freeze))
     costs = CostTable.load(args.costs) if args.costs else None
     result = simulate(Plan.initial(graph), args.hardware, costs).to_dict()
     if args.json:

@@ -75,13 +75,13 @@ class DataParallel:
 def data_parallel(plan: Plan, sim: Simulation, workers: int, bandwidth: float, latency: float) -> DataParallel:
     """Step times of `plan` on `workers` data-parallel workers, with and without overlap."""
     graph = plan.graph
-    steps = [(e.target, e.end - e.start) for e in sim.on("compute")]
+    steps = [(e.target, e.end - e.start, e.kind == "recompute") for e in sim.on("compute")]
     buckets = _buckets(graph, steps, workers, bandwidth, latency)
-    main = [(name, t) for name, t in steps if graph.op_by_name[name].phase != "update"]
-    updates = [(name, t) for name, t in steps if graph.op_by_name[name].phase == "update"]
-    compute = sum(t for _, t in steps)
+    main = [step for step in steps if graph.op_by_name[step[0]].phase != "update"]
+    updates = [(name, t) for name, t, _ in steps if graph.op_by_name[name].phase == "update"]
+    compute = sum(t for _, t, _ in steps)
     comm = sum(b.seconds for b in buckets.values())
-    no_overlap = sum(t for _, t in main) + comm + sum(t for _, t in updates)
+    no_overlap = sum(t for _, t, _ in main) + comm + sum(t for _, t in updates)
     one = _run(graph, main, updates, buckets, iterations=1)
     many = _run(graph, main, updates, buckets, iterations=ITERATIONS)
     return DataParallel(workers=workers, compute_s=compute, allreduce_s=comm, step_no_overlap_s=no_overlap,
@@ -89,11 +89,11 @@ def data_parallel(plan: Plan, sim: Simulation, workers: int, bandwidth: float, l
 
 
 def _buckets(graph: Graph, steps, workers, bandwidth, latency) -> dict[str, Bucket]:
-    """Backward op name -> the bucket of param_grad tensors it produces (its first run only)."""
+    """Backward op name -> the bucket of param_grad tensors it produces (not its replays)."""
     result = {}
-    for name, _ in steps:
+    for name, _, replay in steps:
         op = graph.op_by_name[name]
-        if op.phase != "backward" or name in result:
+        if op.phase != "backward" or replay:
             continue
         grads = tuple(t for t in op.present_outputs if graph.tensors[t].kind == "param_grad")
         if grads:
@@ -121,7 +121,7 @@ def _run(graph: Graph, main, updates, buckets: dict[str, Bucket], iterations: in
     """Event simulation of `iterations` overlapped steps; returns the last period and the end."""
     behind = _grads_behind(graph, [n for n, _ in updates])
     reads = {n: [t for t in graph.op_by_name[n].present_inputs if graph.tensors[t].kind == "parameter"]
-             for n, _ in main}
+             for n, _, _ in main}
     updated_by: dict[str, list[str]] = {}       # parameter -> update ops reading it
     for n, _ in updates:
         for t in graph.op_by_name[n].present_inputs:
@@ -141,11 +141,11 @@ def _run(graph: Graph, main, updates, buckets: dict[str, Bucket], iterations: in
 
     for _ in range(iterations):
         grad_ready: dict[str, float] = {}
-        for name, seconds in main:
+        for name, seconds, replay in main:
             for p in reads[name]:
                 run_until(lambda p=p: all(u in done for u in updated_by.get(p, ())))
             clock += seconds
-            if name in buckets:
+            if name in buckets and not replay:
                 b = buckets[name]
                 net = max(net, clock) + b.seconds
                 for g in b.grads:

@@ -9,35 +9,48 @@ the timed runs. Ops with the same signature (memsched.cost.signature) share one 
 are timed once; a repeat is run once more only to produce its outputs, with the first op's
 weights (float values do not change the time).
 
-A one-node session pays ORT's per-Run overhead, which a node inside a whole graph does not;
-it pays the per-node dispatch, which it does. Both are measured first: `session_overhead`
-(one Run of a one-element Add) and `node_overhead` (the slope of Run time over a chain of
-such Adds). An op's time is then max(median - session_overhead, 0) + node_overhead.
+Three corrections make the sum of one-node timings a step's time:
+- overheads: a one-node session pays ORT's per-Run overhead, which a node inside a graph does
+  not, and the per-node dispatch, which it does. Both are measured first: `session_overhead`
+  (one Run of a one-element Add) and `node_overhead` (the slope of Run time over a chain of
+  such Adds); an op's time is max(median - session_overhead, 0) + node_overhead.
+- caches (CPU): timed run after run, an op finds its inputs in the cache; inside a step,
+  parameters read once per step and activations saved for the backward pass come from DRAM.
+  `dram_reads` estimates those bytes (LRU reuse distance over the arena's physical buffers)
+  and each op is charged bytes / the measured single-core DRAM read rate on top.
+- clock: with one intra-op thread (`threads=1`) ORT runs kernels on the calling thread, and
+  that thread's CPU time is used: immune to other processes on a shared machine. Otherwise
+  wall time.
 
 `calibrate` times microbenchmarks of every op class the same way and fits a roofline: an
 effective FLOP/s for conv, grouped conv and GEMM, an effective bandwidth for the
 memory-bound classes, the node overhead as launch overhead, and a memcpy for the "link"
-(on a CPU, swapping is a copy within DRAM). `memsched hardware calibrate -o FILE` writes it;
-the bundled `cpu` preset (memsched/profiles/cpu.json) was made that way on the dev machine.
+(on a CPU, swapping is a copy within DRAM). `memsched hardware calibrate -o FILE --threads 1`
+writes it; the bundled `cpu` preset (memsched/profiles/cpu.json) was made that way on the dev
+machine.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import platform
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from . import frontend
-from .cost import CostTable, op_cost, signature
+from .cost import CostTable, op_class, op_cost, signature
 from .errors import UserError
 from .hardware import DRAM_LATENCY, Hardware, HostTier, optane_pmem
 from .ir import Graph, Op, tensor_value
+from .memory import analyze
 from .onnx_utils import make_model
+from .schedule import default_schedule
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 MIN_TIMED_SECONDS = 0.02     # keep timing a fast op until this much time is covered ...
@@ -73,10 +86,11 @@ class Timer:
     session: object
     binding: object
     device: str
+    clock: object = time.perf_counter
 
     @classmethod
     def bind(cls, session, feeds: dict[str, np.ndarray], outputs: list[tuple[str, tuple, np.dtype]],
-             device: str) -> "Timer":
+             device: str, threads: int = 0) -> "Timer":
         import onnxruntime as ort
 
         kind = "cuda" if device == "cuda" else "cpu"
@@ -85,16 +99,17 @@ class Timer:
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, kind, 0))
         for name, shape, dtype in outputs:
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, kind, 0))
-        return cls(session, binding, device)
+        return cls(session, binding, device, cpu_clock(device, threads))
 
     def run(self) -> float:
-        start = time.perf_counter()
+        start = self.clock()
         self.session.run_with_iobinding(self.binding)
         if self.device == "cuda":
             self.binding.synchronize_outputs()
-        return time.perf_counter() - start
+        return self.clock() - start
 
     def median(self, repeats: int, warmup: int = 2) -> float:
+        """Median of `repeats` runs, more for fast ops (until MIN_TIMED_SECONDS or MAX_RUNS)."""
         for _ in range(warmup):
             self.run()
         samples: list[float] = []
@@ -104,6 +119,121 @@ class Timer:
 
     def outputs(self) -> list[np.ndarray]:
         return [v.numpy() for v in self.binding.get_outputs()]
+
+
+def cpu_clock(device: str, threads: int):
+    """The clock to time with. With one intra-op thread ONNX Runtime runs kernels on the calling
+    thread, so that thread's CPU time is the run's time, untouched by other processes sharing
+    the machine; otherwise wall time."""
+    return time.thread_time if device == "cpu" and threads == 1 else time.perf_counter
+
+
+def last_level_cache() -> int:
+    """Bytes of the largest CPU cache (Linux sysfs); 32 MiB if it cannot be read."""
+    sizes = []
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(base)):
+            with open(os.path.join(base, index, "size")) as f:
+                text = f.read().strip()
+            unit = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KM")) * unit)
+    except (OSError, ValueError):
+        pass
+    return max(sizes) if sizes else 32 * 2**20
+
+
+def dram_reads(graph: Graph, cache_bytes: int) -> dict[str, int]:
+    """Bytes each op reads from DRAM inside a step but found in cache when timed alone.
+
+    Timed alone, run after run, an op finds its inputs cached if its working set (inputs and
+    outputs) fits. Inside the step an input is cached only if its buffer and the distinct
+    buffers touched since its last touch fit: LRU stack distance in bytes over physical
+    buffers (`_arena_buffers`: freed storage is reused, as ONNX Runtime's arena does), in the
+    graph's stored order, over a second step so parameters were last touched in the previous
+    one; graph inputs were just written by the input pipeline."""
+    buffer, size = _arena_buffers(graph)
+    touches = 2 * sum(len({*op.present_inputs, *op.present_outputs}) for op in graph.ops) + len(graph.inputs)
+    tree = [0] * (touches + 1)           # Fenwick tree: bytes of each buffer at its latest touch
+
+    def add(i: int, v: int) -> None:
+        while i <= touches:
+            tree[i] += v
+            i += i & -i
+
+    def prefix(i: int) -> int:
+        total = 0
+        while i > 0:
+            total += tree[i]
+            i -= i & -i
+        return total
+
+    last: dict[int, int] = {}
+    clock = 0
+
+    def touch(b: int) -> None:
+        nonlocal clock
+        clock += 1
+        if b in last:
+            add(last[b], -size[b])
+        last[b] = clock
+        add(clock, size[b])
+
+    reads: dict[str, int] = {}
+    for measured in (False, True):
+        if measured:
+            for t in graph.inputs:
+                touch(buffer[t])
+        for op in graph.ops:
+            if op_class(op) == "shape":            # views and shape queries read no data
+                reads[op.name] = 0
+                continue
+            inputs, outputs = list(dict.fromkeys(op.present_inputs)), op.present_outputs
+            if measured:
+                fits_alone = sum(graph.tensors[t].nbytes for t in inputs + outputs) <= cache_bytes
+                reads[op.name] = sum(graph.tensors[t].nbytes for t in inputs if fits_alone and buffer[t] in last
+                                     and prefix(clock) - prefix(last[buffer[t]]) + size[buffer[t]] > cache_bytes)
+            for t in inputs + outputs:
+                touch(buffer[t])
+    return reads
+
+
+def _arena_buffers(graph: Graph) -> tuple[dict[str, int], list[int]]:
+    """tensor -> the physical buffer it occupies in the default schedule, best-fit reuse of freed
+    buffers (lifetimes from the memory model); and each buffer's bytes."""
+    profile = analyze(graph, default_schedule(graph))
+    starts: dict[int, list] = {}
+    for r in profile.residencies:
+        starts.setdefault(r.start, []).append(r)
+    size: list[int] = []
+    free: list[tuple[int, int]] = []          # (bytes, buffer id), sorted
+    ends: dict[int, list[int]] = {}
+    buffer: dict[str, int] = {}
+    for step in range(len(graph.ops)):
+        for r in sorted(starts.get(step, []), key=lambda r: -r.nbytes):
+            i = bisect.bisect_left(free, (r.nbytes, -1))
+            if i < len(free):
+                b = free.pop(i)[1]
+            else:
+                b = len(size)
+                size.append(r.nbytes)
+            buffer[r.tensor] = b
+            ends.setdefault(r.end, []).append(b)
+        for b in ends.pop(step, []):
+            bisect.insort(free, (size[b], b))
+    return buffer, size
+
+
+def dram_read_rate(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s one core reads from DRAM (a sum over an array far larger than any cache)."""
+    data = np.ones(nbytes // 4, np.float32)
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        data.sum()
+        times.append(time.thread_time() - start)
+    return nbytes / min(times)
 
 
 # ---- the overheads of a one-node session -------------------------------------------------
@@ -120,7 +250,7 @@ def overheads(device: str = "cpu", threads: int = 0, repeats: int = 200) -> tupl
     times = []
     for length in (1, 33):
         timer = Timer.bind(make_session(_add_chain(length), device, threads), {"v0": one, "c": one},
-                           [(f"v{length}", (1,), np.float32)], device)
+                           [(f"v{length}", (1,), np.float32)], device, threads)
         times.append(timer.median(repeats, warmup=20))
     return times[0], max(times[1] - times[0], 0.0) / 32
 
@@ -160,7 +290,7 @@ def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     return values
 
 
-def _np_dtype(graph: Graph, name: str) -> np.dtype:
+def np_dtype(graph: Graph, name: str) -> np.dtype:
     return helper.tensor_dtype_to_np_dtype(graph.tensors[name].dtype)
 
 
@@ -170,31 +300,37 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
     if repeats < 1:
         raise UserError("--repeats must be at least 1")
     session_overhead, node_overhead = overheads(device, threads)
+    if device == "cpu":
+        cache, dram_bw = last_level_cache(), dram_read_rate()
+        dram = dram_reads(graph, cache)
+    else:                                   # GPU caches are small next to HBM bandwidth: not modelled
+        cache, dram_bw, dram = 0, 0.0, {}
     values = random_inputs(graph, seed)
     last_use = {}
     for i, op in enumerate(graph.ops):
         for name in op.present_inputs:
             last_use[name] = i
-    cache: dict[str, tuple[Timer, list[str], float]] = {}
+    sessions: dict[str, tuple[Timer, list[str], float]] = {}
     times: dict[str, float] = {}
     by_signature: dict[str, float] = {}
     for i, op in enumerate(graph.ops):
         sig = signature(op, graph)
-        outputs = [(n, graph.tensors[n].shape, _np_dtype(graph, n)) for n in op.present_outputs]
-        if sig not in cache:
+        outputs = [(n, graph.tensors[n].shape, np_dtype(graph, n)) for n in op.present_outputs]
+        if sig not in sessions:
             model, feeds = single_op_model(op, graph)
             session = make_session(model, device, threads)
-            timer = Timer.bind(session, {n: values[n] for n in feeds}, outputs, device)
+            timer = Timer.bind(session, {n: values[n] for n in feeds}, outputs, device, threads)
             raw = timer.median(repeats)
-            cache[sig] = (timer, feeds, max(raw - session_overhead, 0.0) + node_overhead)
-            by_signature[sig] = cache[sig][2]
+            sessions[sig] = (timer, feeds, max(raw - session_overhead, 0.0) + node_overhead)
+            by_signature[sig] = sessions[sig][2]
         else:       # same signature: reuse the session (its input/output names are the first op's)
-            timer, feeds, _ = cache[sig]
+            timer, feeds, _ = sessions[sig]
             names = [o.name for o in timer.session.get_outputs()]
             timer = Timer.bind(timer.session, {f: values[n] for f, n in zip(feeds, _feeds_of(op, graph))},
-                               [(s, shape, dtype) for s, (_, shape, dtype) in zip(names, outputs)], device)
+                               [(s, shape, dtype) for s, (_, shape, dtype) in zip(names, outputs)], device,
+                               threads)
             timer.run()
-        times[op.name] = cache[sig][2]
+        times[op.name] = sessions[sig][2] + (dram.get(op.name, 0) / dram_bw if dram_bw else 0.0)
         for (name, _, _), value in zip(outputs, timer.outputs()):
             values[name] = value
         for name in op.present_inputs:
@@ -206,7 +342,9 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
 
     meta = {"graph": graph.name, "device": device, "provider": PROVIDERS[device], "repeats": repeats,
             "threads": threads, "onnxruntime": ort.__version__, "session_overhead_s": session_overhead,
-            "node_overhead_s": node_overhead, "timed_ops": len(cache), "ops": len(graph.ops)}
+            "node_overhead_s": node_overhead, "timed_ops": len(sessions), "ops": len(graph.ops),
+            "cache_bytes": cache, "dram_read_bw": dram_bw, "dram_read_bytes": sum(dram.values()),
+            "clock": cpu_clock(device, threads).__name__}
     return CostTable(times, by_signature, meta)
 
 
@@ -273,8 +411,15 @@ def _benchmarks() -> list[Graph]:
 FLOP_CLASSES = ("conv", "conv_grouped", "gemm")
 
 
-def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0) -> tuple[Hardware, list[dict]]:
-    """Fit a roofline profile for this machine; returns it and the microbenchmark rows."""
+def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0,
+              references: Sequence[Graph] = ()) -> tuple[Hardware, list[dict]]:
+    """Fit a roofline profile for this machine; returns it and the rows it was fitted to.
+
+    An op class's effective rate is an aggregate over the ops of that class in the reference
+    graphs (real training steps, timed as `profile_graph` does), or over the microbenchmarks
+    for classes the references lack: total FLOPs (conv, grouped conv, GEMM) or total bytes (the
+    others) over their total time less one launch overhead per op. On the references the
+    roofline then adds up to the measured time of each class."""
     if device != "cpu":
         raise UserError("only the cpu profile is calibrated here; GPU profiles come from spec sheets")
     session_overhead, node_overhead = overheads(device, threads)
@@ -283,32 +428,52 @@ def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0) -> tuple
         op = g.ops[0]
         model, feeds = single_op_model(op, g)
         values = random_inputs(g)
-        outputs = [(n, g.tensors[n].shape, _np_dtype(g, n)) for n in op.present_outputs]
-        timer = Timer.bind(make_session(model, device, threads), {n: values[n] for n in feeds}, outputs, device)
-        seconds = max(timer.median(repeats) - session_overhead, 1e-9)
+        outputs = [(n, g.tensors[n].shape, np_dtype(g, n)) for n in op.present_outputs]
+        timer = Timer.bind(make_session(model, device, threads), {n: values[n] for n in feeds}, outputs, device,
+                           threads)
+        seconds = max(timer.median(repeats) - session_overhead, 0.0) + node_overhead
         c = op_cost(op, g)
-        rows.append({"op": op.op_type, "class": c.op_class, "flops": c.flops, "bytes": c.bytes, "seconds": seconds,
-                     "flop_rate": c.flops / seconds, "byte_rate": c.bytes / seconds,
+        rows.append({"source": "microbenchmark", "op": op.op_type, "class": c.op_class, "ops": 1,
+                     "flops": c.flops, "bytes": c.bytes, "seconds": seconds,
                      "shapes": [list(g.tensors[n].shape) for n in op.present_inputs]})
+    for g in references:
+        table = profile_graph(g, device, repeats, threads)
+        totals: dict[str, dict] = {}
+        for op in g.ops:
+            c = op_cost(op, g)
+            if c.op_class == "shape":
+                continue
+            row = totals.setdefault(c.op_class, {"source": g.name, "class": c.op_class, "ops": 0, "flops": 0,
+                                                 "bytes": 0, "seconds": 0.0})
+            row["ops"] += 1
+            row["flops"] += c.flops
+            row["bytes"] += c.bytes
+            row["seconds"] += table.times[op.name]
+        rows.extend(totals.values())
     flops, bandwidth = {}, {}
     for cls in sorted({r["class"] for r in rows}):
-        mine = [r for r in rows if r["class"] == cls]
-        if cls in FLOP_CLASSES:
-            flops[cls] = statistics.median(r["flop_rate"] for r in mine)
-        else:
-            bandwidth[cls] = statistics.median(r["byte_rate"] for r in mine)
+        for from_references in (True, False):
+            mine = [r for r in rows if r["class"] == cls and (r["source"] != "microbenchmark") == from_references]
+            busy = sum(max(r["seconds"] - r["ops"] * node_overhead, 0.0) for r in mine)
+            work = sum(r["flops"] if cls in FLOP_CLASSES else r["bytes"] for r in mine)
+            if busy > 0 and work > 0:
+                (flops if cls in FLOP_CLASSES else bandwidth)[cls] = work / busy
+                break
+    peak = max(r["flops"] / r["seconds"] for r in rows if r["class"] in FLOP_CLASSES)   # the best kernel seen
     copy_bw, copy_latency = memcpy_rate()
     memory = _physical_memory()
     import onnxruntime as ort
 
+    names = ", ".join(g.name for g in references) or "none"
     hw = Hardware(
-        name="cpu", device_memory=memory, peak_flops={"float32": flops["gemm"]},
+        name="cpu", device_memory=memory, peak_flops={"float32": peak},
         memory_bandwidth=bandwidth["elementwise"], launch_overhead=node_overhead,
         link_h2d=copy_bw, link_d2h=copy_bw, link_latency=copy_latency,
         tiers={"dram": HostTier(memory, copy_bw, copy_bw, DRAM_LATENCY), "nvdimm": optane_pmem()},
         description=(f"{_cpu_name()}, {os.cpu_count()} cores, ONNX Runtime {ort.__version__} "
-                     f"({threads or 'default'} threads); calibrated {time.strftime('%Y-%m-%d')} by "
-                     f"`memsched hardware calibrate`; swaps are DRAM copies; nvdimm: Optane figures"),
+                     f"({threads or 'default'} intra-op threads); calibrated {time.strftime('%Y-%m-%d')} by "
+                     f"`memsched hardware calibrate` on microbenchmarks and the training steps of {names}; "
+                     f"swaps are DRAM copies; nvdimm: Optane figures"),
         op_class_flops=flops, op_class_bandwidth=bandwidth)
     return hw, rows
 
@@ -319,16 +484,16 @@ def memcpy_rate(nbytes: int = 256 * 2**20, repeats: int = 5) -> tuple[float, flo
     dst = np.empty_like(src)
     np.copyto(dst, src)
     big = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    for _ in range(repeats):           # single-threaded copies: CPU time is immune to other load
+        start = time.thread_time()
         np.copyto(dst, src)
-        big.append(time.perf_counter() - start)
+        big.append(time.thread_time() - start)
     small_src, small_dst = np.ones(8, np.uint8), np.empty(8, np.uint8)
     small = []
     for _ in range(200):
-        start = time.perf_counter()
+        start = time.thread_time()
         np.copyto(small_dst, small_src)
-        small.append(time.perf_counter() - start)
+        small.append(time.thread_time() - start)
     return nbytes / statistics.median(big), statistics.median(small)
 
 

@@ -64,11 +64,16 @@ def _seconds(x: float) -> str:
     return f"{x / 1e-9:.4g} ns"
 
 
+def _table(title: str, *columns: str) -> Table:
+    """A left-titled table; a column named 'x>' is right-justified."""
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col.rstrip(">"), justify="right" if col.endswith(">") else "left")
+    return table
+
+
 def print_hardware_list(profiles: list[dict]) -> None:
-    table = Table(title="hardware profiles", title_justify="left")
-    for col, justify in (("name", "left"), ("memory", "right"), ("fp32", "right"), ("mem bw", "right"),
-                         ("link h2d/d2h", "right"), ("description", "left")):
-        table.add_column(col, justify=justify)
+    table = _table("hardware profiles", "name", "memory>", "fp32>", "mem bw>", "link h2d/d2h>", "description")
     for p in profiles:
         if "error" in p:
             table.add_row(p["name"], "-", "-", "-", "-", p["error"])
@@ -87,17 +92,13 @@ def print_hardware(p: dict) -> None:
     out.print("peak: " + ", ".join(f"{k} {_rate(v, 'FLOP/s')}" for k, v in p["peak_flops"].items()))
     out.print(f"host link: h2d {_rate(p['link_h2d'], 'B/s')}, d2h {_rate(p['link_d2h'], 'B/s')}, "
               f"latency {_seconds(p['link_latency'])}")
-    tiers = Table(title="host tiers", title_justify="left")
-    for col in ("tier", "capacity", "read", "write", "latency"):
-        tiers.add_column(col, justify="left" if col == "tier" else "right")
+    tiers = _table("host tiers", "tier", "capacity>", "read>", "write>", "latency>")
     for name, t in p["tiers"].items():
         tiers.add_row(name, format_bytes(t["capacity"]), _rate(t["read_bw"], "B/s"), _rate(t["write_bw"], "B/s"),
                       _seconds(t["latency"]))
     out.print(tiers)
     if p.get("op_class_flops") or p.get("op_class_bandwidth"):
-        classes = Table(title="calibrated op classes", title_justify="left")
-        for col in ("class", "FLOP/s", "bandwidth"):
-            classes.add_column(col, justify="left" if col == "class" else "right")
+        classes = _table("calibrated op classes", "class", "FLOP/s>", "bandwidth>")
         for cls in sorted(set(p.get("op_class_flops", {})) | set(p.get("op_class_bandwidth", {}))):
             f, b = p.get("op_class_flops", {}).get(cls), p.get("op_class_bandwidth", {}).get(cls)
             classes.add_row(cls, _rate(f, "FLOP/s") if f else "-", _rate(b, "B/s") if b else "-")
@@ -109,9 +110,7 @@ def print_cost_table(summary: dict) -> None:
     out.print(f"[bold]{summary['graph']}[/bold]: {summary['ops']} ops timed on {summary['provider']} "
               f"({summary['timed_ops']} distinct), sum of op times {_seconds(summary['total_s'])}; "
               f"written to {summary['path']}")
-    table = Table(title="slowest ops", title_justify="left")
-    for col in ("op", "type", "time"):
-        table.add_column(col, justify="right" if col == "time" else "left")
+    table = _table("slowest ops", "op", "type", "time>")
     for row in summary["slowest"]:
         table.add_row(row["op"], row["op_type"], _seconds(row["seconds"]))
     out.print(table)

@@ -59,3 +59,16 @@ def test_profile_then_simulate_with_the_table(tmp_path):
     roofline = json.loads(run_cli("simulate", model, "--hardware", "a100-80gb", "--json").stdout)
     assert roofline["cost_source"] == "roofline" and roofline["hardware"] == "a100-80gb"
     assert [e["label"] for e in roofline["events"]] == ["fc1", "relu", "fc2"]
+
+
+def test_calibrate_rejects_an_unknown_reference_before_measuring(tmp_path):
+    result = run_cli("hardware", "calibrate", "-o", tmp_path / "cpu.json", "--references", "alexnet")
+    assert result.returncode == 1 and "no reference size for 'alexnet'" in result.stderr
+    assert not (tmp_path / "cpu.json").exists()
+
+
+def test_reference_training_steps_are_built_small():
+    from passes.calibration import reference_graphs
+
+    graph, = reference_graphs(["mlp"])
+    assert graph.name == "mlp-train" and {op.phase for op in graph.ops} >= {"forward", "backward", "update"}
