@@ -1,0 +1,256 @@
+"""Write a Plan as a scheduled ONNX graph, and read one back (DESIGN.md, "Emitted ONNX").
+
+The file is a valid ONNX model that Netron shows as the step really runs:
+- nodes in schedule order; a recomputation is a clone of its op named `<op>.recompute<k>`
+  whose outputs are renamed `<tensor>.recompute<k>` so the graph stays SSA;
+- a swap-out is a `SwapOut` node (domain `ai.memsched`, attribute `tier`) from the device
+  tensor to its host copy `<tensor>.host<k>`; a swap-in is a `SwapIn` node from the host
+  copy (or, for a static tensor that starts on the host, its initializer) to
+  `<tensor>.swap_in<k>`; later readers read the newest name;
+- everything else about the plan (the schedule with its frees and streams, aliases, arena
+  offsets, what starts on the host, the budget, the renames) is one JSON document in
+  `metadata_props` under `memsched.plan`, with a format version.
+
+`read_plan` inverts this: the unscheduled Graph (original ops in their original order,
+kinds and phases intact, no clones or swap nodes) and the Plan's decisions. The metadata is
+the plan; the nodes are its rendering, and a file whose nodes disagree with its metadata is
+rejected rather than guessed at.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from .errors import ScheduleError, UserError
+from .frontend import read_model
+from .ir import Graph, Op, Tensor
+from .onnx_utils import MEMSCHED_DOMAIN, save_model_atomic
+from .schedule import STEP_KINDS, Plan, Step
+
+PLAN_KEY = "memsched.plan"
+FORMAT_VERSION = 1
+SWAP_OPS = {"swap_out": "SwapOut", "swap_in": "SwapIn"}
+
+
+# ---- writing -----------------------------------------------------------------------------
+def plan_to_onnx(plan: Plan) -> onnx.ModelProto:
+    """The scheduled graph of `plan` as an ONNX model, with the plan in its metadata."""
+    scheduled, renamed, clones = _scheduled_graph(plan)
+    model = scheduled.to_onnx()
+    document = {
+        "version": FORMAT_VERSION,
+        "schedule": [_step_json(s) for s in plan.schedule],
+        "aliases": dict(plan.aliases),
+        "offsets": None if plan.offsets is None else
+        [[t, i, int(o)] for (t, i), o in sorted(plan.offsets.items())],
+        "on_host": sorted(plan.on_host),
+        "budget": None if plan.budget is None else int(plan.budget),
+        "hardware": _hardware_json(plan.hardware),
+        "notes": plan.notes,
+        "graph_order": [op.name for op in plan.graph.ops],
+        "outputs": list(plan.graph.outputs),
+        "opset_imports": dict(plan.graph.opset_imports),
+        "renamed": renamed,
+        "clones": clones,
+    }
+    props = {p.key: p.value for p in model.metadata_props}
+    props[PLAN_KEY] = json.dumps(document, default=_json_default, separators=(",", ":"))
+    onnx.helper.set_model_props(model, props)
+    onnx.checker.check_model(model)
+    return model
+
+
+def write_plan(plan: Plan, path: str | os.PathLike) -> Path:
+    """Emit `plan` to `path` atomically (initializers go external past 2 GB)."""
+    return save_model_atomic(plan_to_onnx(plan), path)
+
+
+def _scheduled_graph(plan: Plan) -> tuple[Graph, dict[str, str], dict[str, str]]:
+    """The graph with nodes in schedule order, clones and swap nodes added, SSA names.
+
+    Returns it with `renamed` (new tensor name -> original) and `clones` (clone op -> op)."""
+    graph = plan.graph
+    taken = {"op": set(graph.op_by_name), "tensor": set(graph.tensors)}   # ONNX keeps two namespaces
+    current = {name: name for name in graph.tensors}       # the newest name of each tensor
+    host = {name: name for name in plan.on_host}            # where its host copy is
+    counts: dict[tuple[str, str], int] = {}
+    ops: list[Op] = []
+    tensors = dict(graph.tensors)
+    renamed: dict[str, str] = {}
+    clones: dict[str, str] = {}
+
+    def fresh(base: str, space: str = "op") -> str:
+        name, k = base, 1
+        while name in taken[space]:
+            name, k = f"{base}.{k}", k + 1
+        taken[space].add(name)
+        return name
+
+    def new_tensor(original: str, base: str) -> str:
+        name = fresh(base, "tensor")
+        t = graph.tensors[original]
+        tensors[name] = Tensor(name, t.shape, t.dtype, t.kind)
+        renamed[name] = original
+        return name
+
+    def count(kind: str, target: str) -> int:
+        k = counts.get((kind, target), 0) + 1
+        counts[(kind, target)] = k
+        return k
+
+    for index, step in enumerate(plan.schedule):
+        if step.kind not in STEP_KINDS:
+            raise ScheduleError(f"step {index} has unknown kind '{step.kind}'")
+        if step.kind in ("compute", "recompute"):
+            op = graph.op_by_name.get(step.target)
+            if op is None:
+                raise ScheduleError(f"step {index} names op '{step.target}', which the graph does not have")
+            inputs = [current.get(t, t) if t else "" for t in op.inputs]
+            if step.kind == "compute":
+                ops.append(dataclasses.replace(op, inputs=inputs))
+                continue
+            k = count("recompute", op.name)
+            outputs = []
+            for t in op.outputs:
+                if t:
+                    current[t] = new_tensor(t, f"{t}.recompute{k}")
+                outputs.append(current[t] if t else "")
+            name = fresh(f"{op.name}.recompute{k}")
+            clones[name] = op.name
+            ops.append(dataclasses.replace(op, name=name, inputs=inputs, outputs=outputs))
+        elif step.kind in SWAP_OPS:
+            t = step.target
+            if t not in graph.tensors:
+                raise ScheduleError(f"step {index} swaps tensor '{t}', which the graph does not have")
+            k = count(step.kind, t)
+            if step.kind == "swap_out":
+                source, output = current[t], new_tensor(t, f"{t}.host{k}")
+                host[t] = output
+            else:
+                if t not in host:
+                    raise ScheduleError(f"tensor '{t}' is swapped in at step {index} but has no host "
+                                        f"copy (never swapped out and not on the host at the start)")
+                source, output = host[t], new_tensor(t, f"{t}.swap_in{k}")
+                current[t] = output
+            ops.append(Op(fresh(f"{t}.{step.kind}{k}"), SWAP_OPS[step.kind], [source], [output],
+                          {"tier": step.tier or "dram"}, MEMSCHED_DOMAIN, _phase_of(graph, t)))
+    outputs = [current[t] for t in graph.outputs]
+    opsets = dict(graph.opset_imports)
+    opsets[MEMSCHED_DOMAIN] = 1
+    metadata = {k: v for k, v in graph.metadata.items() if k != PLAN_KEY}
+    scheduled = graph.replace(ops=ops, tensors=tensors, outputs=outputs, opset_imports=opsets,
+                              metadata=metadata)
+    return scheduled, renamed, clones
+
+
+def _phase_of(graph: Graph, tensor: str) -> str:
+    producer = graph.producer.get(tensor)
+    return producer.phase if producer is not None else "forward"
+
+
+def _step_json(step: Step) -> list:
+    return [step.kind, step.target, step.tier, step.stream]
+
+
+def _hardware_json(hardware: Any) -> Any:
+    """A hardware profile as JSON: its name if it has one, else its fields, else None."""
+    if hardware is None or isinstance(hardware, (str, dict)):
+        return hardware
+    name = getattr(hardware, "name", None)
+    if isinstance(name, str):
+        return name
+    if dataclasses.is_dataclass(hardware):
+        return dataclasses.asdict(hardware)
+    return str(hardware)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (set, frozenset, tuple)):
+        return sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    raise TypeError(f"cannot store {type(value).__name__} in the plan metadata")
+
+
+# ---- reading -----------------------------------------------------------------------------
+def read_plan(path: str | os.PathLike) -> Plan:
+    """The Plan stored in a scheduled.onnx written by `write_plan`. UserError if it is not one."""
+    path = Path(path)
+    model = read_model(path)
+    return plan_from_onnx(model, base_dir=str(path.parent), source=str(path))
+
+
+def plan_from_onnx(model: onnx.ModelProto, base_dir: str | None = None, source: str = "the model") -> Plan:
+    """Rebuild the unscheduled Graph and the plan's decisions from an emitted model."""
+    props = {p.key: p.value for p in model.metadata_props}
+    if PLAN_KEY not in props:
+        raise UserError(f"{source} holds no memsched plan (no '{PLAN_KEY}' metadata); "
+                        f"write one with `memsched compile`")
+    try:
+        doc = json.loads(props[PLAN_KEY])
+    except json.JSONDecodeError as exc:
+        raise UserError(f"the plan in {source} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
+        version = doc.get("version") if isinstance(doc, dict) else None
+        raise UserError(f"the plan in {source} has format version {version!r}; this memsched reads "
+                        f"version {FORMAT_VERSION}")
+    try:
+        schedule = [Step(kind, target, tier, stream) for kind, target, tier, stream in doc["schedule"]]
+        renamed: dict[str, str] = doc["renamed"]
+        clones: dict[str, str] = doc["clones"]
+        graph_order: list[str] = doc["graph_order"]
+        offsets = None if doc["offsets"] is None else {(t, int(i)): int(o) for t, i, o in doc["offsets"]}
+        plan_fields = dict(aliases=dict(doc["aliases"]), offsets=offsets, on_host=frozenset(doc["on_host"]),
+                           budget=doc["budget"], hardware=doc["hardware"], notes=doc["notes"])
+        outputs, opsets = list(doc["outputs"]), dict(doc["opset_imports"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"the plan in {source} is malformed ({type(exc).__name__}: {exc})") from None
+
+    scheduled = Graph.from_onnx(model, base_dir=base_dir)
+    _check_nodes_match(scheduled, schedule, clones, renamed, source)
+    original = {}
+    for op in scheduled.ops:
+        if op.name in clones or op.domain == MEMSCHED_DOMAIN:
+            continue
+        original[op.name] = dataclasses.replace(op, inputs=[renamed.get(t, t) if t else "" for t in op.inputs])
+    missing = [name for name in graph_order if name not in original]
+    if missing or len(original) != len(graph_order):
+        raise UserError(f"the plan in {source} lists ops its graph does not have (e.g. "
+                        f"'{(missing or sorted(set(original) - set(graph_order)))[0]}'); was it edited by hand?")
+    tensors = {name: t for name, t in scheduled.tensors.items() if name not in renamed}
+    metadata = {k: v for k, v in scheduled.metadata.items() if k != PLAN_KEY}
+    graph = scheduled.replace(ops=[original[name] for name in graph_order], tensors=tensors, outputs=outputs,
+                              opset_imports=opsets, metadata=metadata)
+    return Plan(graph, schedule, **plan_fields)
+
+
+def _check_nodes_match(scheduled: Graph, schedule: list[Step], clones: dict[str, str],
+                       renamed: dict[str, str], source: str) -> None:
+    """The node order must be the metadata schedule without its frees."""
+    events = [s for s in schedule if s.kind != "free"]
+    if len(events) != len(scheduled.ops):
+        raise UserError(f"the plan in {source} has {len(events)} compute/recompute/swap steps but the "
+                        f"graph has {len(scheduled.ops)} nodes; was it edited by hand?")
+    for index, (step, op) in enumerate(zip(events, scheduled.ops)):
+        if step.kind == "compute":
+            ok = op.name == step.target and op.domain != MEMSCHED_DOMAIN
+        elif step.kind == "recompute":
+            ok = clones.get(op.name) == step.target
+        elif step.kind in SWAP_OPS:
+            ok = (op.domain == MEMSCHED_DOMAIN and op.op_type == SWAP_OPS[step.kind]
+                  and renamed.get(op.outputs[0]) == step.target if op.outputs else False)
+        else:
+            raise UserError(f"the plan in {source} has a step of unknown kind '{step.kind}'")
+        if not ok:
+            raise UserError(f"the plan in {source} does not match its nodes at event {index}: the "
+                            f"metadata says {step}, the node is '{op.name}'; was it edited by hand?")
