@@ -152,6 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not train parameters matching this fnmatch pattern (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_train_graph)
+
+    p = sub.add_parser("run", help="run a scheduled plan with the bundled executor and measure it")
+    p.add_argument("plan", help="a scheduled .onnx written by memsched")
+    p.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
+    p.add_argument("--check", action="store_true",
+                   help="compare every output with a plain ONNX Runtime run of the unscheduled graph")
+    p.add_argument("--nvdimm-dir", metavar="DIR", help="directory for the NVDIMM tier's store (default: a temp dir)")
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_run)
     return parser
 
 
@@ -381,6 +392,31 @@ def cmd_tune_batch(args) -> int:
         print_json(out)
     else:
         print_tune(out)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from memsched.emit import read_plan
+    from memsched.executor import run_plan
+    from memsched.summary import run_summary
+    from memsched.views import print_run, step_progress
+
+    plan = read_plan(args.plan)
+    bar = args.steps > 1 and sys.stdout.isatty() and not args.json
+    with step_progress(args.steps, enabled=bar) as progress:
+        result = run_plan(plan, steps=args.steps, device=args.device, check=args.check,
+                          nvdimm_dir=args.nvdimm_dir, progress=progress, threads=args.threads)
+    summary = run_summary(result, args.plan)
+    if args.json:
+        print_json(summary)
+    else:
+        print_run(summary)
+    if summary["check"] is not None and not summary["check"]["passed"]:
+        check = summary["check"]
+        worst = max(check["per_output"], key=check["per_output"].get)
+        print(f"memsched: error: check failed: output '{worst}' differs from the plain ONNX Runtime run "
+              f"by up to {check['max_abs_diff']:.3g}", file=sys.stderr)
+        return 1
     return 0
 
 

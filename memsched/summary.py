@@ -30,3 +30,27 @@ def inspect_graph(graph: Graph, top: int = 10) -> dict:
         "largest_tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype_name,
                              "kind": t.kind, "bytes": t.nbytes} for t in largest],
     }
+
+
+def run_summary(result, path: str | None = None) -> dict:
+    """What `memsched run` reports (DESIGN.md keys: provider, steps, measured, predicted, check).
+
+    `predicted` holds the memory model's figures; its step time stays None until a
+    simulator prediction is passed in by the caller."""
+    return {
+        "plan": path,
+        "provider": result.provider,
+        "providers": result.providers,
+        "requested_device": result.requested_device,
+        "fallback": result.fallback,
+        "steps": result.steps,
+        "measured": {"arena_bytes": result.arena_bytes, "peak_bytes": result.peak_bytes,
+                     "step_time_s": result.step_time_s},
+        "predicted": {"arena_bytes": result.planned_arena_bytes, "peak_bytes": result.planned_peak_bytes,
+                      "step_time_s": None},
+        "check": result.check,
+        "ops": result.ops,
+        "sessions": result.sessions,
+        "swapped_bytes": result.swapped_bytes,
+        "step_times_s": result.step_times,
+    }

@@ -4,6 +4,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .units import format_bytes
@@ -223,3 +224,41 @@ def print_tune(result: dict) -> None:
         out.print("[bold]no batch size fits[/bold]")
     if result.get("plot"):
         out.print(f"wrote plot: {result['plot']}")
+
+
+def print_run(summary: dict) -> None:
+    out = console()
+    provider = summary["provider"]
+    if summary["fallback"]:
+        provider += f" [yellow](asked for {summary['requested_device']}: {summary['fallback']})[/yellow]"
+    out.print(f"ran [bold]{summary['steps']}[/bold] step(s) of {summary['plan']} on {provider}: "
+              f"{summary['ops']} op runs per step, {summary['sessions']} ONNX Runtime sessions")
+    table = Table(title_justify="left")
+    for col in ("", "measured", "planned"):
+        table.add_column(col, justify="right" if col else "left")
+    measured, predicted = summary["measured"], summary["predicted"]
+    for key, label in (("peak_bytes", "peak live bytes"), ("arena_bytes", "arena bytes")):
+        table.add_row(label, f"{format_bytes(measured[key])} ({measured[key]:,} B)",
+                      f"{format_bytes(predicted[key])} ({predicted[key]:,} B)")
+    table.add_row("step time", f"{measured['step_time_s'] * 1e3:.2f} ms",
+                  "-" if predicted["step_time_s"] is None else f"{predicted['step_time_s'] * 1e3:.2f} ms")
+    out.print(table)
+    for tier, nbytes in summary["swapped_bytes"].items():
+        out.print(f"swapped out to {tier}: {format_bytes(nbytes)} per step")
+    check = summary["check"]
+    if check is not None:
+        verdict = "[green]passed[/green]" if check["passed"] else "[red]FAILED[/red]"
+        kind = "bit-identical" if check["bit_identical"] else f"max |diff| {check['max_abs_diff']:.3g}"
+        out.print(f"check against a plain ONNX Runtime run ({check['steps']} step(s)): {verdict}, {kind}")
+
+
+@contextmanager
+def step_progress(total: int, enabled: bool):
+    """A rich progress bar for multi-step runs; yields the callback the executor calls, or None."""
+    if not enabled:
+        yield None
+        return
+    with Progress(TextColumn("steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console(), transient=True) as progress:
+        task = progress.add_task("steps", total=total)
+        yield lambda done, _total: progress.update(task, completed=done)

@@ -1,0 +1,252 @@
+"""The executor: real runs of plans, bit-identical to a plain ONNX Runtime run, with measured
+memory equal to the memory model's, and wrong plans stopped before anything runs."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnxruntime
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper
+
+from memsched import executor
+from memsched.emit import read_plan, write_plan
+from memsched.errors import ScheduleError, UserError
+from memsched.executor import run_plan
+from memsched.memory import analyze_plan, check_placement
+from memsched.schedule import Plan, default_schedule, free, recompute, swap_in, swap_out
+from tests.planbuild import (_lower, all_plans, cnn_graph, edit_plan_metadata, mlp_train_graph, order_plan, place,
+                             with_step_inserted)
+
+MLP = mlp_train_graph()
+PLANS = {**{f"mlp-{k}": v for k, v in all_plans(MLP).items()}, "cnn-order": order_plan(cnn_graph())}
+
+
+def _assert_measured_equals_planned(result, plan):
+    profile = analyze_plan(plan)
+    assert np.array_equal(result.live_bytes, profile.live_bytes)
+    assert result.peak_bytes == result.planned_peak_bytes == profile.peak_bytes
+    assert result.arena_bytes == result.arena_high_water == check_placement(profile, plan.offsets)
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_checked_run_is_bit_identical_and_measures_the_planned_memory(name):
+    plan = PLANS[name]
+    result = run_plan(plan, check=True)
+    assert result.check["passed"] and result.check["bit_identical"]
+    assert result.check["max_abs_diff"] == 0.0
+    assert set(result.check["per_output"]) == set(plan.graph.outputs)
+    _assert_measured_equals_planned(result, plan)
+    assert result.provider == "CPUExecutionProvider" and result.fallback is None
+    assert result.ops == sum(s.kind in ("compute", "recompute") for s in plan.schedule)
+    assert result.step_time_s > 0
+
+
+def test_swaps_go_to_their_tiers_and_nvdimm_dir_is_used(tmp_path):
+    plan = PLANS["mlp-swap"]
+    result = run_plan(plan, check=True, nvdimm_dir=str(tmp_path))
+    assert result.check["passed"]
+    nbytes = MLP.tensors
+    assert result.swapped_bytes == {"dram": nbytes["a"].nbytes, "nvdimm": nbytes["W1"].nbytes}
+    assert list(tmp_path.iterdir()) == []      # the store file is gone after the run
+
+
+def test_multi_step_training_feeds_updates_back_and_stays_identical():
+    steps, seen = 4, []
+    one = run_plan(PLANS["mlp-reuse"], steps=1)
+    result = run_plan(PLANS["mlp-reuse"], steps=steps, check=True, progress=lambda k, n: seen.append((k, n)))
+    assert result.check["passed"] and result.check["steps"] == steps
+    assert seen == [(k, steps) for k in range(1, steps + 1)]
+    assert len(result.step_times) == steps
+    # the hand-written gradient is right, so SGD lowers the loss on a fixed batch
+    assert float(result.outputs["loss"]) < float(one.outputs["loss"])
+
+
+def test_given_inputs_are_used_and_checked():
+    x = np.full((4, 6), 0.5, np.float32)
+    a = run_plan(PLANS["mlp-order"], inputs={"x": x}, check=True)
+    b = run_plan(PLANS["mlp-order"])
+    assert a.check["passed"] and float(a.outputs["loss"]) != float(b.outputs["loss"])
+    with pytest.raises(UserError, match="input 'x' must be float32 of shape \\(4, 6\\)"):
+        run_plan(PLANS["mlp-order"], inputs={"x": x[:2]})
+    with pytest.raises(UserError, match="no input named 'z'"):
+        run_plan(PLANS["mlp-order"], inputs={"z": x})
+
+
+def test_two_threads_are_still_bit_identical():
+    result = run_plan(PLANS["cnn-order"], check=True, threads=2)
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+
+
+@pytest.mark.skipif(executor._resolve_device("cuda")[0] == "cuda", reason="a usable GPU is present")
+def test_cuda_request_without_a_gpu_runs_on_cpu_and_says_so():
+    result = run_plan(PLANS["mlp-order"], device="cuda", check=True)
+    assert result.provider == "CPUExecutionProvider" and result.requested_device == "cuda"
+    assert result.fallback and result.check["passed"]
+
+
+# ---- wrong plans are stopped before anything runs ------------------------------------------
+@pytest.fixture
+def no_sessions(monkeypatch):
+    """Any ONNX Runtime session built from here on fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a session was built for a plan that should have been rejected")
+    monkeypatch.setattr(onnxruntime, "InferenceSession", refuse)
+
+
+def _early_free(plan):
+    index = next(i for i, s in enumerate(plan.schedule) if s.target == "mm2")
+    return with_step_inserted(plan, index + 1, free("r"))
+
+
+@pytest.mark.parametrize("wrong, error, message", [
+    (_early_free, ScheduleError, "tensor 'r' is read by op 'rT'"),
+    (lambda p: dataclasses.replace(p, budget=analyze_plan(p).peak_bytes - 1), ScheduleError, "over its budget"),
+    (lambda p: dataclasses.replace(p, offsets={**p.offsets, ("a", 0): p.offsets[("h", 0)]}), ScheduleError,
+     "tensors '(a|h)' and '(a|h)' are live together"),
+    (lambda p: dataclasses.replace(p, offsets={**p.offsets, ("a", 0): p.offsets[("a", 0)] + 10_002}), ScheduleError,
+     "tensor 'a' is placed at arena offset .* not a multiple of its element size 4"),
+    (lambda p: dataclasses.replace(p, offsets=None), UserError, "no arena offsets"),
+    (lambda p: dataclasses.replace(p, schedule=p.schedule + [free("loss")]), ScheduleError,
+     "graph output 'loss' is freed before the end"),
+])
+def test_wrong_plan_fails_before_running(no_sessions, wrong, error, message):
+    plan = PLANS["mlp-order"]
+    if wrong is _early_free:
+        plan = _early_free(plan)
+    else:
+        plan = wrong(plan)
+    with pytest.raises(error, match=message):
+        run_plan(plan)
+
+
+def test_swap_in_from_a_tier_it_was_not_swapped_to(no_sessions):
+    plan = PLANS["mlp-swap"]
+    schedule = [dataclasses.replace(s, tier="nvdimm") if s.kind == "swap_in" and s.target == "a" else s
+                for s in plan.schedule]
+    with pytest.raises(ScheduleError, match="tensor 'a' is swapped in from nvdimm .* no copy of it was put there"):
+        run_plan(dataclasses.replace(plan, schedule=schedule))
+
+
+def test_hand_edited_emitted_plan_is_caught_naming_the_tensor(tmp_path, no_sessions):
+    path = write_plan(PLANS["mlp-recompute"], tmp_path / "scheduled.onnx")
+
+    def free_too_early(doc):   # free the replayed r before rT reads it
+        at = [s[0:2] for s in doc["schedule"]].index(["recompute", "relu"])
+        doc["schedule"].insert(at + 1, ["free", "r", None, "compute"])
+
+    edit_plan_metadata(path, free_too_early)
+    with pytest.raises(ScheduleError, match="tensor 'r' is read by op 'rT'"):
+        run_plan(read_plan(path))
+
+
+def test_recomputing_a_random_op_is_refused():
+    node = helper.make_node("RandomNormalLike", ["x"], ["noise"], name="noise", seed=1.0)
+    add = helper.make_node("Add", ["x", "noise"], ["y"], name="add")
+    mul = helper.make_node("Mul", ["y", "noise"], ["z"], name="mul")
+    graph = _lower([node, add, mul], [helper.make_tensor_value_info("x", TP.FLOAT, [3])],
+                   [helper.make_tensor_value_info("z", TP.FLOAT, [3])], [], "random")
+    plan = place(Plan(graph, [*default_schedule(graph)[:2], recompute("noise"), default_schedule(graph)[2]]))
+    with pytest.raises(ScheduleError, match="op 'noise' \\(RandomNormalLike\\) draws random numbers"):
+        run_plan(plan)
+
+
+def test_bad_options():
+    with pytest.raises(UserError, match="--steps must be at least 1"):
+        run_plan(PLANS["mlp-order"], steps=0)
+    with pytest.raises(UserError, match="unknown device 'tpu'"):
+        run_plan(PLANS["mlp-order"], device="tpu")
+    with pytest.raises(UserError, match="cannot create the NVDIMM store"):
+        run_plan(PLANS["mlp-swap"], nvdimm_dir="/nonexistent/memsched")
+
+
+# ---- the check can fail -------------------------------------------------------------------
+def _clobbered(plan):
+    """`plan` with a later tensor placed on `a`'s bytes while `a` is still needed."""
+    profile = analyze_plan(plan)
+    a = next(r for r in profile.residencies if r.tensor == "a")
+    later = next(r for r in profile.residencies if a.start + 3 < r.start < a.end and r.nbytes == a.nbytes)
+    return dataclasses.replace(plan, offsets={**plan.offsets, later.key: plan.offsets[a.key]})
+
+
+@pytest.fixture
+def judges_bypassed(monkeypatch):
+    """The memory model and the rehearsal accept anything; the arena keeps the real size."""
+    arena = check_placement(analyze_plan(PLANS["mlp-order"]), PLANS["mlp-order"].offsets)
+    monkeypatch.setattr(executor, "validate", analyze_plan)
+    monkeypatch.setattr(executor, "check_placement", lambda profile, offsets: arena)
+    monkeypatch.setattr(executor, "_rehearse", lambda program, profile: (profile.live_bytes, 0))
+
+
+def test_check_catches_a_plan_the_judges_were_told_to_ignore(judges_bypassed):
+    """With the judges bypassed the run computes garbage, and the check must say so."""
+    result = run_plan(_clobbered(PLANS["mlp-order"]), check=True)
+    assert not result.check["passed"] and result.check["max_abs_diff"] > 0
+
+
+# ---- the command line ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def emitted(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("plans")
+    return {name: write_plan(plan, directory / f"{name}.onnx") for name, plan in PLANS.items()}
+
+
+def test_cli_run_json(cli, emitted):
+    import json
+
+    proc = cli("run", emitted["mlp-swap"], "--check", "--steps", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    plan = PLANS["mlp-swap"]
+    profile = analyze_plan(plan)
+    assert report["provider"] == "CPUExecutionProvider" and report["steps"] == 2
+    assert report["measured"]["peak_bytes"] == report["predicted"]["peak_bytes"] == profile.peak_bytes
+    assert report["measured"]["arena_bytes"] == report["predicted"]["arena_bytes"] == \
+        check_placement(profile, plan.offsets)
+    assert report["measured"]["step_time_s"] > 0 and report["predicted"]["step_time_s"] is None
+    assert report["check"]["max_abs_diff"] == 0.0 and report["check"]["passed"] is True
+    assert report["swapped_bytes"] == {"dram": MLP.tensors["a"].nbytes, "nvdimm": MLP.tensors["W1"].nbytes}
+
+
+def test_cli_run_text(cli, emitted):
+    proc = cli("run", emitted["cnn-order"], "--check")
+    assert proc.returncode == 0, proc.stderr
+    assert "passed, bit-identical" in proc.stdout and "peak live bytes" in proc.stdout
+
+
+def test_cli_run_rejects_a_hand_edited_plan_in_one_line(cli, tmp_path):
+    path = write_plan(PLANS["mlp-order"], tmp_path / "scheduled.onnx")
+    edit_plan_metadata(path, lambda doc: doc["schedule"].insert(
+        [s[1] for s in doc["schedule"]].index("mm2") + 1, ["free", "r", None, "compute"]))
+    proc = cli("run", path, "--check")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("memsched: error: tensor 'r' is read by op 'rT'")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["missing.onnx"], 1, "no such file"),
+    (["PLAIN", "--check"], 1, "holds no memsched plan"),
+    (["UNPLACED"], 1, "no arena offsets"),
+    (["PLAN", "--steps", "0"], 1, "--steps must be at least 1"),
+    (["PLAN", "--device", "tpu"], 2, "invalid choice"),
+])
+def test_cli_run_bad_input(cli, tmp_path, emitted, args, code, message):
+    plain = tmp_path / "plain.onnx"
+    plain.write_bytes(MLP.to_onnx().SerializeToString())
+    unplaced = write_plan(dataclasses.replace(PLANS["mlp-order"], offsets=None), tmp_path / "unplaced.onnx")
+    names = {"PLAIN": plain, "UNPLACED": unplaced, "PLAN": emitted["mlp-order"], "missing.onnx": tmp_path / "missing.onnx"}
+    proc = cli("run", *[names.get(a, a) for a in args])
+    assert proc.returncode == code and message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_failed_check_exits_1_with_one_line(judges_bypassed, tmp_path, capsys):
+    """A run whose outputs differ (the judges bypassed, as above) fails the command."""
+    import cli
+
+    path = write_plan(_clobbered(PLANS["mlp-order"]), tmp_path / "clobbered.onnx")
+    assert cli.main(["run", str(path), "--check", "--json"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("memsched: error: check failed: output '") and len(err.strip().splitlines()) == 1
