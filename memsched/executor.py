@@ -791,13 +791,41 @@ class _Reference:
 
 
 def reference_model(graph: Graph) -> onnx.ModelProto:
-    """The graph with every initializer turned into a graph input (no constant-only kernels)."""
-    model = graph.to_onnx(load_external_data=False)
+    """The graph with every initializer turned into a graph input (no constant-only kernels),
+    and float16 tensors kept float16 between ops (see `_fp16_barriers`)."""
+    model = _fp16_barriers(graph).to_onnx(load_external_data=False)
     g = model.graph
     infos = [helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in g.initializer]
     del g.initializer[:]
     g.input.extend(infos)
     return model
+
+
+def _fp16_barriers(graph: Graph) -> Graph:
+    """Route every float16 tensor that one op passes to another through an Identity that is
+    also a graph output.
+
+    Why: ONNX Runtime's CPU provider runs ops without a float16 kernel in float32 between
+    inserted Casts, and in a whole graph its RemoveDuplicateCastTransformer drops the
+    fp32->fp16->fp32 Cast pairs between two such ops, so the intermediate stays float32 --
+    more precise than the float16 tensor the graph declares, which per-op runs (and ONNX)
+    round to. An Identity feeding a graph output keeps a real float16 kernel in between (it
+    is not an "isolated" fp16 node that ORT forces to float32), so the Casts stay and the
+    reference rounds exactly where the graph says. No kernel changes; only the rounding
+    that the graph specifies is restored."""
+    consumed = {t for op in graph.ops for t in op.present_inputs}
+    routed = {t.name: f"{t.name}.fp16" for t in graph.tensors.values()
+              if t.dtype == onnx.TensorProto.FLOAT16 and t.name in graph.producer and t.name in consumed}
+    if not routed:
+        return graph
+    ops, tensors = [], dict(graph.tensors)
+    for op in graph.ops:
+        ops.append(dataclasses.replace(op, inputs=[routed.get(t, t) for t in op.inputs]))
+        for t in op.present_outputs:
+            if t in routed:
+                ops.append(Op(f"{op.name}.{t}.fp16", "Identity", [t], [routed[t]], phase=op.phase))
+                tensors[routed[t]] = dataclasses.replace(graph.tensors[t], name=routed[t], kind="output")
+    return graph.replace(ops=ops, tensors=tensors, outputs=graph.outputs + list(routed.values()))
 
 
 __all__ = ["run_plan", "RunResult", "prepare_inputs", "feed_back", "compare_outputs", "reference_model",
