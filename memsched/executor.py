@@ -58,7 +58,7 @@ class RunResult:
 
     requested_device: str
     provider: str                   # what really ran (session.get_providers()), e.g. CPUExecutionProvider
-    providers: dict[str, int]       # provider -> number of sessions it ran
+    providers: dict[str, int]       # provider -> number of op runs per step it ran
     fallback: str | None            # why a CUDA request ran on CPU, if it did
     steps: int
     arena_bytes: int                # bytes of the arena allocation
@@ -123,7 +123,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
             statics = feed_back(graph, statics, outputs)
             if progress is not None:
                 progress(k + 1, steps)
-        providers = Counter(s.get_providers()[0] for s in rt.sessions.values())
+        providers = Counter(a.provider for a in program.actions if isinstance(a, _Run))
         sessions = len(rt.sessions)
     return RunResult(
         requested_device=device, provider=_provider_name(providers), providers=dict(providers),
@@ -221,6 +221,7 @@ class _Run:
     reads: list[tuple[str, int, int]]                        # tensor, lo, hi
     writes: list[tuple[tuple[str, int], int, int, tuple | None]]  # key, lo, hi, key it shares
     waits: list[int] = field(default_factory=list)
+    provider: str = ""   # the execution provider ONNX Runtime assigned the op's node to
 
 
 @dataclass
@@ -343,7 +344,7 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime") -> _Program:
             actions.append(None)
     for run in actions:   # sessions only once the whole plan has been found runnable
         if isinstance(run, _Run):
-            run.session, run.binding = rt.bind(run.op, graph, [(t, lo) for t, lo, _ in run.reads],
+            run.session, run.binding, run.provider = rt.bind(run.op, graph, [(t, lo) for t, lo, _ in run.reads],
                                                [(k[0], lo) for k, lo, _, _ in run.writes])
     return _Program(actions, releases, initial, host_initial, finals, types, swapped, events)
 
@@ -495,7 +496,7 @@ def _collect(program: _Program, rt: "_Runtime") -> dict[str, np.ndarray]:
 
 
 def _provider_name(providers: Counter) -> str:
-    """One name when every session ran on one provider, else 'A+B' (most sessions first)."""
+    """One name when every op ran on one provider, else 'A+B' (most op runs first)."""
     names = [name for name, _ in providers.most_common()]
     return "+".join(names) if names else "CPUExecutionProvider"
 
@@ -512,6 +513,7 @@ def session_options(threads: int):
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     return options
 
 
@@ -548,6 +550,7 @@ class _Runtime:
         self.threads = threads
         self.nvdimm_dir = nvdimm_dir
         self.sessions: dict[bytes, object] = {}
+        self.assigned: dict[bytes, str] = {}    # session -> the provider its op's node runs on
         self._tmpdir: str | None = None
         self._mmaps: list = []
         self._cuda = _Cuda() if device == "cuda" else None
@@ -589,6 +592,7 @@ class _Runtime:
                 raise UserError(f"ONNX Runtime cannot run {op.op_type} node '{op.name}': "
                                 f"{str(exc).strip().splitlines()[0]}") from None
             self.sessions[key] = session
+            self.assigned[key] = _assigned_provider(session)
         binding = session.io_binding()
         device = "cuda" if self.device == "cuda" else "cpu"
         present = [k for k, t in enumerate(op.inputs) if t]
@@ -599,7 +603,7 @@ class _Runtime:
         for k, (tensor, lo) in zip(present, writes):
             t = graph.tensors[tensor]
             binding.bind_output(f"o{k}", device, 0, t.dtype, list(t.shape), self.base + lo)
-        return session, binding
+        return session, binding, self.assigned[key]
 
     # -- the host tiers
     def stores(self, sizes: dict[tuple[str, str], int]) -> dict[tuple[str, str], np.ndarray]:
@@ -680,6 +684,18 @@ class _Runtime:
         self.wait_all()
 
 
+def _assigned_provider(session) -> str:
+    """Where ONNX Runtime put the op's node (not the Casts or copies it added around it); a
+    CUDA session whose node fell back to CPU says CPUExecutionProvider."""
+    try:
+        for subgraph in session.get_provider_graph_assignment_info():
+            if any(node.name == "op" for node in subgraph.get_nodes()):
+                return subgraph.ep_name
+    except (AttributeError, RuntimeError):   # an ONNX Runtime without assignment records
+        pass
+    return session.get_providers()[0]
+
+
 def _resolve_device(device: str) -> tuple[str, str | None]:
     """'cuda' when a CUDA arena and session can really be made, else 'cpu' and the reason."""
     if device == "cpu":
@@ -729,7 +745,10 @@ class _Cuda:
         return np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr.value))[:nbytes]
 
     def copy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
+        """A blocking copy: done on the device before it returns (ORT's stream does not wait
+        for the legacy default stream, so a pageable upload must finish here)."""
         self._call("cudaMemcpy", ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), kind)
+        self.synchronize()
 
     def copy_async(self, dst: int, src: int, nbytes: int, kind: int, event: int) -> None:
         stream = self.streams[kind]
@@ -748,6 +767,7 @@ class _Cuda:
 
     def memset(self, ptr: int, byte: int, nbytes: int) -> None:
         self._call("cudaMemset", ctypes.c_void_p(ptr), byte, ctypes.c_size_t(nbytes))
+        self.synchronize()
 
     def synchronize(self) -> None:
         self._call("cudaDeviceSynchronize")

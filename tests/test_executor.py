@@ -40,6 +40,7 @@ def test_checked_run_is_bit_identical_and_measures_the_planned_memory(name):
     _assert_measured_equals_planned(result, plan)
     assert result.provider == "CPUExecutionProvider" and result.fallback is None
     assert result.ops == sum(s.kind in ("compute", "recompute") for s in plan.schedule)
+    assert result.providers == {"CPUExecutionProvider": result.ops}
     assert result.step_time_s > 0
 
 
