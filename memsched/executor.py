@@ -57,7 +57,7 @@ class RunResult:
     """What a run measured. Byte figures come from the executor's own slot table."""
 
     requested_device: str
-    provider: str                   # what really ran (session.get_providers()), e.g. CPUExecutionProvider
+    provider: str                   # what really ran: the provider ORT assigned the ops' nodes to
     providers: dict[str, int]       # provider -> number of op runs per step it ran
     fallback: str | None            # why a CUDA request ran on CPU, if it did
     steps: int
@@ -124,10 +124,10 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
             if progress is not None:
                 progress(k + 1, steps)
         providers = Counter(a.provider for a in program.actions if isinstance(a, _Run))
-        sessions = len(rt.sessions)
+        sessions, allocated = len(rt.sessions), rt.allocated_bytes()
     return RunResult(
         requested_device=device, provider=_provider_name(providers), providers=dict(providers),
-        fallback=fallback, steps=steps, arena_bytes=rt.arena_bytes, arena_high_water=high_water,
+        fallback=fallback, steps=steps, arena_bytes=allocated, arena_high_water=high_water,
         peak_bytes=int(live.max()) if len(live) else 0, live_bytes=live,
         planned_arena_bytes=planned_arena, planned_peak_bytes=profile.peak_bytes, step_times=times,
         outputs=outputs, sessions=sessions, ops=sum(isinstance(a, _Run) for a in program.actions),
@@ -567,6 +567,12 @@ class _Runtime:
 
     def __enter__(self):
         return self
+
+    def allocated_bytes(self) -> int:
+        """The size of the arena allocation as the allocator reports it."""
+        if self._cuda is None:
+            return int(self.arena.nbytes)
+        return int(self.arena.tensor_size_in_bytes()) if self.arena_bytes else 0
 
     def __exit__(self, *exc):
         self.sessions.clear()
