@@ -39,7 +39,7 @@ def place(plan: Plan) -> Plan:
     return dataclasses.replace(plan, offsets=offsets)
 
 
-def _lower(nodes, inputs, outputs, initializers, name):
+def lower_graph(nodes, inputs, outputs, initializers, name):
     graph = helper.make_graph(nodes, name, inputs, outputs, initializers)
     return frontend.lower(make_model(graph))
 
@@ -65,7 +65,7 @@ def cnn_graph(batch: int = 2, seed: int = 0):
         helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
         helper.make_node("Gemm", ["f", "fc", "fcb"], ["logits"], name="fc", transB=1),
     ]
-    return _lower(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [batch, 3, 12, 12])],
+    return lower_graph(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [batch, 3, 12, 12])],
                   [helper.make_tensor_value_info("logits", TP.FLOAT, [batch, 10])], inits, "cnn")
 
 
@@ -119,7 +119,7 @@ def mlp_train_graph(batch: int = 4, d_in: int = 6, hidden: int = 8, d_out: int =
     shapes = {"W1": [d_in, hidden], "b1": [hidden], "W2": [hidden, d_out], "b2": [d_out]}
     outputs = [helper.make_tensor_value_info("loss", TP.FLOAT, [])]
     outputs += [helper.make_tensor_value_info(f"{p}.updated", TP.FLOAT, s) for p, s in shapes.items()]
-    graph = _lower(forward + loss + backward + update,
+    graph = lower_graph(forward + loss + backward + update,
                    [helper.make_tensor_value_info("x", TP.FLOAT, [batch, d_in]),
                     helper.make_tensor_value_info("y", TP.FLOAT, [batch, d_out])], outputs, inits, "mlp_train")
     phases = {**{n.name: "forward" for n in forward}, **{n.name: "loss" for n in loss},
@@ -179,6 +179,85 @@ def swap_plan(graph) -> Plan:
     return place(Plan(graph, steps, aliases={"W2.updated": "W2"}, on_host=frozenset({"b2"})))
 
 
+# ---- generic hand-made strategies for any training graph -----------------------------------
+FORWARD_PHASES = ("forward", "loss")
+
+
+def _first_and_last_readers(schedule, graph, tensor):
+    """Indices of the last forward-phase reader and the first backward/update reader of `tensor`."""
+    last_forward = first_backward = None
+    for i, step in enumerate(schedule):
+        if step.kind not in ("compute", "recompute"):
+            continue
+        op = graph.op_by_name[step.target]
+        if tensor in op.present_outputs and last_forward is None:
+            last_forward = i
+        if tensor in op.present_inputs:
+            if op.phase in FORWARD_PHASES:
+                last_forward = i
+            elif first_backward is None:
+                first_backward = i
+    return last_forward, first_backward
+
+
+def _candidates(plan, every):
+    """Forward activations read again in backward, every `every`-th one, largest first."""
+    graph = plan.graph
+    names = [t for op in graph.ops if op.phase == "forward" and op.op_type not in ("Dropout", "Constant")
+             for t in op.present_outputs if graph.tensors[t].kind == "activation"
+             and any(c.phase not in FORWARD_PHASES for c in graph.consumers.get(t, []))]
+    return sorted(names[::every], key=lambda t: -graph.tensors[t].nbytes)
+
+
+def _keep_if_valid(plan, schedule, on_host=None) -> bool:
+    from memsched.errors import ScheduleError
+    from memsched.memory import analyze
+
+    try:
+        analyze(plan.graph, schedule, plan.aliases, plan.on_host if on_host is None else on_host)
+    except ScheduleError:
+        return False
+    return True
+
+
+def with_recomputes(plan: Plan, every: int = 2) -> Plan:
+    """Replay the producers of some forward activations right before their first backward
+    reader (candidates the memory model rejects, e.g. whose inputs are gone, are skipped)."""
+    schedule = list(plan.schedule)
+    for t in _candidates(plan, every):
+        producer = plan.graph.producer[t].name
+        _, first_backward = _first_and_last_readers(schedule, plan.graph, t)
+        trial = schedule[:first_backward] + [recompute(producer)] + schedule[first_backward:]
+        if _keep_if_valid(plan, trial):
+            schedule = trial
+    return place(dataclasses.replace(plan, schedule=schedule, offsets=None))
+
+
+def with_swaps(plan: Plan, every: int = 2) -> Plan:
+    """Swap some forward activations out after their last forward reader and back in before
+    their first backward reader, alternating DRAM and NVDIMM; the largest parameter starts on
+    the host and is swapped in before its first use."""
+    graph = plan.graph
+    schedule = list(plan.schedule)
+    for k, t in enumerate(_candidates(plan, every)):
+        tier = ("dram", "nvdimm")[k % 2]
+        last_forward, first_backward = _first_and_last_readers(schedule, graph, t)
+        trial = (schedule[:last_forward + 1] + [swap_out(t, tier)] + schedule[last_forward + 1:first_backward]
+                 + [swap_in(t, tier)] + schedule[first_backward:])
+        if _keep_if_valid(plan, trial):
+            schedule = trial
+    on_host = set(plan.on_host)
+    params = sorted(graph.parameters(), key=lambda p: -p.nbytes)
+    if params:
+        p = params[0].name
+        first = next(i for i, s in enumerate(schedule) if s.kind in ("compute", "recompute")
+                     and p in graph.op_by_name[s.target].present_inputs)
+        trial = schedule[:first] + [swap_in(p, "dram")] + schedule[first:]
+        if _keep_if_valid(plan, trial, frozenset(on_host | {p})):
+            schedule, on_host = trial, on_host | {p}
+    return place(dataclasses.replace(plan, schedule=schedule, on_host=frozenset(on_host), offsets=None))
+
+
 def all_plans(graph) -> dict[str, Plan]:
     return {"order": order_plan(graph), "reuse": reuse_plan(graph), "recompute": recompute_plan(graph),
             "swap": swap_plan(graph)}
@@ -191,7 +270,7 @@ def with_step_inserted(plan: Plan, index: int, step) -> Plan:
 
 
 __all__ = ["place", "cnn_graph", "mlp_train_graph", "order_plan", "reuse_plan", "recompute_plan", "swap_plan",
-           "all_plans", "with_step_inserted", "edit_plan_metadata", "compute"]
+           "all_plans", "with_step_inserted", "edit_plan_metadata", "with_recomputes", "with_swaps", "compute"]
 
 
 def edit_plan_metadata(path, edit) -> None:

@@ -16,8 +16,8 @@ from memsched.errors import ScheduleError, UserError
 from memsched.executor import run_plan
 from memsched.memory import analyze_plan, check_placement
 from memsched.schedule import Plan, default_schedule, free, recompute, swap_in, swap_out
-from tests.planbuild import (_lower, all_plans, cnn_graph, edit_plan_metadata, mlp_train_graph, order_plan, place,
-                             with_step_inserted)
+from tests.planbuild import (all_plans, cnn_graph, edit_plan_metadata, lower_graph, mlp_train_graph, order_plan,
+                             place, with_recomputes, with_step_inserted, with_swaps)
 
 MLP = mlp_train_graph()
 PLANS = {**{f"mlp-{k}": v for k, v in all_plans(MLP).items()}, "cnn-order": order_plan(cnn_graph())}
@@ -42,6 +42,16 @@ def test_checked_run_is_bit_identical_and_measures_the_planned_memory(name):
     assert result.ops == sum(s.kind in ("compute", "recompute") for s in plan.schedule)
     assert result.providers == {"CPUExecutionProvider": result.ops}
     assert result.step_time_s > 0
+
+
+@pytest.mark.parametrize("strategy", [with_recomputes, with_swaps])
+def test_generic_recompute_and_swap_plans(strategy):
+    plan = strategy(PLANS["mlp-reuse"], every=1)
+    kinds = {s.kind for s in plan.schedule}
+    assert kinds & {"recompute", "swap_out"}, "the builder found nothing to replay or swap"
+    result = run_plan(plan, check=True, steps=2)
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+    _assert_measured_equals_planned(result, plan)
 
 
 def test_swaps_go_to_their_tiers_and_nvdimm_dir_is_used(tmp_path):
@@ -84,7 +94,7 @@ def _fp16_chain():
     """Ops with no float16 CPU kernel in a row (ORT runs them in float32 between Casts)."""
     nodes = [helper.make_node("Sin", ["x"], ["a"], name="sin1"), helper.make_node("Exp", ["a"], ["b"], name="exp"),
              helper.make_node("Sin", ["b"], ["c"], name="sin2"), helper.make_node("Mul", ["c", "x"], ["y"], name="mul")]
-    return _lower(nodes, [helper.make_tensor_value_info("x", TP.FLOAT16, [64])],
+    return lower_graph(nodes, [helper.make_tensor_value_info("x", TP.FLOAT16, [64])],
                   [helper.make_tensor_value_info("y", TP.FLOAT16, [64])], [], "fp16")
 
 
@@ -166,7 +176,7 @@ def test_recomputing_a_random_op_is_refused():
     node = helper.make_node("RandomNormalLike", ["x"], ["noise"], name="noise", seed=1.0)
     add = helper.make_node("Add", ["x", "noise"], ["y"], name="add")
     mul = helper.make_node("Mul", ["y", "noise"], ["z"], name="mul")
-    graph = _lower([node, add, mul], [helper.make_tensor_value_info("x", TP.FLOAT, [3])],
+    graph = lower_graph([node, add, mul], [helper.make_tensor_value_info("x", TP.FLOAT, [3])],
                    [helper.make_tensor_value_info("z", TP.FLOAT, [3])], [], "random")
     plan = place(Plan(graph, [*default_schedule(graph)[:2], recompute("noise"), default_schedule(graph)[2]]))
     with pytest.raises(ScheduleError, match="op 'noise' \\(RandomNormalLike\\) draws random numbers"):
