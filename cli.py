@@ -398,7 +398,7 @@ def cmd_tune_batch(args) -> int:
 def cmd_run(args) -> int:
     from memsched.emit import read_plan
     from memsched.executor import run_plan
-    from memsched.summary import run_summary
+    from memsched.summary import predicted_step_time, run_summary
     from memsched.views import print_run, step_progress
 
     plan = read_plan(args.plan)
@@ -406,7 +406,8 @@ def cmd_run(args) -> int:
     with step_progress(args.steps, enabled=bar) as progress:
         result = run_plan(plan, steps=args.steps, device=args.device, check=args.check,
                           nvdimm_dir=args.nvdimm_dir, progress=progress, threads=args.threads)
-    summary = run_summary(result, args.plan)
+    device = "cuda" if result.provider.startswith("CUDA") else "cpu"
+    summary = run_summary(result, args.plan, predicted_step_time(plan, device))
     if args.json:
         print_json(summary)
     else:

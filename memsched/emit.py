@@ -29,6 +29,8 @@ import onnx
 
 from .errors import ScheduleError, UserError
 from .frontend import read_model
+from .hardware import Hardware
+from .hardware import from_dict as hardware_from_dict
 from .ir import Graph, Op, Tensor
 from .onnx_utils import MEMSCHED_DOMAIN, save_model_atomic
 from .schedule import STEP_KINDS, Plan, Step
@@ -158,16 +160,21 @@ def _step_json(step: Step) -> list:
     return [step.kind, step.target, step.tier, step.stream]
 
 
-def _hardware_json(hardware: Any) -> Any:
-    """A hardware profile as JSON: its name if it has one, else its fields, else None."""
-    if hardware is None or isinstance(hardware, (str, dict)):
+def _hardware_json(hardware: Hardware | str | None) -> dict | str | None:
+    """A Hardware as its whole profile (a custom file's figures survive); a name stays a name."""
+    if isinstance(hardware, Hardware):
+        return hardware.to_dict()
+    if hardware is None or isinstance(hardware, str):
         return hardware
-    name = getattr(hardware, "name", None)
-    if isinstance(name, str):
-        return name
-    if dataclasses.is_dataclass(hardware):
-        return dataclasses.asdict(hardware)
-    return str(hardware)
+    raise ScheduleError(f"cannot store hardware of type {type(hardware).__name__} in the plan")
+
+
+def _hardware_from_json(value: Any, source: str) -> Hardware | str | None:
+    if isinstance(value, dict):
+        return hardware_from_dict(value, where=f"the hardware in the plan of {source}")
+    if value is None or isinstance(value, str):
+        return value
+    raise UserError(f"the plan in {source} has a malformed hardware entry")
 
 
 def _json_default(value: Any) -> Any:
@@ -211,7 +218,8 @@ def plan_from_onnx(model: onnx.ModelProto, base_dir: str | None = None, source: 
         graph_order: list[str] = doc["graph_order"]
         offsets = None if doc["offsets"] is None else {(t, int(i)): int(o) for t, i, o in doc["offsets"]}
         plan_fields = dict(aliases=dict(doc["aliases"]), offsets=offsets, on_host=frozenset(doc["on_host"]),
-                           budget=doc["budget"], hardware=doc["hardware"], notes=doc["notes"])
+                           budget=doc["budget"], hardware=_hardware_from_json(doc["hardware"], source),
+                           notes=doc["notes"])
         outputs, opsets = list(doc["outputs"]), dict(doc["opset_imports"])
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"the plan in {source} is malformed ({type(exc).__name__}: {exc})") from None

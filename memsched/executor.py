@@ -40,7 +40,7 @@ from onnx import helper
 
 from .errors import ScheduleError, UserError
 from .ir import Graph, Op, _make_node, tensor_value
-from .memory import MemoryProfile, Residency, check_placement, validate
+from .memory import MemoryProfile, Residency, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
 from .schedule import Plan
 
@@ -256,15 +256,11 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime") -> _Program:
     for r in profile.residencies:
         by_tensor[r.tensor].append(r)
     types = {name: (helper.tensor_dtype_to_np_dtype(t.dtype), t.shape) for name, t in graph.tensors.items()}
-
-    def root(key):
-        while by_key[key].shares_with is not None:
-            key = by_key[key].shares_with
-        return key
+    roots = buffer_roots(profile)
 
     def region(key) -> tuple[int, int]:
         r = by_key[key]
-        lo = plan.offsets.get(root(key), 0) if r.nbytes else 0
+        lo = plan.offsets.get(roots[key], 0) if r.nbytes else 0
         itemsize = types[r.tensor][0].itemsize
         if lo % itemsize:
             raise ScheduleError(f"tensor '{r.tensor}' is placed at arena offset {lo}, not a multiple of "

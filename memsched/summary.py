@@ -32,11 +32,24 @@ def inspect_graph(graph: Graph, top: int = 10) -> dict:
     }
 
 
-def run_summary(result, path: str | None = None) -> dict:
+def predicted_step_time(plan, device: str) -> tuple[float | None, str | None]:
+    """The simulator's step time for the device a run used, and the profile behind it: the
+    measured `cpu` profile on CPU, the plan's own hardware on CUDA (None where it has none)."""
+    from .hardware import load
+    from .simulate import simulate
+
+    spec = "cpu" if device == "cpu" else plan.hardware
+    if spec is None:
+        return None, None
+    hardware = load(spec)
+    return simulate(plan, hardware).step_time, hardware.name
+
+
+def run_summary(result, path: str | None = None, predicted: tuple[float | None, str | None] = (None, None)) -> dict:
     """What `memsched run` reports (DESIGN.md keys: provider, steps, measured, predicted, check).
 
-    `predicted` holds the memory model's figures; its step time stays None until a
-    simulator prediction is passed in by the caller."""
+    `predicted` holds the memory model's bytes and the simulator's step time (and profile)
+    from `predicted_step_time`, for the device that really ran."""
     return {
         "plan": path,
         "provider": result.provider,
@@ -47,7 +60,7 @@ def run_summary(result, path: str | None = None) -> dict:
         "measured": {"arena_bytes": result.arena_bytes, "peak_bytes": result.peak_bytes,
                      "step_time_s": result.step_time_s},
         "predicted": {"arena_bytes": result.planned_arena_bytes, "peak_bytes": result.planned_peak_bytes,
-                      "step_time_s": None},
+                      "step_time_s": predicted[0], "hardware": predicted[1]},
         "check": result.check,
         "ops": result.ops,
         "sessions": result.sessions,

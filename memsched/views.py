@@ -240,8 +240,9 @@ def print_run(summary: dict) -> None:
     for key, label in (("peak_bytes", "peak live bytes"), ("arena_bytes", "arena bytes")):
         table.add_row(label, f"{format_bytes(measured[key])} ({measured[key]:,} B)",
                       f"{format_bytes(predicted[key])} ({predicted[key]:,} B)")
-    table.add_row("step time", f"{measured['step_time_s'] * 1e3:.2f} ms",
-                  "-" if predicted["step_time_s"] is None else f"{predicted['step_time_s'] * 1e3:.2f} ms")
+    table.add_row("step time", _seconds(measured["step_time_s"]),
+                  _seconds_or_dash(predicted["step_time_s"])
+                  + (f" ({predicted['hardware']} profile)" if predicted["hardware"] else ""))
     out.print(table)
     for tier, nbytes in summary["swapped_bytes"].items():
         out.print(f"swapped out to {tier}: {format_bytes(nbytes)} per step")

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import onnx
 import pytest
 
+from memsched import hardware as hardware_mod
 from memsched.emit import FORMAT_VERSION, PLAN_KEY, plan_to_onnx, read_plan, write_plan
 from memsched.errors import ScheduleError, UserError
 from memsched.ir import tensor_value
@@ -98,10 +98,13 @@ def test_recomputed_and_swapped_tensors_are_renamed_for_their_later_readers(tmp_
     assert [s for s in doc["schedule"] if s[0] == "swap_out"][0][3] == "d2h"
 
 
-def test_plan_without_offsets_and_hardware_name(tmp_path):
-    plan = dataclasses.replace(Plan.initial(MLP), hardware=SimpleNamespace(name="v100-16gb"))
+@pytest.mark.parametrize("hardware", [None, "v100-16gb", hardware_mod.load("a100-40gb"),
+                                      dataclasses.replace(hardware_mod.load("v100-16gb"), name="my-box",
+                                                          device_memory=123_456_789)])
+def test_plan_without_offsets_and_its_hardware(tmp_path, hardware):
+    plan = dataclasses.replace(Plan.initial(MLP), hardware=hardware)
     back = read_plan(write_plan(plan, tmp_path / "p.onnx"))
-    assert back.offsets is None and back.hardware == "v100-16gb" and back.schedule == plan.schedule
+    assert back.offsets is None and back.hardware == hardware and back.schedule == plan.schedule
 
 
 def test_hand_edited_early_free_is_caught_naming_the_tensor(tmp_path):
