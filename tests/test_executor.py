@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper
 
-from memsched import executor
+from memsched import executor, simulate
 from memsched.emit import read_plan, write_plan
 from memsched.errors import ScheduleError, UserError
 from memsched.executor import run_plan
@@ -208,6 +208,7 @@ def judges_bypassed(monkeypatch):
     monkeypatch.setattr(executor, "validate", analyze_plan)
     monkeypatch.setattr(executor, "check_placement", lambda profile, offsets: arena)
     monkeypatch.setattr(executor, "_rehearse", lambda program, profile: (profile.live_bytes, 0))
+    monkeypatch.setattr(simulate, "check_placement", lambda profile, offsets: arena)
 
 
 def test_check_catches_a_plan_the_judges_were_told_to_ignore(judges_bypassed):
