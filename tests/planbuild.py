@@ -289,3 +289,24 @@ def edit_plan_metadata(path, edit) -> None:
             edit(document)
             prop.value = json.dumps(document)
     onnx.save_model(model, str(path))
+
+
+# every bundled network at a size small enough to run op by op in a test
+SMALL_MODELS = {
+    "mlp": dict(batch=4),
+    "vgg16": dict(batch=1, size=32, classes=10, hidden=64),
+    "resnet18": dict(batch=2, size=32, classes=10),
+    "resnet50": dict(batch=1, size=32, classes=10),
+    "mobilenetv2": dict(batch=2, size=32, classes=10),
+    "unet2d": dict(batch=1, size=32, width=8, depth=2),
+    "unet3d": dict(batch=1, size=16, width=4, depth=2),
+    "bert-base": dict(batch=2, seq=16, layers=2, hidden=64, heads=4, vocab=100, max_positions=32),
+    "gpt2": dict(batch=2, seq=16, layers=2, hidden=64, heads=4, vocab=100, max_positions=32),
+}
+
+
+def small_model(name: str, **extra):
+    """A bundled network at its small test size, lowered to a Graph."""
+    import models
+
+    return frontend.lower(models.build(name, **{**SMALL_MODELS[name], **extra}))

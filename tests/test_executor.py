@@ -16,8 +16,8 @@ from memsched.errors import ScheduleError, UserError
 from memsched.executor import run_plan
 from memsched.memory import analyze_plan, check_placement
 from memsched.schedule import Plan, default_schedule, free, recompute, swap_in, swap_out
-from tests.planbuild import (all_plans, cnn_graph, edit_plan_metadata, lower_graph, mlp_train_graph, order_plan,
-                             place, with_recomputes, with_step_inserted, with_swaps)
+from tests.planbuild import (SMALL_MODELS, all_plans, cnn_graph, edit_plan_metadata, lower_graph, mlp_train_graph, order_plan,
+                             place, small_model, with_recomputes, with_step_inserted, with_swaps)
 
 MLP = mlp_train_graph()
 PLANS = {**{f"mlp-{k}": v for k, v in all_plans(MLP).items()}, "cnn-order": order_plan(cnn_graph())}
@@ -115,6 +115,29 @@ def test_cuda_request_without_a_gpu_runs_on_cpu_and_says_so():
     result = run_plan(PLANS["mlp-order"], device="cuda", check=True)
     assert result.provider == "CPUExecutionProvider" and result.requested_device == "cuda"
     assert result.fallback and result.check["passed"]
+
+
+# ---- the bundled networks -------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(SMALL_MODELS))
+def test_every_network_forward_runs_bit_identical(name):
+    plan = order_plan(small_model(name))
+    result = run_plan(plan, check=True)
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+    _assert_measured_equals_planned(result, plan)
+    assert result.sessions < result.ops or result.ops < 10   # equal ops share sessions
+
+
+@pytest.mark.parametrize("name", ["resnet18", "gpt2"])
+def test_float16_networks_run_bit_identical(name):
+    plan = order_plan(small_model(name, dtype="float16"))
+    result = run_plan(plan, check=True)
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+
+
+def test_batch_norm_in_training_mode_runs_bit_identical():
+    plan = order_plan(small_model("unet2d", bn_training=True))
+    result = run_plan(plan, check=True, steps=2)
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
 
 
 # ---- wrong plans are stopped before anything runs ------------------------------------------
