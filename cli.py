@@ -317,6 +317,7 @@ def cmd_simulate(args) -> int:
 
 def cmd_compile(args) -> int:
     from memsched import frontend
+    from memsched.emit import write_plan
     from memsched.report import write_html
     from memsched.views import print_compile, progress
     from passes.pipeline import compile as compile_plan
@@ -328,6 +329,8 @@ def cmd_compile(args) -> int:
                               time_limit=args.time_limit, costs=args.costs, data_parallel=args.data_parallel,
                               progress=say)
     written = {}
+    if args.output:
+        written["plan"] = str(write_plan(result.plan, args.output))
     if args.report:
         written["report"] = str(write_html(args.report, result.report, result.baseline_sim.to_dict(),
                                            result.sim.to_dict()))
