@@ -1,9 +1,11 @@
 """Hand-built graphs and plans for the emitter and executor tests.
 
 Plans use every kind of step (compute, recompute, swap_out/swap_in to both tiers, free,
-in-place aliases, parameters that start on the host). Offsets come from a first-fit
-placement written here, because the real placement pass lives in passes/ (see
-`place`)."""
+in-place aliases, parameters that start on the host). Offsets come from the real placement
+pass; the order and reuse strategies are the real passes. Recompute and swap plans are made
+by hand here (`with_recomputes`, `with_swaps`: the memory model picks the valid candidates)
+until passes/recompute and passes/swap exist.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -13,30 +15,18 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 from memsched import frontend
-from memsched.memory import analyze_plan, buffers
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan, compute, default_schedule, free, recompute, swap_in, swap_out
+from passes.order import order_pass
+from passes.placement import place_pass
+from passes.reuse import reuse_pass
 
-ALIGN = 64
+PASS_SECONDS = 1.0   # solver time limit per pass in tests
 
 
 def place(plan: Plan) -> Plan:
-    """First-fit offsets for the plan's buffers (64-byte aligned), reusing freed space."""
-    profile = analyze_plan(plan)
-    placed: list[tuple[int, int, int, int]] = []   # first, last, lo, hi
-    offsets = {}
-    for key, first, last, nbytes in sorted(buffers(profile), key=lambda b: (b[1], -b[3], b[0])):
-        if nbytes == 0:
-            continue
-        busy = sorted((lo, hi) for f, l, lo, hi in placed if f <= last and first <= l)
-        offset = 0
-        for lo, hi in busy:
-            if offset + nbytes <= lo:
-                break
-            offset = max(offset, -(-hi // ALIGN) * ALIGN)
-        offsets[key] = offset
-        placed.append((first, last, offset, offset + nbytes))
-    return dataclasses.replace(plan, offsets=offsets)
+    """The plan with arena offsets from the placement pass."""
+    return place_pass(dataclasses.replace(plan, offsets=None), PASS_SECONDS)
 
 
 def lower_graph(nodes, inputs, outputs, initializers, name):
@@ -136,7 +126,7 @@ def mlp_train_graph(batch: int = 4, d_in: int = 6, hidden: int = 8, d_out: int =
 
 # ---- plans ------------------------------------------------------------------------------
 def order_plan(graph, budget=None) -> Plan:
-    """The default order, placed."""
+    """The graph's own order, placed."""
     return place(Plan.initial(graph, budget=budget))
 
 
@@ -258,6 +248,22 @@ def with_swaps(plan: Plan, every: int = 2) -> Plan:
     return place(dataclasses.replace(plan, schedule=schedule, on_host=frozenset(on_host), offsets=None))
 
 
+def strategy_plans(graph) -> dict[str, Plan]:
+    """Each strategy set on top of the last: order; + reuse; + recompute; + swap (by hand)."""
+    base = Plan.initial(graph)
+    ordered = order_pass(base, PASS_SECONDS)
+    reused = order_pass(reuse_pass(base), PASS_SECONDS)
+    return {"order": place(ordered), "reuse": place(reused), "recompute": with_recomputes(reused),
+            "swap": with_swaps(reused)}
+
+
+def training_graph(name: str, optimizer: str = "sgd"):
+    """The training step of a bundled network at its small test size."""
+    from passes.autodiff import build_training_step
+
+    return build_training_step(small_model(name), loss="cross_entropy", optimizer=optimizer)
+
+
 def all_plans(graph) -> dict[str, Plan]:
     return {"order": order_plan(graph), "reuse": reuse_plan(graph), "recompute": recompute_plan(graph),
             "swap": swap_plan(graph)}
@@ -270,7 +276,8 @@ def with_step_inserted(plan: Plan, index: int, step) -> Plan:
 
 
 __all__ = ["place", "cnn_graph", "mlp_train_graph", "order_plan", "reuse_plan", "recompute_plan", "swap_plan",
-           "all_plans", "with_step_inserted", "edit_plan_metadata", "with_recomputes", "with_swaps", "compute"]
+           "all_plans", "with_step_inserted", "edit_plan_metadata", "with_recomputes", "with_swaps", "strategy_plans",
+           "training_graph", "small_model", "SMALL_MODELS", "compute"]
 
 
 def edit_plan_metadata(path, edit) -> None:

@@ -16,8 +16,9 @@ from memsched.errors import ScheduleError, UserError
 from memsched.executor import run_plan
 from memsched.memory import analyze_plan, check_placement
 from memsched.schedule import Plan, default_schedule, free, recompute, swap_in, swap_out
-from tests.planbuild import (SMALL_MODELS, all_plans, cnn_graph, edit_plan_metadata, lower_graph, mlp_train_graph, order_plan,
-                             place, small_model, with_recomputes, with_step_inserted, with_swaps)
+from tests.planbuild import (SMALL_MODELS, all_plans, cnn_graph, edit_plan_metadata, lower_graph, mlp_train_graph,
+                             order_plan, place, small_model, strategy_plans, training_graph, with_recomputes,
+                             with_step_inserted, with_swaps)
 
 MLP = mlp_train_graph()
 PLANS = {**{f"mlp-{k}": v for k, v in all_plans(MLP).items()}, "cnn-order": order_plan(cnn_graph())}
@@ -132,6 +133,30 @@ def test_float16_networks_run_bit_identical(name):
     plan = order_plan(small_model(name, dtype="float16"))
     result = run_plan(plan, check=True)
     assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+
+
+SLOW_TRAINING = {"vgg16", "resnet18", "resnet50", "mobilenetv2"}   # 10-60 s each on 2 cores
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TRAINING else n
+                                  for n in sorted(SMALL_MODELS)])
+def test_every_training_step_and_strategy_runs_bit_identical(name):
+    """order; + reuse; + recompute; + swap on the network's SGD training step, two steps each
+    (the second runs on the first's updated weights)."""
+    plans = strategy_plans(training_graph(name))
+    assert any(s.kind == "recompute" for s in plans["recompute"].schedule)
+    assert any(s.kind == "swap_out" for s in plans["swap"].schedule)
+    for label, plan in plans.items():
+        result = run_plan(plan, check=True, steps=2)
+        assert result.check["passed"] and result.check["max_abs_diff"] == 0.0, label
+        _assert_measured_equals_planned(result, plan)
+
+
+def test_adam_training_step_runs_bit_identical():
+    plan = strategy_plans(training_graph("gpt2", optimizer="adam"))["swap"]
+    result = run_plan(plan, check=True, steps=3)
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+    _assert_measured_equals_planned(result, plan)
 
 
 def test_batch_norm_in_training_mode_runs_bit_identical():
@@ -263,6 +288,21 @@ def test_cli_run_json(cli, emitted):
     assert report["predicted"]["step_time_s"] > 0 and report["predicted"]["hardware"] == "cpu"
     assert report["check"]["max_abs_diff"] == 0.0 and report["check"]["passed"] is True
     assert report["swapped_bytes"] == {"dram": MLP.tensors["a"].nbytes, "nvdimm": MLP.tensors["W1"].nbytes}
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "swap"])
+def test_cli_run_checks_an_emitted_training_plan(cli, tmp_path, strategy):
+    import json
+
+    plan = strategy_plans(training_graph("bert-base"))[strategy]
+    path = write_plan(plan, tmp_path / "scheduled.onnx")
+    proc = cli("run", path, "--check", "--steps", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["check"]["passed"] and report["check"]["max_abs_diff"] == 0.0
+    for key in ("peak_bytes", "arena_bytes"):
+        assert report["measured"][key] == report["predicted"][key]
+    assert report["predicted"]["peak_bytes"] == analyze_plan(plan).peak_bytes
 
 
 def test_cli_run_text(cli, emitted):
