@@ -64,6 +64,20 @@ def test_swaps_go_to_their_tiers_and_nvdimm_dir_is_used(tmp_path):
     assert list(tmp_path.iterdir()) == []      # the store file is gone after the run
 
 
+def test_outputs_swapped_out_at_the_end_are_read_from_their_tier():
+    plan = PLANS["mlp-reuse"]
+    after = {s.target: i for i, s in enumerate(plan.schedule)}
+    schedule = list(plan.schedule)
+    for name, tier in (("W1.update", "nvdimm"), ("mean", "dram")):   # producers of W1.updated and loss
+        schedule.insert(schedule.index(plan.schedule[after[name]]) + 1,
+                        swap_out("W1.updated" if name == "W1.update" else "loss", tier))
+    swapped = place(dataclasses.replace(plan, schedule=schedule))
+    result = run_plan(swapped, check=True, steps=2)
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+    _assert_measured_equals_planned(result, swapped)
+    assert result.swapped_bytes == {"nvdimm": MLP.tensors["W1"].nbytes, "dram": 4}
+
+
 def test_multi_step_training_feeds_updates_back_and_stays_identical():
     steps, seen = 4, []
     one = run_plan(PLANS["mlp-reuse"], steps=1)
