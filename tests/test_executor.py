@@ -319,6 +319,24 @@ def test_cli_run_checks_an_emitted_training_plan(cli, tmp_path, strategy):
     assert report["predicted"]["peak_bytes"] == analyze_plan(plan).peak_bytes
 
 
+def test_cli_compile_then_run(cli, tmp_path):
+    """The user's path: export a model, compile its training step to scheduled.onnx, run it."""
+    import json
+
+    model, scheduled = tmp_path / "mlp.onnx", tmp_path / "scheduled.onnx"
+    assert cli("models", "export", "mlp", "-o", model, "--batch", "8").returncode == 0
+    proc = cli("compile", model, "--train", "--hardware", "cpu", "--strategies", "order,reuse", "--time-limit", "1",
+               "-o", scheduled, "--json")
+    assert proc.returncode == 0, proc.stderr
+    compiled = json.loads(proc.stdout)
+    proc = cli("run", scheduled, "--check", "--steps", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["check"]["passed"] and report["check"]["max_abs_diff"] == 0.0
+    assert report["measured"]["peak_bytes"] == compiled["plan"]["peak_bytes"]
+    assert report["measured"]["arena_bytes"] == compiled["plan"]["arena_bytes"]
+
+
 def test_cli_run_text(cli, emitted):
     proc = cli("run", emitted["cnn-order"], "--check")
     assert proc.returncode == 0, proc.stderr
