@@ -49,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_compile)
 
+    p = sub.add_parser("report", help="the cost report of a scheduled.onnx written by compile -o")
+    p.add_argument("plan", help="a scheduled .onnx file (memsched compile -o)")
+    p.add_argument("--hardware", help="simulate on this profile instead of the one stored in the plan")
+    p.add_argument("--costs", metavar="COSTS.json", help="measured cost table from `memsched profile`")
+    p.add_argument("--data-parallel", type=int, metavar="N", help="also estimate N-worker data-parallel steps")
+    p.add_argument("--html", metavar="OUT.html", help="write the report as a self-contained HTML page")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_report)
+
     p = sub.add_parser("tune-batch", help="the largest batch that fits per strategy set, and the fastest per sample")
     p.add_argument("model", help="a bundled model name (memsched models list) or an .onnx file with a symbolic batch")
     add_dim_option(p)
@@ -339,6 +348,36 @@ def cmd_compile(args) -> int:
         print_json(report)
     else:
         print_compile(report)
+    return 0
+
+
+def cmd_report(args) -> int:
+    import dataclasses
+
+    from memsched import hardware
+    from memsched.emit import read_plan
+    from memsched.report import write_html
+    from memsched.schedule import Plan
+    from memsched.views import print_compile
+    from passes.pipeline import assess, strategies_of
+
+    plan = read_plan(args.plan)
+    if args.hardware:
+        plan = dataclasses.replace(plan, hardware=hardware.load(args.hardware))
+    elif plan.hardware is None:
+        plan = dataclasses.replace(plan, hardware=hardware.load("v100-16gb"))
+    result = assess(plan, Plan.initial(plan.graph, hardware=plan.hardware), strategies_of(plan), {}, args.plan,
+                    costs=args.costs, data_parallel=args.data_parallel)
+    written = {}
+    if args.html:
+        written["report"] = str(write_html(args.html, result.report, result.baseline_sim.to_dict(),
+                                           result.sim.to_dict()))
+    report = {**result.report, "written": written}
+    if args.json:
+        print_json(report)
+    else:
+        print_compile(report)
+    return 0
 
 
 def cmd_remat(args) -> int:

@@ -97,7 +97,6 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     say = progress or (lambda message: None)
     strategies = parse_strategies(strategies)
     hw = hardware_mod.load(hardware)
-    table = CostTable.load(costs) if isinstance(costs, (str, Path)) else costs
     say("loading the model" + (" and building the training step" if train else ""))
     graph = load_graph(model, dims, train, loss, optimizer, lr, freeze)
 
@@ -131,18 +130,32 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
                           f"{format_bytes(reached)} ({reached:,} B){hint}", reached)
     run("placement", lambda p: passes["placement"](p, min(time_limit, 10.0)))
     plan = dataclasses.replace(plan, budget=budget_bytes)
-    profile = validate(plan)
-
     say("simulating the baseline and the plan")
-    baseline_sim = simulate(baseline, hw, table)
-    sim = simulate(plan, hw, table)
-    report = build_report(graph, hw, budget_bytes, strategies, baseline_profile, baseline_sim, plan, profile,
+    return assess(plan, baseline, strategies, timings, model, costs, data_parallel)
+
+
+def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], model,
+           costs: "CostTable | str | Path | None" = None, data_parallel: int | None = None) -> CompileResult:
+    """Judge and simulate a finished plan against its baseline; build the report (compile, report)."""
+    hw = plan.hardware
+    costs = CostTable.load(costs) if isinstance(costs, (str, Path)) else costs
+    baseline_profile = validate(dataclasses.replace(baseline, budget=None))
+    profile = validate(plan)
+    baseline_sim = simulate(baseline, hw, costs)
+    sim = simulate(plan, hw, costs)
+    graph = plan.graph
+    report = build_report(graph, hw, plan.budget, strategies, baseline_profile, baseline_sim, plan, profile,
                           sim, timings, model)
     report["tensors"] = tensor_decisions(plan)
     report["input_pipeline"] = input_pipeline(graph, hw, sim.step_time, sim.stream_busy.get("h2d", 0.0))
     if data_parallel:
         report["data_parallel"] = data_parallel_estimate(plan, sim, data_parallel, *INTERCONNECT).to_dict()
     return CompileResult(graph, baseline, baseline_profile, baseline_sim, plan, profile, sim, report)
+
+
+def strategies_of(plan: Plan) -> tuple[str, ...]:
+    """The strategies a plan was made with, from the notes its passes left."""
+    return tuple(s for s in STRATEGIES if s in plan.notes)
 
 
 def _peak(plan: Plan) -> int:

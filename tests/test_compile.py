@@ -99,3 +99,18 @@ def test_html_report_renders_with_its_plots(mlp_path, tmp_path):
     pixels = (matplotlib.image.imread(str(shot))[..., :3] * 255).round().astype(int)
     parameter_blue = np.all(np.abs(pixels - [0x4C, 0x72, 0xB0]) <= 3, axis=-1)
     assert parameter_blue.sum() > 5000, "the memory timeline's parameter band is not on the page"
+
+
+def test_report_reads_a_scheduled_plan_back(mlp_path, tmp_path):
+    scheduled = tmp_path / "scheduled.onnx"
+    compiled = run_cli("compile", mlp_path, "--train", "--time-limit", "3", "-o", scheduled, "--json")
+    assert compiled.returncode == 0, compiled.stderr
+    result = run_cli("report", scheduled, "--json", "--html", tmp_path / "r.html")
+    assert result.returncode == 0, result.stderr
+    before, after = json.loads(compiled.stdout), json.loads(result.stdout)
+    for key in ("peak_bytes", "arena_bytes", "step_time_s", "recomputed_ops", "swapped_bytes"):
+        assert after["plan"][key] == before["plan"][key], key
+    assert after["baseline"]["peak_bytes"] == before["baseline"]["peak_bytes"]
+    assert after["strategies"] == ["order", "reuse"] and (tmp_path / "r.html").read_text().count("<svg") >= 2
+    not_a_plan = run_cli("report", mlp_path)
+    assert not_a_plan.returncode == 1 and "holds no memsched plan" in not_a_plan.stderr
