@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=5.0, metavar="S", help="seconds per solver per batch")
     p.add_argument("--max-batch", type=int, default=1 << 16, help="stop the search here")
     p.add_argument("--plot", metavar="OUT.svg", help="write time per sample against batch size")
+    p.add_argument("--measure", nargs="?", const="cpu", choices=["cpu", "cuda"],
+                   help="run each strategy set's chosen batch with the executor on this device (default cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_tune_batch)
 
@@ -426,7 +428,9 @@ def cmd_tune_batch(args) -> int:
     with progress() as say:
         result = tune_batch(build, hardware=args.hardware, budget=args.budget, strategy_sets=sets, loss=args.loss,
                             optimizer=args.optimizer, time_limit=args.time_limit, max_batch=args.max_batch,
-                            progress=say)
+                            progress=say, measure=args.measure,
+                            measure_build=graph_builder(args.model, frontend.parse_dims(args.dim), args.batch_dim,
+                                                        args.size, args.seq, weights=True) if args.measure else None)
     out = result.to_dict()
     if args.plot:
         out["plot"] = str(write_text_atomic(args.plot, batch_curve_svg(result.rows)))

@@ -216,6 +216,12 @@ def print_tune(result: dict) -> None:
                       _seconds_or_dash(best["time_per_sample_s"]) if best else "-",
                       format_bytes(best["peak_bytes"]) if best else "-")
     out.print(table)
+    for name, best in result["best"].items():
+        if best and best.get("measured"):
+            m = best["measured"]
+            out.print(f"measured {name} at batch {best['batch']} on {m['provider']}: "
+                      f"{_seconds(m['time_per_sample_s'])} per sample (predicted {_seconds(best['time_per_sample_s'])}), "
+                      f"peak {format_bytes(m['peak_bytes'])} (planned {format_bytes(m['planned_peak_bytes'])})")
     overall = result["best_overall"]
     if overall:
         out.print(f"[bold]best predicted throughput: batch {overall['batch']} with {overall['strategy']} "

@@ -45,14 +45,16 @@ class TuneResult:
 
 
 def graph_builder(model: str, dims: dict[str, int] | None = None, batch_dim: str | None = None,
-                  size: int | None = None, seq: int | None = None) -> Callable[[int], Graph]:
-    """batch -> forward Graph. MODEL is a bundled model name or an ONNX file with a symbolic batch dim."""
+                  size: int | None = None, seq: int | None = None, weights: bool = False) -> Callable[[int], Graph]:
+    """batch -> forward Graph. MODEL is a bundled model name or an ONNX file with a symbolic batch dim.
+
+    Bundled models are built shape-only (planning needs no weights) unless `weights`."""
     import models
 
     names = {entry["name"] for entry in models.catalog()}
     if model in names and not Path(model).exists():
         extra = {k: v for k, v in (("size", size), ("seq", seq)) if v is not None}
-        return lambda batch: frontend.lower(models.build(model, batch=batch, weights=False, **extra))
+        return lambda batch: frontend.lower(models.build(model, batch=batch, weights=weights, **extra))
     proto = frontend.read_model(Path(model))
     dim = batch_dim or _first_symbolic_dim(proto)
     if dim is None:
@@ -81,7 +83,9 @@ def _first_symbolic_dim(model: onnx.ModelProto) -> str | None:
 def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: str | int | None = None,
                strategy_sets: dict[str, tuple[str, ...]] | None = None, train: bool = True,
                loss: str = "cross_entropy", optimizer: str = "sgd", time_limit: float = 5.0,
-               max_batch: int = MAX_BATCH, progress: Callable[[str], None] | None = None) -> TuneResult:
+               max_batch: int = MAX_BATCH, progress: Callable[[str], None] | None = None,
+               measure: str | None = None, measure_build: Callable[[int], Graph] | None = None,
+               measure_steps: int = 3) -> TuneResult:
     """Search the batch size per strategy set; see the module docstring."""
     say = progress or (lambda message: None)
     hw = hardware_mod.load(hardware)
@@ -129,8 +133,28 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
         if largest[name] is not None:
             refine_fastest(row, seen, largest[name])
         best[name] = _fastest(list(seen.values()))
+    if measure:
+        for name, row in best.items():
+            if row is not None:
+                say(f"{name}: measuring batch {row['batch']} on {measure}")
+                row.update(measure_row(measure_build or build, row["batch"], sets[name], hw, capacity, train, loss,
+                                       optimizer, time_limit, measure, measure_steps))
     overall = _fastest(rows)
     return TuneResult(rows, largest, best, overall, capacity)
+
+
+def measure_row(build: Callable[[int], Graph], batch: int, strategies: tuple[str, ...], hw, capacity: int,
+                train: bool, loss: str, optimizer: str, time_limit: float, device: str, steps: int) -> dict:
+    """Compile `batch` again with real weights and run it with the executor: measured figures."""
+    from memsched.executor import run_plan
+
+    result = compile_plan(build(batch), train=train, loss=loss, optimizer=optimizer, hardware=hw,
+                          budget=capacity if {"recompute", "swap"} & set(strategies) else None,
+                          strategies=strategies, time_limit=time_limit)
+    run = run_plan(result.plan, steps=steps, device=device)
+    return {"measured": {"provider": run.provider, "step_time_s": run.step_time_s,
+                         "time_per_sample_s": run.step_time_s / batch, "peak_bytes": run.peak_bytes,
+                         "arena_bytes": run.arena_bytes, "planned_peak_bytes": run.planned_peak_bytes}}
 
 
 def search_largest(fits: Callable[[int], bool], max_batch: int = MAX_BATCH) -> int | None:

@@ -60,3 +60,14 @@ def test_tune_batch_cli(tmp_path):
     assert result.returncode == 1 and "fixed batch size" in result.stderr
     result = run_cli("tune-batch", "mlp", "--budget", "50%")
     assert result.returncode == 1 and "absolute budget" in result.stderr
+
+
+def test_measure_runs_the_chosen_batch_with_the_executor():
+    result = run_cli("tune-batch", "mlp", "--hardware", "cpu", "--budget", "2.2MiB", "--strategies", "reuse",
+                     "--measure", "--time-limit", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    best = json.loads(result.stdout)["best"]["reuse"]
+    measured = best["measured"]
+    assert measured["provider"] == "CPUExecutionProvider"
+    assert measured["peak_bytes"] == measured["planned_peak_bytes"] == best["peak_bytes"]
+    assert measured["time_per_sample_s"] > 0
