@@ -329,8 +329,7 @@ def cmd_simulate(args) -> int:
 def cmd_compile(args) -> int:
     from memsched import frontend
     from memsched.emit import write_plan
-    from memsched.report import write_html
-    from memsched.views import print_compile, progress
+    from memsched.views import progress
     from passes.pipeline import compile as compile_plan
 
     with progress() as say:
@@ -339,14 +338,20 @@ def cmd_compile(args) -> int:
                               hardware=args.hardware, budget=args.budget, strategies=args.strategies,
                               time_limit=args.time_limit, costs=args.costs, data_parallel=args.data_parallel,
                               progress=say)
-    written = {}
-    if args.output:
-        written["plan"] = str(write_plan(result.plan, args.output))
-    if args.report:
-        written["report"] = str(write_html(args.report, result.report, result.baseline_sim.to_dict(),
+    written = {"plan": str(write_plan(result.plan, args.output))} if args.output else {}
+    return show_report(result, args.report, written, args.json)
+
+
+def show_report(result, html_path: str | None, written: dict, as_json: bool) -> int:
+    """Write the HTML report if asked, then print the report (JSON or the terminal summary)."""
+    from memsched.report import write_html
+    from memsched.views import print_compile
+
+    if html_path:
+        written["report"] = str(write_html(html_path, result.report, result.baseline_sim.to_dict(),
                                            result.sim.to_dict()))
     report = {**result.report, "written": written}
-    if args.json:
+    if as_json:
         print_json(report)
     else:
         print_compile(report)
@@ -358,9 +363,7 @@ def cmd_report(args) -> int:
 
     from memsched import hardware
     from memsched.emit import read_plan
-    from memsched.report import write_html
     from memsched.schedule import Plan
-    from memsched.views import print_compile
     from passes.pipeline import assess, strategies_of
 
     plan = read_plan(args.plan)
@@ -370,16 +373,7 @@ def cmd_report(args) -> int:
         plan = dataclasses.replace(plan, hardware=hardware.load("v100-16gb"))
     result = assess(plan, Plan.initial(plan.graph, hardware=plan.hardware), strategies_of(plan), {}, args.plan,
                     costs=args.costs, data_parallel=args.data_parallel)
-    written = {}
-    if args.html:
-        written["report"] = str(write_html(args.html, result.report, result.baseline_sim.to_dict(),
-                                           result.sim.to_dict()))
-    report = {**result.report, "written": written}
-    if args.json:
-        print_json(report)
-    else:
-        print_compile(report)
-    return 0
+    return show_report(result, args.html, {}, args.json)
 
 
 def cmd_remat(args) -> int:
