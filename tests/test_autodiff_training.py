@@ -329,3 +329,22 @@ def test_shared_parameter_gets_one_accumulated_gradient():
                               [_init("w", rng.standard_normal((3, 3)))])
     train = check_gradients(make_model(graph))
     assert train.outputs == ["loss", "w.grad"]
+
+
+def test_cross_entropy_over_segmentation_maps_uses_the_channel_axis():
+    """[N, C, H, W] logits: classes on axis 1, labels [N, H, W], mean over every pixel."""
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["logits"], name="head", pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "seg", [helper.make_tensor_value_info("x", FLOAT, [2, 2, 3, 4])],
+                              [helper.make_tensor_value_info("logits", FLOAT, [2, 3, 3, 4])],
+                              [_init("w", rng.standard_normal((3, 2, 3, 3)).astype(np.float32))])
+    model = make_model(graph)
+    feeds = {"x": rng.standard_normal((2, 2, 3, 4)).astype(np.float32),
+             "labels": rng.integers(0, 3, (2, 3, 4))}
+    check_against_float64(model, feeds, loss="cross_entropy", sample=6)
+    logits = session(model).run(None, {"x": feeds["x"]})[0].astype(np.float64)
+    log_probs = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    expected = -np.take_along_axis(log_probs, feeds["labels"][:, None], 1).mean()
+    train = build_training_step(lower(model))
+    assert train.tensors["labels"].shape == (2, 3, 4)
+    assert np.isclose(session(train.to_onnx()).run(["loss"], feeds)[0], expected, rtol=1e-5)

@@ -14,8 +14,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx import TensorProto
 
 from .registry import rule
+
+_STASH_DTYPE = TensorProto.FLOAT  # LayerNormalization's Mean/InvStdDev type (stash_type 1)
 
 
 # ---- geometry -------------------------------------------------------------------------------
@@ -335,23 +338,31 @@ def batch_norm(em, op, dys, wants):
 
 
 def _layer_norm_forward(em, op, needed):
-    """Keep LayerNormalization's Mean and InvStdDev outputs for the backward pass."""
+    """Keep the mean and 1/std for the backward pass: LayerNormalization's own Mean and
+    InvStdDev outputs where they have the input's dtype (ONNX keeps them in float32), else
+    computed beside it in the input's dtype, so that float64 models keep float64 precision."""
+    x = op.inputs[0]
     if not needed:
         em.keep(op)
+        return
+    if em.dtype(x) != _STASH_DTYPE:
+        em.keep(op)
+        rank = em.rank(x)
+        axis = op.attributes.get("axis", -1)
+        axes = list(range(axis + rank if axis < 0 else axis, rank))
+        with em.scope(op.name):
+            mean = em.reduce("ReduceMean", x, axes, keepdims=True)
+            centred = em.op("Sub", [x, mean])
+            var = em.reduce("ReduceMean", em.op("Mul", [centred, centred]), axes, keepdims=True)
+            eps = em.scalar(op.attributes.get("epsilon", 1e-5), x)
+            inv_std = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, eps])])])
+        em.saved[op.name] = {"mean": mean, "inv_std": inv_std}
         return
     outputs = list(op.outputs) + [""] * (3 - len(op.outputs))
     outputs[1] = outputs[1] or em.fresh(f"{op.name}_mean")
     outputs[2] = outputs[2] or em.fresh(f"{op.name}_inv_std")
     em.keep(op, outputs=outputs)
     em.saved[op.name] = {"mean": outputs[1], "inv_std": outputs[2]}
-
-
-def _layer_norm_stats(em, op):
-    """Mean and InvStdDev in the input's dtype (ONNX keeps them in the stash type)."""
-    x = op.inputs[0]
-    saved = em.saved[op.name]
-    return [s if em.dtype(s) == em.dtype(x) else em.op("Cast", [s], to=em.dtype(x))
-            for s in (saved["mean"], saved["inv_std"])]
 
 
 @rule("LayerNormalization", forward=_layer_norm_forward)
@@ -363,11 +374,10 @@ def layer_norm(em, op, dys, wants):
     axis = axis + rank if axis < 0 else axis
     norm_axes = list(range(axis, rank))
     grads = [None] * len(op.inputs)
+    mean, inv_std = em.saved[op.name]["mean"], em.saved[op.name]["inv_std"]
     if wants[0]:
-        mean, inv_std = _layer_norm_stats(em, op)
         grads[0] = _norm_input_grad(em, dy, scale, x, mean, inv_std, norm_axes)
     if wants[1]:
-        mean, inv_std = _layer_norm_stats(em, op)
         grads[1] = em.sum_to(em.op("Mul", [dy, _normalized(em, x, mean, inv_std)]), em.shape(scale))
     if len(wants) > 2 and wants[2]:
         grads[2] = em.sum_to(dy, em.shape(op.inputs[2]))
