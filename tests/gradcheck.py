@@ -119,8 +119,9 @@ def check_against_float64(model: onnx.ModelProto, feeds: dict, *, loss: str, rto
     """Check the training step of a float32 model through its float64 twin, run by ONNX's
     reference evaluator (so ops ONNX Runtime has no double kernel for are covered):
 
-    1. float64 gradients against central differences of the float64 loss, along one random
-       unit direction over all parameters and at `sample` elements of `params` parameters
+    1. float64 gradients against central differences of the float64 loss, along one unit
+       direction over all parameters (half along the gradient, half random) and at `sample`
+       elements of `params` parameters
        (all when None; else spread from first to last), to `rtol`;
     2. the float32 gradients ONNX Runtime computes against the float64 ones: relative L2
        error of each parameter's gradient below `agree` (relative to at least 1e-3 of the
@@ -150,13 +151,19 @@ def check_against_float64(model: onnx.ModelProto, feeds: dict, *, loss: str, rto
         moved = {p: values[p] + delta[p] if p in delta else values[p] for p in names}
         return float(probe.run(None, {**feeds64, **moved})[0])
 
-    direction = {p: rng.standard_normal(values[p].shape) for p in names}
-    norm = np.sqrt(sum((d * d).sum() for d in direction.values()))
-    direction = {p: d / norm for p, d in direction.items()}
+    # half along the gradient (so the derivative is far above the loss's rounding noise), half
+    # random (so errors orthogonal to it count too)
+    def unit(vectors):
+        norm = np.sqrt(sum((v * v).sum() for v in vectors.values()))
+        return {p: v / norm for p, v in vectors.items()}
+
+    along, noise = unit(grads64), unit({p: rng.standard_normal(values[p].shape) for p in names})
+    direction = unit({p: along[p] + noise[p] for p in names})
     numeric = (loss_at({p: eps * d for p, d in direction.items()})
                - loss_at({p: -eps * d for p, d in direction.items()})) / (2 * eps)
     analytic = sum(float((grads64[p] * direction[p]).sum()) for p in names)
-    np.testing.assert_allclose(analytic, numeric, rtol=rtol, err_msg="directional derivative")
+    np.testing.assert_allclose(analytic, numeric, rtol=rtol,
+                               err_msg="directional derivative")
     chosen = names if params is None or params >= len(names) else [
         names[round(i * (len(names) - 1) / (params - 1))] for i in range(params)] if params > 1 else names[:1]
     scale = max(np.abs(g).max() for g in grads64.values())   # FD noise does not shrink with a gradient
