@@ -58,6 +58,7 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     grads = {output: loss_backward()}
     roles: dict[str, dict] = {}
     finish_at = _last_contribution(graph, needed, params, requiring)
+    views = _parameter_views(graph, params)
     for index in reversed(range(len(needed))):
         op = needed[index]
         start = len(em.ops)
@@ -76,7 +77,7 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
                 targets[name] = grads[name]
             for param in finish_at.get(index, ()):
                 targets[param] = grads[param] = _finish_param_grad(em, grads, param)
-        _tag_roles(em.ops[start:], op, targets, params, roles)
+        _tag_roles(em.ops[start:], op, targets, views, roles)
 
     em.phase = "update"
     outputs = [LOSS_NAME]
@@ -211,28 +212,52 @@ def _finish_param_grad(em: Emitter, grads: dict[str, str], param: str) -> str:
     return name
 
 
-def _tag_roles(ops: list[Op], layer: Op, targets: dict[str, str], params: list[str],
+VIEW_OPS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast"})
+
+
+def _parameter_views(graph: Graph, params: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Weights as layers see them. Exports feed some weights through view ops (a Linear
+    on 3-D input is MatMul(x, Transpose(W)) in a training export): returns (tensor ->
+    the parameter it is or views, view op -> the one layer its view feeds)."""
+    weights = {p: p for p in params}
+    for op in graph.ops:
+        if op.op_type in VIEW_OPS and op.inputs and op.inputs[0] in weights:
+            weights[op.outputs[0]] = weights[op.inputs[0]]
+    layer_of = {}
+    for op in graph.ops:
+        if op.op_type in VIEW_OPS and op.outputs[0] in weights and op.inputs[0] in weights:
+            user = op
+            while user.op_type in VIEW_OPS and len(graph.consumers.get(user.outputs[0], [])) == 1:
+                user = graph.consumers[user.outputs[0]][0]
+            layer_of[op.name] = user.name if user.op_type not in VIEW_OPS else op.name
+    return weights, layer_of
+
+
+def _tag_roles(ops: list[Op], layer: Op, targets: dict[str, str], views: tuple[dict, dict],
                roles: dict[str, dict]) -> None:
-    """Tag each backward op of a layer with a trainable parameter: dW (feeds only that
-    parameter's gradient), dX (feeds only input gradients) or shared (both)."""
-    param_set = set(params)
-    layer_params = [t for t in layer.present_inputs if t in param_set]
+    """Tag each backward op of a layer with a trainable weight (a parameter or a view of
+    one): dW (feeds only that parameter's gradient), dX (feeds only input gradients) or
+    shared (both). The backward ops of a view of a weight belong to the layer it feeds."""
+    weights, layer_of = views
+    layer_params = [weights[t] for t in layer.present_inputs if t in weights]
     if not layer_params:
         return
+    layer_name = layer_of.get(layer.name, layer.name)
     feeds: dict[str, set[str]] = defaultdict(set)   # tensor -> the inputs whose gradient it feeds
     for name, grad in targets.items():
-        feeds[grad].add(name)
+        feeds[grad].add(f"param:{weights[name]}" if name in weights else name)
     for op in reversed(ops):
         reached = set().union(*(feeds.get(t, set()) for t in op.present_outputs))
         for t in op.present_inputs:
             feeds[t] |= reached
-        fed_params = reached & param_set
-        if reached and reached <= param_set and len(fed_params) == 1:
-            roles[op.name] = {"role": "dW", "layer": layer.name, "param": next(iter(fed_params))}
-        elif reached and not fed_params:
-            roles[op.name] = {"role": "dX", "layer": layer.name, "param": layer_params[0]}
-        elif reached:
-            roles[op.name] = {"role": "shared", "layer": layer.name, "param": layer_params[0]}
+        fed_params = {r[len("param:"):] for r in reached if r.startswith("param:")}
+        if not reached:
+            continue
+        if len(fed_params) == 1 and len(reached) == 1:
+            roles[op.name] = {"role": "dW", "layer": layer_name, "param": next(iter(fed_params))}
+        else:
+            role = "shared" if fed_params else "dX"
+            roles[op.name] = {"role": role, "layer": layer_name, "param": layer_params[0]}
 
 
 # ---- assembly ---------------------------------------------------------------------------------

@@ -170,10 +170,11 @@ def matmul(em, op, dys, wants):
     grads = [None, None]
     if len(b2) == 2:  # batch == a2[:-2]: the rows of A meet one weight matrix
         rows = int(np.prod(a2[:-1], dtype=np.int64))
-        dy_rows = em.reshape(dy, (rows, b2[-1]))
-        if wants[0]:
+        if wants[0]:  # each gradient flattens dy itself: dX and dW stay separate groups
+            dy_rows = em.reshape(dy, (rows, b2[-1]))
             grads[0] = em.reshape(em.op("Gemm", [dy_rows, em.reshape(b, b2)], transB=1), shape_a)
         if wants[1]:
+            dy_rows = em.reshape(dy, (rows, b2[-1]))
             a_rows = em.reshape(a, (rows, a2[-1]))
             grads[1] = em.reshape(em.op("Gemm", [a_rows, dy_rows], transA=1), shape_b)
         return grads
