@@ -14,7 +14,7 @@ from . import rules_elementwise, rules_nn, rules_shape  # noqa: F401 - they fill
 from .emitter import Emitter
 from .loss import LOSS_NAME, LOSSES, emit_loss
 from .optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
-from .registry import FLOAT_TYPES, RULES, differentiable_positions
+from .registry import FLOAT_TYPES, RULES, differentiable_outputs, differentiable_positions
 
 GRAD_ROLES_KEY = "memsched.grad_roles"
 TRAINING_KEY = "memsched.training"
@@ -38,7 +38,7 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     params = _trainable(graph, live, freeze)
     requiring = _requiring_grad(graph, params)
     needed = [op for op in graph.ops
-              if any(t in live for t in op.present_outputs)
+              if any(t in live for t in differentiable_outputs(op, graph.tensors))
               and any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors))]
     em = Emitter(graph, opset)
     _check_supported(em, needed)
@@ -64,7 +64,9 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
         start = len(em.ops)
         wants = _wants(graph, op, requiring)
         with em.scope(f"{op.name}/grad"):
-            produced = RULES[op.op_type].grad(em, op, [grads.get(t) for t in op.outputs], wants)
+            outputs = set(differentiable_outputs(op, graph.tensors))
+            produced = RULES[op.op_type].grad(em, op, [grads.get(t) if t in outputs else None
+                                                       for t in op.outputs], wants)
             produced = list(produced) + [None] * (len(op.inputs) - len(produced))
             targets = {}
             for name, want, grad in zip(op.inputs, wants, produced):
@@ -118,7 +120,7 @@ def _reaching_output(graph: Graph, output: str) -> set[str]:
     """Float tensors with a differentiable path to `output`."""
     live = {output}
     for op in reversed(graph.ops):
-        if any(t in live for t in op.present_outputs):
+        if any(t in live for t in differentiable_outputs(op, graph.tensors)):
             live.update(op.inputs[i] for i in differentiable_positions(op, graph.tensors))
     return live
 
@@ -145,7 +147,7 @@ def _requiring_grad(graph: Graph, params: list[str]) -> set[str]:
     requiring = set(params)
     for op in graph.ops:
         if any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors)):
-            requiring.update(t for t in op.present_outputs if graph.tensors[t].dtype in FLOAT_TYPES)
+            requiring.update(differentiable_outputs(op, graph.tensors))
     return requiring
 
 
