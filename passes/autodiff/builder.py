@@ -44,6 +44,26 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     _check_supported(em, needed)
     _check_free_names(graph, loss, optimizer, params)
 
+    _emit_forward(em, graph, needed)
+    em.phase = "loss"
+    extra_inputs, loss_backward = emit_loss(em, loss, output)
+    em.phase = "backward"
+    grads, roles = _emit_backward(em, graph, needed, params, requiring, {output: loss_backward()})
+    em.phase = "update"
+    outputs = [LOSS_NAME]
+    for param in params:
+        if optimizer == "none":
+            outputs.append(grads[param])
+        else:
+            start = len(em.ops)
+            outputs += emit_update(em, optimizer, param, grads[param], hyper)
+            roles.update({op.name: {"role": "update", "param": param} for op in em.ops[start:]})
+    return _assemble(graph, em, extra_inputs, outputs, params, roles, opset,
+                     {"loss": loss, "optimizer": optimizer, **hyper})
+
+
+def _emit_forward(em: Emitter, graph: Graph, needed: list[Op]) -> None:
+    """The forward ops, in training form where a rule says so (BN on batch statistics, ...)."""
     needed_names = {op.name for op in needed}
     for op in graph.ops:
         rule = RULES.get(op.op_type)
@@ -51,11 +71,12 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
             rule.forward(em, op, op.name in needed_names)
         else:
             em.keep(op)
-    em.phase = "loss"
-    extra_inputs, loss_backward = emit_loss(em, loss, output)
 
-    em.phase = "backward"
-    grads = {output: loss_backward()}
+
+def _emit_backward(em: Emitter, graph: Graph, needed: list[Op], params: list[str], requiring: set[str],
+                   grads: dict[str, str]) -> tuple[dict[str, str], dict[str, dict]]:
+    """The backward ops, forward op by forward op in reverse; gradients of a tensor read
+    twice are summed as they arrive. Returns (tensor -> its gradient, grad roles)."""
     roles: dict[str, dict] = {}
     finish_at = _last_contribution(graph, needed, params, requiring)
     views = _parameter_views(graph, params)
@@ -64,8 +85,8 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
         start = len(em.ops)
         wants = _wants(graph, op, requiring)
         with em.scope(f"{op.name}/grad"):
-            outputs = set(differentiable_outputs(op, graph.tensors))
-            produced = RULES[op.op_type].grad(em, op, [grads.get(t) if t in outputs else None
+            flowing = set(differentiable_outputs(op, graph.tensors))
+            produced = RULES[op.op_type].grad(em, op, [grads.get(t) if t in flowing else None
                                                        for t in op.outputs], wants)
             produced = list(produced) + [None] * (len(op.inputs) - len(produced))
             targets = {}
@@ -80,18 +101,7 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
             for param in finish_at.get(index, ()):
                 targets[param] = grads[param] = _finish_param_grad(em, grads, param)
         _tag_roles(em.ops[start:], op, targets, views, roles)
-
-    em.phase = "update"
-    outputs = [LOSS_NAME]
-    for param in params:
-        if optimizer == "none":
-            outputs.append(grads[param])
-        else:
-            start = len(em.ops)
-            outputs += emit_update(em, optimizer, param, grads[param], hyper)
-            roles.update({op.name: {"role": "update", "param": param} for op in em.ops[start:]})
-    return _assemble(graph, em, extra_inputs, outputs, params, roles, opset,
-                     {"loss": loss, "optimizer": optimizer, **hyper})
+    return grads, roles
 
 
 # ---- analysis ---------------------------------------------------------------------------------
