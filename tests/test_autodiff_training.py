@@ -329,3 +329,55 @@ def test_shared_parameter_gets_one_accumulated_gradient():
                               [_init("w", rng.standard_normal((3, 3)))])
     train = check_gradients(make_model(graph))
     assert train.outputs == ["loss", "w.grad"]
+
+
+def test_cross_entropy_over_segmentation_maps_uses_the_channel_axis():
+    """[N, C, H, W] logits: classes on axis 1, labels [N, H, W], mean over every pixel."""
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["logits"], name="head", pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "seg", [helper.make_tensor_value_info("x", FLOAT, [2, 2, 3, 4])],
+                              [helper.make_tensor_value_info("logits", FLOAT, [2, 3, 3, 4])],
+                              [_init("w", rng.standard_normal((3, 2, 3, 3)).astype(np.float32))])
+    model = make_model(graph)
+    feeds = {"x": rng.standard_normal((2, 2, 3, 4)).astype(np.float32),
+             "labels": rng.integers(0, 3, (2, 3, 4))}
+    check_against_float64(model, feeds, loss="cross_entropy", sample=6)
+    logits = session(model).run(None, {"x": feeds["x"]})[0].astype(np.float64)
+    log_probs = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    expected = -np.take_along_axis(log_probs, feeds["labels"][:, None], 1).mean()
+    train = build_training_step(lower(model))
+    assert train.tensors["labels"].shape == (2, 3, 4)
+    assert np.isclose(session(train.to_onnx()).run(["loss"], feeds)[0], expected, rtol=1e-5)
+
+
+def test_read_running_statistics_follow_onnx_training_mode():
+    """A training-mode BN whose running mean/var some op reads gets them computed (ONNX's
+    definition, matched by ONNX Runtime's own training-mode BatchNormalization); as in
+    PyTorch, no gradient flows through them."""
+    rng = np.random.default_rng(7)
+    f = np.float32
+    bn = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], name="bn",
+                          training_mode=1, momentum=0.8)
+    nodes = [helper.make_node("Mul", ["x0", "w"], ["x"], name="scale"), bn,
+             helper.make_node("ReduceSum", ["rm"], ["rm_sum"], keepdims=0),
+             helper.make_node("ReduceSum", ["rv"], ["rv_sum"], keepdims=0),
+             helper.make_node("Mul", ["y", "r"], ["yr"]),
+             helper.make_node("ReduceSum", ["yr"], ["y_sum"], keepdims=0),
+             helper.make_node("Sum", ["y_sum", "rm_sum", "rv_sum"], ["out"])]
+    inits = [_init("w", rng.standard_normal((1, 3, 1, 1)).astype(f)), _init("s", np.ones(3, f)),
+             _init("b", np.zeros(3, f)), _init("m", rng.standard_normal(3).astype(f)),
+             _init("v", rng.random(3).astype(f) + 0.5)]
+    nodes.insert(0, helper.make_node("Constant", [], ["r"], value=_init("r", rng.standard_normal((4, 3, 2, 2)).astype(f))))
+    graph = helper.make_graph(nodes, "bn", [helper.make_tensor_value_info("x0", FLOAT, [4, 3, 2, 2])],
+                              [helper.make_tensor_value_info("out", FLOAT, [])], inits)
+    model = make_model(graph)
+    feeds = {"x0": rng.standard_normal((4, 3, 2, 2)).astype(f)}
+    expected = session(model).run(None, feeds)[0]
+    loss, grad = session(build_training_step(lower(model), loss="output").to_onnx()).run(["loss", "w.grad"], feeds)
+    assert np.isclose(loss, expected, rtol=1e-5)
+    del graph.node[3:]
+    graph.node.extend([helper.make_node("Mul", ["y", "r"], ["yr"]),
+                       helper.make_node("ReduceSum", ["yr"], ["out"], keepdims=0)])
+    without, = session(build_training_step(lower(make_model(graph)), loss="output").to_onnx()).run(["w.grad"], feeds)
+    assert np.abs(grad).max() > 1e-3
+    np.testing.assert_allclose(grad, without, rtol=1e-5)

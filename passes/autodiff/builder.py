@@ -14,7 +14,7 @@ from . import rules_elementwise, rules_nn, rules_shape  # noqa: F401 - they fill
 from .emitter import Emitter
 from .loss import LOSS_NAME, LOSSES, emit_loss
 from .optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
-from .registry import FLOAT_TYPES, RULES, differentiable_positions
+from .registry import FLOAT_TYPES, RULES, differentiable_outputs, differentiable_positions
 
 GRAD_ROLES_KEY = "memsched.grad_roles"
 TRAINING_KEY = "memsched.training"
@@ -38,12 +38,32 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     params = _trainable(graph, live, freeze)
     requiring = _requiring_grad(graph, params)
     needed = [op for op in graph.ops
-              if any(t in live for t in op.present_outputs)
+              if any(t in live for t in differentiable_outputs(op, graph.tensors))
               and any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors))]
     em = Emitter(graph, opset)
     _check_supported(em, needed)
     _check_free_names(graph, loss, optimizer, params)
 
+    _emit_forward(em, graph, needed)
+    em.phase = "loss"
+    extra_inputs, loss_backward = emit_loss(em, loss, output)
+    em.phase = "backward"
+    grads, roles = _emit_backward(em, graph, needed, params, requiring, {output: loss_backward()})
+    em.phase = "update"
+    outputs = [LOSS_NAME]
+    for param in params:
+        if optimizer == "none":
+            outputs.append(grads[param])
+        else:
+            start = len(em.ops)
+            outputs += emit_update(em, optimizer, param, grads[param], hyper)
+            roles.update({op.name: {"role": "update", "param": param} for op in em.ops[start:]})
+    return _assemble(graph, em, extra_inputs, outputs, params, roles, opset,
+                     {"loss": loss, "optimizer": optimizer, **hyper})
+
+
+def _emit_forward(em: Emitter, graph: Graph, needed: list[Op]) -> None:
+    """The forward ops, in training form where a rule says so (BN on batch statistics, ...)."""
     needed_names = {op.name for op in needed}
     for op in graph.ops:
         rule = RULES.get(op.op_type)
@@ -51,19 +71,23 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
             rule.forward(em, op, op.name in needed_names)
         else:
             em.keep(op)
-    em.phase = "loss"
-    extra_inputs, loss_backward = emit_loss(em, loss, output)
 
-    em.phase = "backward"
-    grads = {output: loss_backward()}
+
+def _emit_backward(em: Emitter, graph: Graph, needed: list[Op], params: list[str], requiring: set[str],
+                   grads: dict[str, str]) -> tuple[dict[str, str], dict[str, dict]]:
+    """The backward ops, forward op by forward op in reverse; gradients of a tensor read
+    twice are summed as they arrive. Returns (tensor -> its gradient, grad roles)."""
     roles: dict[str, dict] = {}
     finish_at = _last_contribution(graph, needed, params, requiring)
+    views = _parameter_views(graph, params)
     for index in reversed(range(len(needed))):
         op = needed[index]
         start = len(em.ops)
         wants = _wants(graph, op, requiring)
         with em.scope(f"{op.name}/grad"):
-            produced = RULES[op.op_type].grad(em, op, [grads.get(t) for t in op.outputs], wants)
+            flowing = set(differentiable_outputs(op, graph.tensors))
+            produced = RULES[op.op_type].grad(em, op, [grads.get(t) if t in flowing else None
+                                                       for t in op.outputs], wants)
             produced = list(produced) + [None] * (len(op.inputs) - len(produced))
             targets = {}
             for name, want, grad in zip(op.inputs, wants, produced):
@@ -76,19 +100,8 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
                 targets[name] = grads[name]
             for param in finish_at.get(index, ()):
                 targets[param] = grads[param] = _finish_param_grad(em, grads, param)
-        _tag_roles(em.ops[start:], op, targets, params, roles)
-
-    em.phase = "update"
-    outputs = [LOSS_NAME]
-    for param in params:
-        if optimizer == "none":
-            outputs.append(grads[param])
-        else:
-            start = len(em.ops)
-            outputs += emit_update(em, optimizer, param, grads[param], hyper)
-            roles.update({op.name: {"role": "update", "param": param} for op in em.ops[start:]})
-    return _assemble(graph, em, extra_inputs, outputs, params, roles, opset,
-                     {"loss": loss, "optimizer": optimizer, **hyper})
+        _tag_roles(em.ops[start:], op, targets, views, roles)
+    return grads, roles
 
 
 # ---- analysis ---------------------------------------------------------------------------------
@@ -117,7 +130,7 @@ def _reaching_output(graph: Graph, output: str) -> set[str]:
     """Float tensors with a differentiable path to `output`."""
     live = {output}
     for op in reversed(graph.ops):
-        if any(t in live for t in op.present_outputs):
+        if any(t in live for t in differentiable_outputs(op, graph.tensors)):
             live.update(op.inputs[i] for i in differentiable_positions(op, graph.tensors))
     return live
 
@@ -144,7 +157,7 @@ def _requiring_grad(graph: Graph, params: list[str]) -> set[str]:
     requiring = set(params)
     for op in graph.ops:
         if any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors)):
-            requiring.update(t for t in op.present_outputs if graph.tensors[t].dtype in FLOAT_TYPES)
+            requiring.update(differentiable_outputs(op, graph.tensors))
     return requiring
 
 
@@ -211,28 +224,52 @@ def _finish_param_grad(em: Emitter, grads: dict[str, str], param: str) -> str:
     return name
 
 
-def _tag_roles(ops: list[Op], layer: Op, targets: dict[str, str], params: list[str],
+VIEW_OPS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast"})
+
+
+def _parameter_views(graph: Graph, params: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Weights as layers see them. Exports feed some weights through view ops (a Linear
+    on 3-D input is MatMul(x, Transpose(W)) in a training export): returns (tensor ->
+    the parameter it is or views, view op -> the one layer its view feeds)."""
+    weights = {p: p for p in params}
+    for op in graph.ops:
+        if op.op_type in VIEW_OPS and op.inputs and op.inputs[0] in weights:
+            weights[op.outputs[0]] = weights[op.inputs[0]]
+    layer_of = {}
+    for op in graph.ops:
+        if op.op_type in VIEW_OPS and op.outputs[0] in weights and op.inputs[0] in weights:
+            user = op
+            while user.op_type in VIEW_OPS and len(graph.consumers.get(user.outputs[0], [])) == 1:
+                user = graph.consumers[user.outputs[0]][0]
+            layer_of[op.name] = user.name if user.op_type not in VIEW_OPS else op.name
+    return weights, layer_of
+
+
+def _tag_roles(ops: list[Op], layer: Op, targets: dict[str, str], views: tuple[dict, dict],
                roles: dict[str, dict]) -> None:
-    """Tag each backward op of a layer with a trainable parameter: dW (feeds only that
-    parameter's gradient), dX (feeds only input gradients) or shared (both)."""
-    param_set = set(params)
-    layer_params = [t for t in layer.present_inputs if t in param_set]
+    """Tag each backward op of a layer with a trainable weight (a parameter or a view of
+    one): dW (feeds only that parameter's gradient), dX (feeds only input gradients) or
+    shared (both). The backward ops of a view of a weight belong to the layer it feeds."""
+    weights, layer_of = views
+    layer_params = [weights[t] for t in layer.present_inputs if t in weights]
     if not layer_params:
         return
+    layer_name = layer_of.get(layer.name, layer.name)
     feeds: dict[str, set[str]] = defaultdict(set)   # tensor -> the inputs whose gradient it feeds
     for name, grad in targets.items():
-        feeds[grad].add(name)
+        feeds[grad].add(f"param:{weights[name]}" if name in weights else name)
     for op in reversed(ops):
         reached = set().union(*(feeds.get(t, set()) for t in op.present_outputs))
         for t in op.present_inputs:
             feeds[t] |= reached
-        fed_params = reached & param_set
-        if reached and reached <= param_set and len(fed_params) == 1:
-            roles[op.name] = {"role": "dW", "layer": layer.name, "param": next(iter(fed_params))}
-        elif reached and not fed_params:
-            roles[op.name] = {"role": "dX", "layer": layer.name, "param": layer_params[0]}
-        elif reached:
-            roles[op.name] = {"role": "shared", "layer": layer.name, "param": layer_params[0]}
+        fed_params = {r[len("param:"):] for r in reached if r.startswith("param:")}
+        if not reached:
+            continue
+        if len(fed_params) == 1 and len(reached) == 1:
+            roles[op.name] = {"role": "dW", "layer": layer_name, "param": next(iter(fed_params))}
+        else:
+            role = "shared" if fed_params else "dX"
+            roles[op.name] = {"role": role, "layer": layer_name, "param": layer_params[0]}
 
 
 # ---- assembly ---------------------------------------------------------------------------------

@@ -102,6 +102,16 @@ class Emitter:
         self._emitted.add(kept.name)
         self.ops.append(kept)
 
+    def keep_saving(self, op: Op, outputs: dict[int, str]) -> None:
+        """Keep `op` with its optional outputs {position: label} present (named
+        `<op>_<label>` where the model left them out) and record them in `saved[op.name]`
+        under their labels, for the op's backward pass."""
+        names = list(op.outputs) + [""] * (max(outputs) + 1 - len(op.outputs))
+        for position, label in outputs.items():
+            names[position] = names[position] or self.fresh(f"{op.name}_{label}")
+        self.keep(op, outputs=names)
+        self.saved[op.name] = {label: names[position] for position, label in outputs.items()}
+
     def rename(self, old: str, new: str) -> bool:
         """Give the output `old` of an emitted op the name `new`; False where it cannot be
         (not produced here, or already read by another op)."""

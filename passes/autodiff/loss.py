@@ -1,8 +1,10 @@
 """Losses appended to the forward graph (phase `loss`), each with its backward seed.
 
-- cross_entropy: softmax cross-entropy over the last axis of the model's output (class
-  logits [N, C], or [N, L, V] for sequences), against an int64 input `labels` of the
-  output's shape less its last axis; mean over every label (N, or N*L).
+- cross_entropy: softmax cross-entropy of class logits against an int64 input `labels`
+  shaped as the logits less their class axis; mean over every label. The class axis is the
+  last one for [N, C] and sequence logits [N, L, V] (mean over N*L, as Hugging Face's
+  language-model loss), and axis 1 for maps [N, C, H, W] / [N, C, D, H, W] (per-pixel, as
+  PyTorch's CrossEntropyLoss on segmentation outputs).
 - mse: mean of (output - targets)^2 over every element, `targets` shaped as the output.
 - output: the model's output is the loss already (it must have one element).
 
@@ -44,23 +46,29 @@ def _cross_entropy(em, logits):
     if len(shape) < 2:
         raise UserError(f"cross_entropy needs class logits of rank >= 2 (classes last); the output "
                         f"'{logits}' has shape {list(shape)}")
-    labels = em.add_input("labels", shape[:-1], TensorProto.INT64)
-    axis = len(shape) - 1
+    axis = class_axis(shape)
+    label_shape = shape[:axis] + shape[axis + 1:]
+    labels = em.add_input("labels", label_shape, TensorProto.INT64)
     log_probs = em.op("LogSoftmax", [logits], axis=axis)
-    where = em.op("Unsqueeze", [labels, em.ints([-1])])
+    where = em.op("Unsqueeze", [labels, em.ints([axis])])
     picked = em.op("GatherElements", [log_probs, where], axis=axis)
     mean = em.reduce("ReduceMean", picked, range(len(shape)), keepdims=False)
     em.op("Neg", [mean], outputs=[LOSS_NAME], kind="output")
-    count = int(np.prod(shape[:-1]))
+    count = int(np.prod(label_shape))
 
     def backward() -> str:
         """(softmax - onehot(labels)) / count."""
         with em.scope("loss/grad"):
             probs = em.op("Mul", [em.op("Exp", [log_probs]), em.scalar(1 / count, logits)])
-            minus = em.op("Expand", [em.scalar(-1 / count, logits), em.ints(shape[:-1] + (1,))])
+            minus = em.op("Expand", [em.scalar(-1 / count, logits), em.ints(em.shape(where))])
             return em.op("ScatterElements", [probs, where, minus], axis=axis, reduction="add")
 
     return [labels], backward
+
+
+def class_axis(shape) -> int:
+    """Where the classes are in logits of this shape (see the module docstring)."""
+    return 1 if len(shape) >= 4 else len(shape) - 1
 
 
 def _mse(em, output):

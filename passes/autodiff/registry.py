@@ -8,6 +8,8 @@ and returns one gradient tensor name per input (None where none is wanted).
 Optional parts of a rule:
 - `inputs`: the input positions a gradient can flow into (default: every float input);
   the others (shapes, indices, bounds, exponents given as constants) never get one;
+- `outputs`: the output positions a gradient can flow out of (default: every float
+  output); BN running statistics, LayerNormalization's mean, ... carry none, as in PyTorch;
 - `check(em, op) -> str | None`: why this particular node cannot be differentiated
   (an unsupported attribute, a non-constant pad width), checked for every node first;
 - `forward(em, op, needed)`: emits the node's forward form for training (BatchNormalization
@@ -27,6 +29,7 @@ FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, Tenso
 class Rule:
     grad: Callable
     inputs: tuple[int, ...] | None = None
+    outputs: tuple[int, ...] | None = None
     check: Callable | None = None
     forward: Callable | None = None
 
@@ -34,19 +37,31 @@ class Rule:
 RULES: dict[str, Rule] = {}
 
 
-def rule(*op_types: str, inputs: tuple[int, ...] | None = None, check: Callable | None = None,
-         forward: Callable | None = None):
+def rule(*op_types: str, inputs: tuple[int, ...] | None = None, outputs: tuple[int, ...] | None = None,
+         check: Callable | None = None, forward: Callable | None = None):
     """Register the decorated gradient function for `op_types`."""
     def register(grad: Callable) -> Callable:
         for op_type in op_types:
-            RULES[op_type] = Rule(grad, inputs, check, forward)
+            RULES[op_type] = Rule(grad, inputs, outputs, check, forward)
         return grad
     return register
 
 
 def differentiable_positions(op, tensors) -> list[int]:
     """Input positions of `op` a gradient may flow into: float inputs the rule allows."""
+    return _float_positions(op.inputs, _allowed(op, "inputs"), tensors)
+
+
+def differentiable_outputs(op, tensors) -> list[str]:
+    """Outputs of `op` a gradient may flow out of: float outputs the rule allows."""
+    return [op.outputs[i] for i in _float_positions(op.outputs, _allowed(op, "outputs"), tensors)]
+
+
+def _allowed(op, field: str):
     known = RULES.get(op.op_type) if op.domain in ("", "ai.onnx") else None
-    allowed = known.inputs if known is not None and known.inputs is not None else range(len(op.inputs))
-    return [i for i in allowed if i < len(op.inputs) and op.inputs[i]
-            and tensors[op.inputs[i]].dtype in FLOAT_TYPES]
+    allowed = getattr(known, field) if known is not None else None
+    return range(len(op.inputs if field == "inputs" else op.outputs)) if allowed is None else allowed
+
+
+def _float_positions(names, allowed, tensors) -> list[int]:
+    return [i for i in allowed if i < len(names) and names[i] and tensors[names[i]].dtype in FLOAT_TYPES]

@@ -174,15 +174,13 @@ def _dropout_masked(em, op) -> bool:
 
 def _dropout_forward(em, op, needed):
     """Training-mode dropout keeps its mask for the backward pass."""
-    if not (needed and _dropout_masked(em, op)):
+    if needed and _dropout_masked(em, op):
+        em.keep_saving(op, {1: "mask"})
+    else:
         em.keep(op)
-        return
-    mask = op.outputs[1] if len(op.outputs) > 1 and op.outputs[1] else em.fresh(f"{op.name}_mask")
-    em.keep(op, outputs=[op.outputs[0], mask])
-    em.saved[op.name] = {"mask": mask}
 
 
-@rule("Dropout", inputs=(0,), check=_check_dropout, forward=_dropout_forward)
+@rule("Dropout", inputs=(0,), outputs=(0,), check=_check_dropout, forward=_dropout_forward)
 def dropout(em, op, dys, wants):
     """Eval mode or ratio 0: identity. Training: dy * mask / (1 - ratio)."""
     if not _dropout_masked(em, op):

@@ -14,8 +14,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx import TensorProto
 
 from .registry import rule
+
+_STASH_DTYPE = TensorProto.FLOAT  # LayerNormalization's Mean/InvStdDev type (stash_type 1)
 
 
 # ---- geometry -------------------------------------------------------------------------------
@@ -167,10 +170,11 @@ def matmul(em, op, dys, wants):
     grads = [None, None]
     if len(b2) == 2:  # batch == a2[:-2]: the rows of A meet one weight matrix
         rows = int(np.prod(a2[:-1], dtype=np.int64))
-        dy_rows = em.reshape(dy, (rows, b2[-1]))
-        if wants[0]:
+        if wants[0]:  # each gradient flattens dy itself: dX and dW stay separate groups
+            dy_rows = em.reshape(dy, (rows, b2[-1]))
             grads[0] = em.reshape(em.op("Gemm", [dy_rows, em.reshape(b, b2)], transB=1), shape_a)
         if wants[1]:
+            dy_rows = em.reshape(dy, (rows, b2[-1]))
             a_rows = em.reshape(a, (rows, a2[-1]))
             grads[1] = em.reshape(em.op("Gemm", [a_rows, dy_rows], transA=1), shape_b)
         return grads
@@ -204,15 +208,13 @@ def _check_max_pool(em, op):
 
 def _max_pool_forward(em, op, needed):
     """Keep the argmax Indices output for the backward pass."""
-    if not needed:
+    if needed:
+        em.keep_saving(op, {1: "indices"})
+    else:
         em.keep(op)
-        return
-    indices = op.outputs[1] if len(op.outputs) > 1 and op.outputs[1] else em.fresh(f"{op.name}_indices")
-    em.keep(op, outputs=[op.outputs[0], indices])
-    em.saved[op.name] = {"indices": indices}
 
 
-@rule("MaxPool", inputs=(0,), check=_check_max_pool, forward=_max_pool_forward)
+@rule("MaxPool", inputs=(0,), outputs=(0,), check=_check_max_pool, forward=_max_pool_forward)
 def max_pool(em, op, dys, wants):
     """Scatter-add dy to the argmax positions (flat indices over the whole input), which is
     right where windows overlap (MaxUnpool is not)."""
@@ -276,16 +278,9 @@ def global_average_pool(em, op, dys, wants):
 
 
 # ---- normalisation --------------------------------------------------------------------------
-def _check_batch_norm(em, op):
-    stats = [t for t in op.outputs[1:] if t]
-    readers = [c.name for t in stats for c in em.source.consumers.get(t, [])]
-    if readers:
-        return f"its running statistics are read by {', '.join(repr(r) for r in readers)}"
-    return None
-
-
 def _batch_norm_forward(em, op, needed):
-    """Training-mode BN from batch statistics (biased variance, as PyTorch normalises)."""
+    """Training-mode BN from batch statistics (biased variance, as PyTorch normalises), for
+    every BN node: eval-form exports train with batch statistics too."""
     x, scale, bias = op.inputs[:3]
     rank = em.rank(x)
     axes = [0] + list(range(2, rank))
@@ -300,7 +295,21 @@ def _batch_norm_forward(em, op, needed):
         factor = em.op("Mul", [inv_std, scale_b])
         scaled = em.op("Mul", [centred, factor])
         em.op("Add", [scaled, em.reshape(bias, channel_shape)], outputs=[op.outputs[0]], name=op.name)
+        _running_statistics(em, op, {1: mean, 2: var})
     em.saved[op.name] = {"mean": mean, "inv_std": inv_std, "scale": scale_b}
+
+
+def _running_statistics(em, op, batch_stats):
+    """Training-mode outputs 1, 2 (running mean, var: momentum * running + (1 - momentum) *
+    batch, ONNX's definition), computed only where some op reads them."""
+    momentum = op.attributes.get("momentum", 0.9)
+    for position, stat in batch_stats.items():
+        name = op.outputs[position] if len(op.outputs) > position else ""
+        if name and em.source.consumers.get(name):
+            running = op.inputs[position + 2]
+            old = em.op("Mul", [running, em.scalar(momentum, running)])
+            new = em.op("Mul", [em.reshape(stat, em.shape(running)), em.scalar(1 - momentum, running)])
+            em.op("Add", [old, new], outputs=[name])
 
 
 def _normalized(em, x, mean, inv_std):
@@ -317,7 +326,7 @@ def _norm_input_grad(em, dy, scale, x, mean, inv_std, axes):
     return em.op("Mul", [centred, inv_std])
 
 
-@rule("BatchNormalization", inputs=(0, 1, 2), check=_check_batch_norm, forward=_batch_norm_forward)
+@rule("BatchNormalization", inputs=(0, 1, 2), outputs=(0,), forward=_batch_norm_forward)
 def batch_norm(em, op, dys, wants):
     x, scale, bias = op.inputs[:3]
     dy = dys[0]
@@ -335,26 +344,30 @@ def batch_norm(em, op, dys, wants):
 
 
 def _layer_norm_forward(em, op, needed):
-    """Keep LayerNormalization's Mean and InvStdDev outputs for the backward pass."""
+    """Keep the mean and 1/std for the backward pass: LayerNormalization's own Mean and
+    InvStdDev outputs where they have the input's dtype (ONNX keeps them in float32), else
+    computed beside it in the input's dtype, so that float64 models keep float64 precision."""
+    x = op.inputs[0]
     if not needed:
         em.keep(op)
         return
-    outputs = list(op.outputs) + [""] * (3 - len(op.outputs))
-    outputs[1] = outputs[1] or em.fresh(f"{op.name}_mean")
-    outputs[2] = outputs[2] or em.fresh(f"{op.name}_inv_std")
-    em.keep(op, outputs=outputs)
-    em.saved[op.name] = {"mean": outputs[1], "inv_std": outputs[2]}
+    if em.dtype(x) != _STASH_DTYPE:
+        em.keep(op)
+        rank = em.rank(x)
+        axis = op.attributes.get("axis", -1)
+        axes = list(range(axis + rank if axis < 0 else axis, rank))
+        with em.scope(op.name):
+            mean = em.reduce("ReduceMean", x, axes, keepdims=True)
+            centred = em.op("Sub", [x, mean])
+            var = em.reduce("ReduceMean", em.op("Mul", [centred, centred]), axes, keepdims=True)
+            eps = em.scalar(op.attributes.get("epsilon", 1e-5), x)
+            inv_std = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, eps])])])
+        em.saved[op.name] = {"mean": mean, "inv_std": inv_std}
+        return
+    em.keep_saving(op, {1: "mean", 2: "inv_std"})
 
 
-def _layer_norm_stats(em, op):
-    """Mean and InvStdDev in the input's dtype (ONNX keeps them in the stash type)."""
-    x = op.inputs[0]
-    saved = em.saved[op.name]
-    return [s if em.dtype(s) == em.dtype(x) else em.op("Cast", [s], to=em.dtype(x))
-            for s in (saved["mean"], saved["inv_std"])]
-
-
-@rule("LayerNormalization", forward=_layer_norm_forward)
+@rule("LayerNormalization", outputs=(0,), forward=_layer_norm_forward)
 def layer_norm(em, op, dys, wants):
     x, scale = op.inputs[:2]
     dy = dys[0]
@@ -363,11 +376,10 @@ def layer_norm(em, op, dys, wants):
     axis = axis + rank if axis < 0 else axis
     norm_axes = list(range(axis, rank))
     grads = [None] * len(op.inputs)
+    mean, inv_std = em.saved[op.name]["mean"], em.saved[op.name]["inv_std"]
     if wants[0]:
-        mean, inv_std = _layer_norm_stats(em, op)
         grads[0] = _norm_input_grad(em, dy, scale, x, mean, inv_std, norm_axes)
     if wants[1]:
-        mean, inv_std = _layer_norm_stats(em, op)
         grads[1] = em.sum_to(em.op("Mul", [dy, _normalized(em, x, mean, inv_std)]), em.shape(scale))
     if len(wants) > 2 and wants[2]:
         grads[2] = em.sum_to(dy, em.shape(op.inputs[2]))
