@@ -93,9 +93,12 @@ def timeline(problem: Problem, choices: list[Choice]) -> Timing:
     for i, g in enumerate(ins):
         in_at[g.q].append(i)
     rec = defaultdict(int)
+    waits = defaultdict(list)       # slot -> (input gap reloaded for a replay there, replay cost)
     for g in problem.gaps:
         if choices[g.index].mode == "recompute":
             rec[g.q] += g.rec_cost
+            waits[g.q] += [(h, g.rec_cost) for h in g.rec_inputs if reloads(problem.gaps[h], choices[h])]
+    in_pos = {g.index: i for i, g in enumerate(ins)}
     D = np.zeros(n + 1, dtype=np.int64)
     Dp = np.zeros(n + 1, dtype=np.int64)
     out_pos = {g.index: i for i, g in enumerate(outs)}
@@ -135,6 +138,9 @@ def timeline(problem: Problem, choices: list[Choice]) -> Timing:
             base = max(base, out_t[outs[i].index][1] - int(T[s]))
         Dp[s] = base
         d = base + rec.get(s, 0)
+        for h, cost in waits.get(s, ()):
+            run_ins(in_pos[h])
+            d = max(d, in_t[h][1] - int(T[s]) + cost)
         for i in in_at.get(s, ()):
             run_ins(i)
             d = max(d, in_t[ins[i].index][1] - int(T[s]))
@@ -188,7 +194,7 @@ def _idle(problem: Problem, g: Gap) -> int:
 
 
 def _rec_ok(g: Gap, choices: list[Choice]) -> bool:
-    """Recompute needs the producer's inputs resident before q: their gaps released after q."""
+    """Recompute needs the producer's inputs resident at q: here, their gaps released after q."""
     return g.producer is not None and all(choices[h].j > g.q for h in g.rec_inputs)
 
 
@@ -207,11 +213,19 @@ def _option(problem: Problem, g: Gap, choices: list[Choice], host: HostSpace) ->
 
 
 def _priority(problem: Problem, g: Gap) -> tuple:
-    """Lower is better: statics that start on the host (no copy out), then the longest idle
-    interval per transfer time (per byte: TFLMS), larger first on ties."""
+    """Lower is better: statics that start on the host (no copy out); then tensors whose copies
+    are mostly bandwidth rather than per-transfer latency (tiny tensors free little and cost a
+    latency each); then the longest idle interval per transfer time (per byte: TFLMS)."""
     first = problem.tiers[0]
     moved = g.d_in[first] + (0 if "host" in g.modes else g.d_out[first])
-    return (0 if "host" in g.modes else 1, -_idle(problem, g) / max(moved, 1), -g.nbytes, g.index)
+    latency = 2 * _ticks_of_latency(problem, first)
+    return (0 if "host" in g.modes else 1, moved < 2 * latency, -_idle(problem, g) / max(moved, 1), -g.nbytes,
+            g.index)
+
+
+def _ticks_of_latency(problem: Problem, tier: str) -> int:
+    """Ticks a zero-byte transfer takes (link and tier latency)."""
+    return int(problem.hw.transfer_time(0, tier, "h2d") / problem.tick)
 
 
 def select(problem: Problem, require: bool = True) -> list[Choice] | None:
@@ -294,13 +308,20 @@ def retier(problem: Problem, choices: list[Choice]) -> list[Choice]:
 
 
 # ---- phase 2: placement --------------------------------------------------------------------
-def place(problem: Problem, chosen: list[Choice], delay: np.ndarray | None = None) -> list[Choice]:
+def place(problem: Problem, chosen: list[Choice], delay: np.ndarray | None = None) -> list[Choice] | None:
     """Phase 2: move releases later and reloads earlier where that hides transfers and memory
-    allows. `delay` (ticks per step, from an earlier timeline) refines the step times."""
-    gaps, n, budget = problem.gaps, problem.n, problem.budget
+    allows. `delay` (ticks per step, from an earlier timeline) refines the step times. A
+    tensor a replay reads is back by the replay's slot; None if memory does not allow that."""
+    gaps, budget = problem.gaps, problem.budget
     choices = [freeing(g, c.mode, c.tier) if c.mode != "keep" else c for g, c in zip(gaps, chosen)]
     times = problem.T + (delay if delay is not None else 0)
     live = problem.live - freed(problem, choices)
+    cap = {}                                    # reload slot bounds set by replays
+    for g, c in zip(gaps, choices):
+        if c.mode == "recompute":
+            for h in g.rec_inputs:
+                if choices[h].mode in MOVING:
+                    cap[h] = min(cap.get(h, gaps[h].q), g.q)
 
     outs = out_order(problem, choices)
     free_at = 0
@@ -309,7 +330,7 @@ def place(problem: Problem, chosen: list[Choice], delay: np.ndarray | None = Non
         start = max(int(times[g.ready[0]]), free_at)
         free_at = start + g.d_out[c.tier]
         j_hide = int(np.searchsorted(times, free_at, side="left"))
-        j = _stretch_right(live, g.p + 1, min(j_hide, g.last_over), g.nbytes, budget)
+        j = _stretch_right(live, g.p + 1, min(j_hide, g.last_over, cap.get(g.index, g.q) - 1), g.nbytes, budget)
         live[g.p + 1:j] += g.nbytes
         choices[g.index] = replace(c, j=j)
     for i in range(len(outs) - 2, -1, -1):           # link order = release order
@@ -326,13 +347,18 @@ def place(problem: Problem, chosen: list[Choice], delay: np.ndarray | None = Non
         due = int(times[g.q]) if latest is None else min(int(times[g.q]), latest)
         latest = due - g.d_in[c.tier]
         k_jit = int(np.searchsorted(times, latest, side="right")) - 1
-        lo = min(max(c.j + 1, g.first_over + 1), g.q)
-        k = _stretch_left(live, max(lo, min(k_jit, g.q)), g.q, g.nbytes, budget)
+        hi = cap.get(g.index, g.q)
+        lo = min(max(c.j + 1, g.first_over + 1), hi)
+        k = _stretch_left(live, max(lo, min(k_jit, hi)), g.q, g.nbytes, budget)
+        if k > hi:
+            return None
         live[k:g.q] += g.nbytes
         choices[g.index] = replace(c, k=k)
     for a, b in zip(ins, ins[1:]):                    # link order = issue order
         ca, cb = choices[a.index], choices[b.index]
         if cb.k < ca.k:
+            if ca.k > cap.get(b.index, b.q):
+                return None
             live[cb.k:ca.k] -= b.nbytes
             choices[b.index] = replace(cb, k=ca.k)
     return choices
@@ -356,32 +382,74 @@ def _stretch_left(live: np.ndarray, want: int, hi: int, nbytes: int, budget: int
 
 # ---- phase 3: exchange ---------------------------------------------------------------------
 def improve(problem: Problem, chosen: list[Choice], max_trials: int = 64) -> tuple[list[Choice], Timing]:
-    """Phases 2 and 3: place, then try recomputation instead of the swaps that cost the link most
-    relative to their replay, keeping each change that lowers the model's delay."""
-    best = place(problem, chosen)
+    """Phases 2 and 3: place, then try recomputation instead of the swaps whose replay costs
+    least against their copies, keeping each change that lowers the model's delay."""
+    best = place(problem, chosen) or chosen       # phase 1's choices are valid as they are
     timing = timeline(problem, best)
     again = place(problem, chosen, timing.D)
-    again_timing = timeline(problem, again)
-    if again_timing.delay < timing.delay:
-        best, timing = again, again_timing
-    trials = sorted((g for g in problem.gaps if best[g.index].mode == "swap" and g.producer is not None),
-                    key=lambda g: g.rec_cost - g.d_in[best[g.index].tier] - g.d_out[best[g.index].tier])
-    for g in trials[:max_trials]:
+    if again is not None:
+        again_timing = timeline(problem, again)
+        if again_timing.delay < timing.delay:
+            best, timing = again, again_timing
+
+    def attempt(gs: list[Gap]) -> bool:
+        nonlocal best, timing
+        base = list(best)
+        for g in gs:
+            base[g.index] = freeing(g, "recompute")
+        trial = place(problem, base, timing.D)
+        if trial is None or not consistent(problem, trial):
+            return False
+        trial_timing = timeline(problem, trial)
+        if trial_timing.delay >= timing.delay:
+            return False
+        best, timing = trial, trial_timing
+        return True
+
+    def candidates() -> list[Gap]:
+        gs = [g for g in problem.gaps if best[g.index].mode == "swap" and g.producer is not None
+              and _replayable(g, best) and not _needed_by_recompute(problem, g, best)]
+        return sorted(gs, key=lambda g: g.rec_cost - g.d_in[best[g.index].tier] - g.d_out[best[g.index].tier])
+
+    cheap = [g for g in candidates() if g.rec_cost < g.d_in[best[g.index].tier]]
+    if timing.delay and cheap:          # every replay cheaper than its copy in, at once
+        attempt([g for g in cheap if not any(h in {c.index for c in cheap} for h in g.rec_inputs)])
+    for g in candidates()[:max_trials]:
         if timing.delay == 0:
             break
-        if g.rec_cost >= timing.delay or not _rec_ok(g, best) or _needed_by_recompute(problem, g, best):
-            continue
-        base = [freeing(h, c.mode, c.tier) if c.mode != "keep" else c for h, c in zip(problem.gaps, best)]
-        base[g.index] = freeing(g, "recompute")
-        trial = place(problem, base, timing.D)
-        trial_timing = timeline(problem, trial)
-        if trial_timing.delay < timing.delay:
-            best, timing = trial, trial_timing
+        if g.rec_cost < timing.delay and best[g.index].mode == "swap" and _replayable(g, best) \
+                and not _needed_by_recompute(problem, g, best):
+            attempt([g])
     return best, timing
+
+
+def _replayable(g: Gap, choices: list[Choice]) -> bool:
+    """The producer's inputs can be resident at q: kept there, or on a host tier to reload."""
+    return g.producer is not None and all(choices[h].j > g.q or choices[h].mode in MOVING for h in g.rec_inputs)
 
 
 def _needed_by_recompute(problem: Problem, g: Gap, choices: list[Choice]) -> bool:
     return any(choices[d.index].mode == "recompute" and g.index in d.rec_inputs for d in problem.gaps)
+
+
+def consistent(problem: Problem, choices: list[Choice]) -> bool:
+    """The rules the emitter relies on: out before back in, a replay's inputs resident at its
+    slot (kept there or reloaded by then), evicts after a copy of the same tensor."""
+    moved = set()
+    for g in sorted(problem.gaps, key=lambda g: (g.p, g.index)):
+        c = choices[g.index]
+        if c.mode != "keep" and not (g.p < c.j <= c.k <= g.q if not g.tail else g.p < c.j < g.q):
+            return False
+        if c.mode == "evict" and g.tensor not in moved:
+            return False
+        if c.mode in ("swap", "host"):
+            moved.add(g.tensor)
+        if c.mode == "recompute":
+            for h in g.rec_inputs:
+                ch = choices[h]
+                if not (ch.j > g.q or (ch.mode in MOVING and ch.k <= g.q)):
+                    return False
+    return True
 
 
 def heuristic(problem: Problem) -> tuple[list[Choice], Timing] | None:

@@ -132,12 +132,20 @@ class _Model:
         self.ksel.append(ksel)
 
     def _tensors(self) -> None:
-        """A replay's inputs stay resident until its slot; one host tier per tensor."""
+        """A replay's inputs are resident at its slot (released after it, or reloaded by then);
+        one host tier per tensor."""
         m = self.m
+        self.waits = []                 # (replay gap, input gap, literal: the input is reloaded for it)
         for g in self.p.gaps:
             rec = self.mode[g.index].get(("recompute", None))
             for h in g.rec_inputs if rec is not None else ():
-                m.Add(rec <= sum(lit for v, lit in self.jsel[h].items() if v > g.q))
+                kept = [lit for v, lit in self.jsel[h].items() if v > g.q]
+                back = [lit for w, lit in self.ksel[h].items() if w <= g.q]
+                m.Add(rec <= sum(kept) + sum(back))
+                if back:
+                    wait = m.NewBoolVar(f"wait_{g.index}_{h}")
+                    m.Add(wait >= rec + sum(back) - 1)
+                    self.waits.append((g, h, wait))
         self.uses: dict[str, dict[str, object]] = {}
         by_tensor: dict[str, list[Gap]] = {}
         for g in self.p.gaps:
@@ -316,6 +324,9 @@ class _Model:
                 cost += 1 if tier is not None and tier != p.tiers[0] else 0
                 if cost:
                     penalty.append(cost * lit)
+        for g, h, wait in self.waits:          # a replay waits for the inputs reloaded for it
+            if h in self.in_vars:
+                m.Add(self.in_vars[h][2] + g.rec_cost <= int(T[g.q]) + D[g.q]).OnlyEnforceIf(wait)
         self.weight = 3 * len(gaps) + 1
         m.Minimize(self.weight * self.delay + sum(penalty))
 
@@ -361,6 +372,9 @@ class _Model:
             freed[s] = level
         for s, var in self.freed.items():
             m.AddHint(var, freed[s])
+        for g, h, wait in self.waits:
+            m.AddHint(wait, choices[g.index].mode == "recompute" and choices[h].mode in MOVING
+                      and choices[h].k <= g.q)
         for tensor, per_tier in self.uses.items():
             tiers = {c.tier for g in self.by_tensor[tensor] for c in [choices[g.index]] if c.mode in MOVING}
             for tier, lit in per_tier.items():
