@@ -24,34 +24,24 @@ the model's). Objective: D[n-1], then fewer copies, DRAM before NVDIMM.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from functools import reduce
 
 from ortools.sat.python import cp_model
 
+from . import solver as cpsat
 from .swap_gaps import Gap, Problem
 from .swap_heuristic import Choice, MOVING, Timing, in_order, out_order, timeline
-
-STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible"}
 
 
 @dataclass
 class Solved:
     choices: list[Choice] | None
-    status: str          # optimal, feasible, or the solver's word when it found nothing
+    status: str          # optimal, feasible, or unknown when it found nothing
     delay: int | None    # ticks, the model's objective part
     bound: int | None    # ticks, proven lower bound on the delay
     seconds: float
-
-
-def workers() -> int:
-    """CP-SAT workers from the cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
 
 
 def solve(problem: Problem, hint: list[Choice], time_limit: float) -> Solved:
@@ -65,16 +55,15 @@ def solve(problem: Problem, hint: list[Choice], time_limit: float) -> Solved:
                 g.K = sorted({*g.K, c.k})
     model = _Model(problem)
     model.hint(hint, timeline(problem, hint))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, float(time_limit))
-    solver.parameters.num_workers = workers()
-    solver.parameters.cp_model_presolve = False
-    status = solver.Solve(model.m)
+    remaining = max(0.01, time_limit - (time.perf_counter() - begin))
+    # presolve off: on graphs of thousands of steps it can use the whole limit before searching
+    result = cpsat.solve(model.m, remaining, presolve=False)
     seconds = time.perf_counter() - begin
-    if status not in STATUS:
-        return Solved(None, solver.StatusName(status).lower(), None, None, seconds)
-    return Solved(model.read(solver), STATUS[status], solver.Value(model.delay),
-                  max(0, math.floor(solver.BestObjectiveBound() / model.weight)), seconds)
+    if not result.has_solution:
+        return Solved(None, result.status, None, None, seconds)
+    solver = result.solver
+    return Solved(model.read(solver), result.status, solver.Value(model.delay),
+                  max(0, math.floor(result.bound / model.weight)), seconds)
 
 
 class _Model:
