@@ -106,13 +106,15 @@ def emit(problem: Problem, choices: list[Choice]) -> Plan:
         elif c.mode == "host":
             hosts.add(g.tensor)
         elif c.mode == "recompute":
-            before[g.q][2].append(((g.producer_step, g.index), recompute(g.producer)))
+            before[g.q][2].append(((g.producer_step, g.index), [recompute(op) for op in g.replay]))
         if reloads(g, c):
             before[c.k][1].append(((g.q, g.index), swap_in(g.tensor, c.tier)))
     schedule = []
     for s in range(n + 1):
-        for part in before.get(s, ()):
-            schedule += [step for _, step in sorted(part, key=lambda e: e[0])]
+        outs, ins, replays = before.get(s, ([], [], []))
+        schedule += [step for _, step in sorted(outs, key=lambda e: e[0])]
+        schedule += [step for _, step in sorted(ins, key=lambda e: e[0])]
+        schedule += [step for _, chain in sorted(replays, key=lambda e: e[0]) for step in chain]
         if s < n:
             schedule.append(plan.schedule[s])
     changed = len(schedule) != n or hosts
@@ -135,7 +137,7 @@ def _notes(plan: Plan, gaps, choices: list[Choice], sim: Simulation, unlimited: 
         if c.mode in MOVING:
             tiers[c.tier][g.tensor] = g.nbytes
         if c.mode == "recompute":
-            recomputed.append(g.producer)
+            recomputed += g.replay
         moves.append({"tensor": g.tensor, "bytes": g.nbytes, "to": where, "how": c.mode,
                       "idle_steps": [g.p, g.q], "out_before_step": c.j if c.mode != "recompute" else None,
                       "back_before_step": c.k if reloads(g, c) or c.mode == "recompute" else None})

@@ -13,8 +13,10 @@ step -- it sits idle. Such a gap (p, q) is what a plan may free, over its interi
              before step j, swap_in before step k;
   host       a static tensor's gap before its first use: it starts the step on the host
              (Plan.on_host) and is swapped in before step k;
-  recompute  replay its producer before its next use q (Capuchin): only for a tensor made by a
-             single-output op whose inputs are resident there anyway.
+  recompute  replay its producer before its next use q (Capuchin): its inputs must be resident
+             there -- kept, or reloaded for their own later use -- or are replayed first
+             themselves, back to resident tensors (a chain of single-output ops, the dead
+             intermediates living only during the replay).
 
 Under every option the tensor's bytes are counted at step s of the interior unless j <= s < k,
 so a plan's device bytes at an original step are the input plan's minus what its gaps free;
@@ -58,10 +60,12 @@ class Gap:
     modes: list[str]
     d_out: dict[str, int] = field(default_factory=dict)   # ticks per tier, device -> host
     d_in: dict[str, int] = field(default_factory=dict)    # ticks per tier, host -> device
-    producer: str | None = None     # op replayed by 'recompute'
+    producer: str | None = None     # op whose output this is, replayed last by 'recompute'
     producer_step: int = -1
+    replay: list[str] = field(default_factory=list)       # ops 'recompute' replays, in order
     rec_cost: int = 0               # ticks
-    rec_inputs: list[int] = field(default_factory=list)   # candidate gaps of its inputs covering q
+    rec_extra: int = 0              # bytes the replay's dead intermediates add in slot q
+    rec_inputs: list[int] = field(default_factory=list)   # candidate gaps of its leaves covering q
     earlier: list[int] = field(default_factory=list)      # earlier candidate gaps of the tensor
     J: list[int] = field(default_factory=list)            # release slots offered (j)
     K: list[int] = field(default_factory=list)            # reload slots offered (k)
@@ -81,6 +85,7 @@ class Problem:
     T: np.ndarray               # int64 [n+1]: start tick of step s; T[n] = the whole step
     durations: list[float]      # seconds per step (compute/recompute; 0 otherwise)
     live: np.ndarray            # int64 [n]: device bytes per step of the input plan
+    fresh: np.ndarray           # int64 [n]: bytes step s allocates (outputs not in place)
     budget: int
     tiers: list[str]            # host tiers, DRAM first
     capacity: dict[str, int]
@@ -89,6 +94,14 @@ class Problem:
 
     def over(self) -> np.ndarray:
         return self.live > self.budget
+
+    def budgets(self, choices) -> np.ndarray:
+        """The budget per step, less what replays' intermediates need in their slot."""
+        limit = np.full(self.n, self.budget, dtype=np.int64)
+        for g, c in zip(self.gaps, choices):
+            if c.mode == "recompute" and g.rec_extra:
+                limit[g.q] -= g.rec_extra
+        return limit
 
 
 def find_problem(plan: Plan, profile: MemoryProfile, hw: Hardware, source, budget: int) -> Problem:
@@ -101,8 +114,12 @@ def find_problem(plan: Plan, profile: MemoryProfile, hw: Hardware, source, budge
     starts = np.concatenate([[0.0], np.cumsum(durations)])
     T = np.rint(starts / tick).astype(np.int64)
     tiers = [t for t in ("dram", "nvdimm") if t in hw.tiers] + [t for t in hw.tiers if t not in ("dram", "nvdimm")]
-    problem = Problem(plan, hw, n, tick, T, durations, profile.live_bytes.astype(np.int64), budget, tiers,
-                      {t: hw.tier(t).capacity for t in tiers}, [], [])
+    fresh = np.zeros(n, dtype=np.int64)
+    for r in profile.residencies:
+        if r.shares_with is None and _maker(plan, r) == r.start:
+            fresh[r.start] += r.nbytes
+    problem = Problem(plan, hw, n, tick, T, durations, profile.live_bytes.astype(np.int64), fresh, budget,
+                      tiers, {t: hw.tier(t).capacity for t in tiers}, [], [])
     uses = _uses(plan)
     over = problem.over()
     over_steps = np.flatnonzero(over)
@@ -178,10 +195,7 @@ def _new_gap(problem: Problem, r: Residency, p: int, q: int, maker: int, index: 
         g.d_out[tier] = _ticks(problem.hw.transfer_time(r.nbytes, tier, "d2h"), problem.tick)
         g.d_in[tier] = _ticks(problem.hw.transfer_time(r.nbytes, tier, "h2d"), problem.tick)
     if "recompute" in modes and maker >= 0 and plan.schedule[maker].kind in ("compute", "recompute"):
-        op = plan.graph.op_by_name[plan.schedule[maker].target]
-        if len(op.present_outputs) == 1 and r.tensor not in plan.aliases and op.phase != "update":
-            g.producer, g.producer_step = op.name, maker
-            g.rec_cost = _ticks(problem.durations[maker], problem.tick)
+        g.producer, g.producer_step = plan.schedule[maker].target, maker
     return g
 
 
@@ -210,24 +224,83 @@ def _link(problem: Problem, profile: MemoryProfile) -> None:
     residencies: dict[str, list[Residency]] = {}
     for r in profile.residencies:
         residencies.setdefault(r.tensor, []).append(r)
-    graph = problem.plan.graph
+    computed_at = {s.target: i for i, s in enumerate(problem.plan.schedule) if s.kind == "compute"}
     for g in problem.gaps:
-        if g.producer is None:
+        chain = _replay_chain(problem, g, residencies, computed_at) if g.producer is not None else None
+        if chain is None:
+            g.producer = None
             if "recompute" in g.modes:
                 g.modes.remove("recompute")
             continue
-        ok = True
-        for x in dict.fromkeys(graph.op_by_name[g.producer].present_inputs):
-            # x must be resident across the boundary into step q in the input plan ...
-            if x == g.tensor or not any(r.start <= g.q - 1 and r.end >= g.q for r in residencies.get(x, [])):
-                ok = False
-                break
-            # ... and, if a candidate gap of x spans that boundary, that gap must keep it there
-            g.rec_inputs += [h.index for h in by_tensor.get(x, []) if h.p < g.q <= h.q - 1]
-        if not ok:
-            g.producer = None
-            g.rec_inputs = []
-            g.modes.remove("recompute")
+        g.replay, leaves, g.rec_extra = chain
+        g.rec_cost = sum(_ticks(problem.durations[computed_at[op]], problem.tick) for op in g.replay)
+        # a leaf with a candidate gap across q: that gap must leave it resident there
+        g.rec_inputs = [h.index for x in leaves for h in by_tensor.get(x, []) if h.p < g.q <= h.q - 1]
+
+
+MAX_REPLAY = 12     # ops in one replay chain
+
+
+def _replay_chain(problem: Problem, g: Gap, residencies, computed_at) -> tuple[list[str], set[str], int] | None:
+    """The ops to replay before step q to rebuild g's tensor from tensors resident there, the
+    resident tensors read (leaves), and the bytes its dead intermediates add over what step q
+    holds; None when it cannot be done (multi-output or update ops, dead graph inputs, ...)."""
+    plan, q = problem.plan, g.q
+    graph = plan.graph
+    ops: dict[str, int] = {}
+    leaves: set[str] = set()
+
+    def resident(x: str) -> bool:
+        return any(r.start <= q - 1 and r.end >= q for r in residencies.get(x, []))
+
+    def visit(name: str) -> bool:
+        if name in ops:
+            return True
+        op = graph.op_by_name[name]
+        step = computed_at.get(name)
+        if step is None or step >= q or len(op.present_outputs) != 1 or op.phase == "update" \
+                or len(ops) >= MAX_REPLAY:
+            return False
+        ops[name] = step
+        for x in dict.fromkeys(op.present_inputs):
+            if x == g.tensor:
+                return False
+            if resident(x):
+                leaves.add(x)
+            elif x not in graph.producer or not visit(graph.producer[x].name):
+                return False
+        return True
+
+    if not visit(g.producer):
+        return None
+    order = sorted(ops, key=ops.get)
+    temps = {graph.op_by_name[o].present_outputs[0] for o in order} - {g.tensor}
+    for o in order:                 # in place over a tensor that lives on: not while replaying
+        source = plan.aliases.get(graph.op_by_name[o].present_outputs[0])
+        if source is not None and source not in temps:
+            return None
+    return order, leaves, max(0, _replay_peak(graph, plan.aliases, order, temps) - int(problem.fresh[q]))
+
+
+def _replay_peak(graph, aliases, order: list[str], temps: set[str]) -> int:
+    """Most bytes the chain's intermediates hold at once while it runs (the memory model's
+    rules: a step holds its inputs and outputs, an in-place output takes its input's bytes)."""
+    last = {}
+    for i, name in enumerate(order):
+        for x in graph.op_by_name[name].present_inputs:
+            if x in temps:
+                last[x] = i
+    alive = peak = 0
+    for i, name in enumerate(order):
+        out = graph.op_by_name[name].present_outputs[0]
+        inplace = aliases.get(out) in temps and last.get(aliases.get(out)) == i
+        new = graph.tensors[out].nbytes if out in temps and not inplace else 0
+        peak = max(peak, alive + new)
+        alive += new
+        for x in dict.fromkeys(graph.op_by_name[name].present_inputs):
+            if x in temps and last.get(x) == i and not (inplace and aliases.get(out) == x):
+                alive -= graph.tensors[x].nbytes
+    return peak
 
 
 def _menus(problem: Problem, g: Gap) -> None:

@@ -231,9 +231,10 @@ def _ticks_of_latency(problem: Problem, tier: str) -> int:
 def select(problem: Problem, require: bool = True) -> list[Choice] | None:
     """Phase 1: free gaps until every step fits the budget; None when it cannot be done (with
     require=False: as far as it gets, which with a zero budget is everything that can move)."""
-    gaps, budget, n = problem.gaps, problem.budget, problem.n
+    gaps, n = problem.gaps, problem.n
     choices = [keep(g) for g in gaps]
     live = problem.live.copy()
+    limit = problem.budgets(choices)
     host = HostSpace(problem)
     dependents: dict[int, list[Gap]] = defaultdict(list)    # recompute gaps needing g's tensor
     for g in gaps:
@@ -242,26 +243,31 @@ def select(problem: Problem, require: bool = True) -> list[Choice] | None:
     order = sorted(gaps, key=lambda g: _priority(problem, g))
     picked: list[Gap] = []
     for g in order:
-        if not (live > budget).any():
+        if not (live > limit).any():
             break
-        if not (live[g.p + 1:min(g.q, n)] > budget).any():
+        lo, hi = g.p + 1, min(g.q, n)
+        if not (live[lo:hi] > limit[lo:hi]).any():
             continue
         if any(choices[d.index].mode == "recompute" for d in dependents[g.index]):
             continue
         c = _option(problem, g, choices, host)
-        if c is None:
+        if c is None or (c.mode == "recompute" and live[g.q] + g.rec_extra > limit[g.q]):
             continue
         choices[g.index] = c
         if c.tier and g.tensor not in host.tier_of:
             host.take(g.tensor, g.nbytes, c.tier)
-        live[g.p + 1:min(g.q, n)] -= g.nbytes
+        if c.mode == "recompute":
+            limit[g.q] -= g.rec_extra
+        live[lo:hi] -= g.nbytes
         picked.append(g)
-    if (live > budget).any() and require:
+    if (live > limit).any() and require:
         return None
     for g in reversed(picked):              # undo what the later picks made unnecessary
         lo, hi = g.p + 1, min(g.q, n)
-        if (live[lo:hi] + g.nbytes <= budget).all():
+        if (live[lo:hi] + g.nbytes <= limit[lo:hi]).all():
             live[lo:hi] += g.nbytes
+            if choices[g.index].mode == "recompute":
+                limit[g.q] += g.rec_extra
             choices[g.index] = keep(g)
     return retier(problem, _chain(problem, choices))
 
@@ -312,8 +318,9 @@ def place(problem: Problem, chosen: list[Choice], delay: np.ndarray | None = Non
     """Phase 2: move releases later and reloads earlier where that hides transfers and memory
     allows. `delay` (ticks per step, from an earlier timeline) refines the step times. A
     tensor a replay reads is back by the replay's slot; None if memory does not allow that."""
-    gaps, budget = problem.gaps, problem.budget
+    gaps = problem.gaps
     choices = [freeing(g, c.mode, c.tier) if c.mode != "keep" else c for g, c in zip(gaps, chosen)]
+    budget = problem.budgets(choices)
     times = problem.T + (delay if delay is not None else 0)
     live = problem.live - freed(problem, choices)
     cap = {}                                    # reload slot bounds set by replays
@@ -364,19 +371,19 @@ def place(problem: Problem, chosen: list[Choice], delay: np.ndarray | None = Non
     return choices
 
 
-def _stretch_right(live: np.ndarray, lo: int, want: int, nbytes: int, budget: int) -> int:
+def _stretch_right(live: np.ndarray, lo: int, want: int, nbytes: int, budget: np.ndarray) -> int:
     """Largest j <= want such that keeping nbytes over [lo, j) stays within the budget."""
     if want <= lo:
         return lo
-    over = np.flatnonzero(live[lo:want] + nbytes > budget)
+    over = np.flatnonzero(live[lo:want] + nbytes > budget[lo:want])
     return lo + int(over[0]) if len(over) else want
 
 
-def _stretch_left(live: np.ndarray, want: int, hi: int, nbytes: int, budget: int) -> int:
+def _stretch_left(live: np.ndarray, want: int, hi: int, nbytes: int, budget: np.ndarray) -> int:
     """Smallest k >= want such that holding nbytes over [k, hi) stays within the budget."""
     if want >= hi:
         return hi
-    over = np.flatnonzero(live[want:hi] + nbytes > budget)
+    over = np.flatnonzero(live[want:hi] + nbytes > budget[want:hi])
     return want + int(over[-1]) + 1 if len(over) else want
 
 
@@ -433,8 +440,11 @@ def _needed_by_recompute(problem: Problem, g: Gap, choices: list[Choice]) -> boo
 
 
 def consistent(problem: Problem, choices: list[Choice]) -> bool:
-    """The rules the emitter relies on: out before back in, a replay's inputs resident at its
-    slot (kept there or reloaded by then), evicts after a copy of the same tensor."""
+    """The rules the emitter relies on: the budget at every step (replays' intermediates
+    included), out before back in, a replay's inputs resident at its slot (kept there or
+    reloaded by then), evicts after a copy of the same tensor."""
+    if ((problem.live - freed(problem, choices)) > problem.budgets(choices)).any():
+        return False
     moved = set()
     for g in sorted(problem.gaps, key=lambda g: (g.p, g.index)):
         c = choices[g.index]

@@ -184,6 +184,11 @@ class _Model:
                 m.Add(f >= -(-excess[s] // unit))
             self.freed[s] = f
             prev = f
+        for g in p.gaps:                    # a replay's intermediates need room in its slot
+            rec = self.mode[g.index].get(("recompute", None))
+            need = int(p.live[g.q]) + g.rec_extra - p.budget if rec is not None and g.rec_extra else 0
+            if need > 0:
+                m.Add(self.freed[g.q] >= -(-need // unit)).OnlyEnforceIf(rec)
 
     def _host(self) -> None:
         p, m = self.p, self.m
