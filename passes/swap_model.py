@@ -262,54 +262,26 @@ class _Model:
             return D[x] if x >= 0 else 0
 
         self.out_vars, self.in_vars = {}, {}
-        free, last_j = 0, 0
+        link = (0, 0)                   # (when the link is free, the last slot used on it)
         for g in outs:
-            modes = self.mode[g.index]
-            swaps = {tier: lit for (mode, tier), lit in modes.items() if mode == "swap"}
-            on = m.NewBoolVar(f"out_{g.index}")
-            m.Add(on == sum(swaps.values()))
-            start, end = m.NewIntVar(0, 2 * H, f"so{g.index}"), m.NewIntVar(0, 2 * H, f"eo{g.index}")
-            m.Add(end == start + sum(g.d_out[t] * lit for t, lit in swaps.items()))
+            swaps = {lit: g.d_out[tier] for (mode, tier), lit in self.mode[g.index].items() if mode == "swap"}
+            on, start, end, *link = self._copy(g, "out", swaps, self.jsel[g.index], *link)
             m.Add(start >= int(T[g.ready[0]]) + at(g.ready[1])).OnlyEnforceIf(on)
-            m.Add(start >= free).OnlyEnforceIf(on)
             for v, lit in self.jsel[g.index].items():
                 if v != g.q:
                     m.Add(end <= int(T[v]) + Dp[v]).OnlyEnforceIf([lit, on])
-            nfree = m.NewIntVar(0, 2 * H, f"fo{g.index}")
-            m.Add(nfree >= free)
-            m.Add(nfree >= end).OnlyEnforceIf(on)
-            j = sum(v * lit for v, lit in self.jsel[g.index].items())
-            nlast = m.NewIntVar(0, n, f"gj{g.index}")
-            m.Add(nlast >= last_j)
-            m.Add(nlast >= j).OnlyEnforceIf(on)
-            m.Add(j >= last_j).OnlyEnforceIf(on)
-            self.out_vars[g.index] = (on, start, end, nfree, nlast)
-            free, last_j = nfree, nlast
-        free, last_k = 0, 0
+            self.out_vars[g.index] = (on, start, end, *link)
+        link = (0, 0)
         for g in ins:
-            modes = self.mode[g.index]
-            moving = {key: lit for key, lit in modes.items() if key[0] in MOVING}
-            on = m.NewBoolVar(f"in_{g.index}")
-            m.Add(on == sum(moving.values()))
-            start, end = m.NewIntVar(0, 2 * H, f"si{g.index}"), m.NewIntVar(0, 2 * H, f"ei{g.index}")
-            m.Add(end == start + sum(g.d_in[tier] * lit for (_, tier), lit in moving.items()))
+            moving = {lit: g.d_in[tier] for (mode, tier), lit in self.mode[g.index].items() if mode in MOVING}
+            on, start, end, *link = self._copy(g, "in", moving, self.ksel[g.index], *link)
             for w, lit in self.ksel[g.index].items():
                 m.Add(start >= int(T[w]) + Dp[w]).OnlyEnforceIf([lit, on])
-            m.Add(start >= free).OnlyEnforceIf(on)
             if g.index in self.out_vars:
                 out_on, _, out_end, _, _ = self.out_vars[g.index]
                 m.Add(start >= out_end).OnlyEnforceIf(out_on)
             m.Add(end <= int(T[g.q]) + D[g.q]).OnlyEnforceIf(on)
-            nfree = m.NewIntVar(0, 2 * H, f"fi{g.index}")
-            m.Add(nfree >= free)
-            m.Add(nfree >= end).OnlyEnforceIf(on)
-            k = sum(w * lit for w, lit in self.ksel[g.index].items())
-            nlast = m.NewIntVar(0, n, f"gk{g.index}")
-            m.Add(nlast >= last_k)
-            m.Add(nlast >= k).OnlyEnforceIf(on)
-            m.Add(k >= last_k).OnlyEnforceIf(on)
-            self.in_vars[g.index] = (on, start, end, nfree, nlast)
-            free, last_k = nfree, nlast
+            self.in_vars[g.index] = (on, start, end, *link)
 
         penalty = []
         for g in gaps:
@@ -323,6 +295,27 @@ class _Model:
                 m.Add(self.in_vars[h][2] + g.rec_cost <= int(T[g.q]) + D[g.q]).OnlyEnforceIf(wait)
         self.weight = 3 * len(gaps) + 1
         m.Minimize(self.weight * self.delay + sum(penalty))
+
+    def _copy(self, g: Gap, tag: str, durations: dict, slot: dict, free, last):
+        """One copy on a link, present when one of `durations`' literals is: it starts after the
+        previous copy on that link ends (FIFO in link order) and its slot is no earlier than
+        the previous one's, so the emitted schedule's stream order is the model's.
+        Returns (present, start, end, link free after it, last slot after it)."""
+        m, H = self.m, self.horizon
+        on = m.NewBoolVar(f"{tag}_{g.index}")
+        m.Add(on == sum(durations))
+        start, end = m.NewIntVar(0, 2 * H, f"s{tag}{g.index}"), m.NewIntVar(0, 2 * H, f"e{tag}{g.index}")
+        m.Add(end == start + sum(d * lit for lit, d in durations.items()))
+        m.Add(start >= free).OnlyEnforceIf(on)
+        nfree = m.NewIntVar(0, 2 * H, f"f{tag}{g.index}")
+        m.Add(nfree >= free)
+        m.Add(nfree >= end).OnlyEnforceIf(on)
+        at = sum(v * lit for v, lit in slot.items())
+        nlast = m.NewIntVar(0, self.p.n, f"g{tag}{g.index}")
+        m.Add(nlast >= last)
+        m.Add(nlast >= at).OnlyEnforceIf(on)
+        m.Add(at >= last).OnlyEnforceIf(on)
+        return on, start, end, nfree, nlast
 
     # ---- hint and read-back -------------------------------------------------------------
     def hint(self, choices: list[Choice], timing: Timing) -> None:

@@ -32,35 +32,22 @@ def relu_chain():
     return lower(nodes, ["x"], ["out"])
 
 
-def weight_chain():
+def weight_chain(deep: bool = False):
     """A: a = Relu(w) of a weight w, B..E as in relu_chain, H: h = a + e, I: out = h * w.
 
     Device bytes per step: 2048 3072 4096 4096 5120 4096 3072 (17 s in all). At E either `a`
     (idle from B to H) or `w` (idle from A to I) must be off the device; w is resident where
-    H needs `a`, so recomputing `a` costs one Relu (2 s)."""
-    nodes = [helper.make_node("Relu", ["w"], ["a"], name="A"),
-             helper.make_node("Relu", ["a"], ["b"], name="B"),
-             helper.make_node("Relu", ["b"], ["c"], name="C"),
-             helper.make_node("Relu", ["c"], ["d"], name="D"),
-             helper.make_node("Add", ["c", "d"], ["e"], name="E"),
-             helper.make_node("Add", ["a", "e"], ["h"], name="H"),
-             helper.make_node("Mul", ["h", "w"], ["out"], name="I")]
-    return lower(nodes, [], ["out"], initializers=["w"])
-
-
-def deep_weight_chain():
-    """weight_chain with one more op in front: A: m = Relu(w) (dead after B), B: a = Relu(m).
-
-    Device bytes per step: 2048 3072 3072 4096 4096 5120 4096 3072 (19 s in all); rebuilding
-    `a` before H replays A and B (4 s), m living only while they run."""
-    nodes = [helper.make_node("Relu", ["w"], ["m"], name="A"),
-             helper.make_node("Relu", ["m"], ["a"], name="B"),
-             helper.make_node("Relu", ["a"], ["b"], name="C"),
-             helper.make_node("Relu", ["b"], ["c"], name="D"),
-             helper.make_node("Relu", ["c"], ["d"], name="E"),
-             helper.make_node("Add", ["c", "d"], ["e"], name="F"),
-             helper.make_node("Add", ["a", "e"], ["h"], name="H"),
-             helper.make_node("Mul", ["h", "w"], ["out"], name="I")]
+    H needs `a`, so recomputing `a` costs one Relu (2 s).
+    deep: A0: m = Relu(w) first and A: a = Relu(m): 2048 3072 3072 4096 4096 5120 4096 3072
+    (19 s); rebuilding `a` before H replays A0 and A (4 s), m living only while they run."""
+    head = [helper.make_node("Relu", ["w"], ["m"], name="A0"), helper.make_node("Relu", ["m"], ["a"], name="A")] \
+        if deep else [helper.make_node("Relu", ["w"], ["a"], name="A")]
+    nodes = head + [helper.make_node("Relu", ["a"], ["b"], name="B"),
+                    helper.make_node("Relu", ["b"], ["c"], name="C"),
+                    helper.make_node("Relu", ["c"], ["d"], name="D"),
+                    helper.make_node("Add", ["c", "d"], ["e"], name="E"),
+                    helper.make_node("Add", ["a", "e"], ["h"], name="H"),
+                    helper.make_node("Mul", ["h", "w"], ["out"], name="I")]
     return lower(nodes, [], ["out"], initializers=["w"])
 
 
@@ -119,4 +106,4 @@ def toy_hardware(dram: int = 1 << 30, nvdimm: int = 1 << 30) -> Hardware:
     return with_tiers(hardware(latency=0.01), dram, nvdimm)
 
 
-__all__ = ["relu_chain", "weight_chain", "deep_weight_chain", "weights_only", "training_mlp", "with_tiers", "toy_hardware"]
+__all__ = ["relu_chain", "weight_chain", "weights_only", "training_mlp", "with_tiers", "toy_hardware"]

@@ -12,7 +12,7 @@ from memsched.simulate import simulate
 from passes.swap import swap_pass
 
 from .simgraphs import hardware
-from .swapgraphs import deep_weight_chain, relu_chain, weight_chain, weights_only, with_tiers
+from .swapgraphs import relu_chain, weight_chain, weights_only, with_tiers
 
 FAST = 2.0     # CP-SAT seconds; these models are tiny
 
@@ -95,14 +95,14 @@ def test_swap_where_cheaper_than_recomputing():
 
 
 def test_replay_chain_through_a_dead_intermediate():
-    # 8.5 s per copy: swapping `a` stalls F (out 4..12.5, F at 10) and H (a whole copy in),
-    # swapping `w` stalls I by 5.5 s; replaying A then B before H costs 4 s. While they run the
-    # device holds w, e, then m, then m and a: 4096 bytes, the budget.
-    plan, sim = planned(deep_weight_chain(), 4096, hardware(link=128.0, latency=0.5))
-    assert steps(plan)[-4:] == ["recompute(A)", "recompute(B)", "compute(H)", "compute(I)"]
+    # 8.5 s per copy: swapping `a` stalls E (out 4..12.5, E at 10) and H (a whole copy in),
+    # swapping `w` stalls I by 5.5 s; replaying A0 then A before H costs 4 s. While they run
+    # the device holds w, e, then m, then m and a: 4096 bytes, the budget.
+    plan, sim = planned(weight_chain(deep=True), 4096, hardware(link=128.0, latency=0.5))
+    assert steps(plan)[-4:] == ["recompute(A0)", "recompute(A)", "compute(H)", "compute(I)"]
     assert sim.step_time == 19.0 + 4.0 and sim.stall == 0.0 and sim.traffic == {}
     assert analyze_plan(plan).live_bytes.tolist()[-4:-2] == [3072, 4096]
-    assert plan.notes["swap"]["recomputed_ops"] == ["A", "B"]
+    assert plan.notes["swap"]["recomputed_ops"] == ["A", "A0"]
 
 
 def test_parameters_that_do_not_fit_start_on_the_host():
