@@ -54,8 +54,6 @@ class Gap:
     nbytes: int
     p: int                      # anchor before (-1: resident from the start of the step)
     q: int                      # anchor after (n: held to the end of the step)
-    residency: tuple[str, int]  # the memory model's residency key
-    static: bool
     ready: tuple[int, int]      # the tensor is ready for a copy at T[ready[0]] + D[ready[1]]
     modes: list[str]
     d_out: dict[str, int] = field(default_factory=dict)   # ticks per tier, device -> host
@@ -90,7 +88,6 @@ class Problem:
     tiers: list[str]            # host tiers, DRAM first
     capacity: dict[str, int]
     gaps: list[Gap]
-    all_gaps: list[Gap]         # every gap with an interior (candidates or not): the floor on memory
 
     def over(self) -> np.ndarray:
         return self.live > self.budget
@@ -119,7 +116,7 @@ def find_problem(plan: Plan, profile: MemoryProfile, hw: Hardware, source, budge
         if r.shares_with is None and _maker(plan, r) == r.start:
             fresh[r.start] += r.nbytes
     problem = Problem(plan, hw, n, tick, T, durations, profile.live_bytes.astype(np.int64), fresh, budget,
-                      tiers, {t: hw.tier(t).capacity for t in tiers}, [], [])
+                      tiers, {t: hw.tier(t).capacity for t in tiers}, [])
     uses = _uses(plan)
     over = problem.over()
     over_steps = np.flatnonzero(over)
@@ -128,8 +125,7 @@ def find_problem(plan: Plan, profile: MemoryProfile, hw: Hardware, source, budge
         if r.nbytes == 0:
             continue
         for p, q, maker in _gap_bounds(plan, r, uses.get(r.tensor, []), n):
-            g = _new_gap(problem, r, p, q, maker, len(problem.all_gaps))
-            problem.all_gaps.append(g)
+            g = _new_gap(problem, r, p, q, maker, len(gaps))
             lo, hi = bisect_left(over_steps, p + 1), bisect_right(over_steps, q - 1)
             if lo < hi:
                 g.first_over, g.last_over = int(over_steps[lo]), int(over_steps[hi - 1])
@@ -190,7 +186,7 @@ def _new_gap(problem: Problem, r: Residency, p: int, q: int, maker: int, index: 
         modes = ["keep", "swap", "evict"]
     else:
         modes = ["keep", "swap", "evict", "recompute"]
-    g = Gap(index, r.tensor, r.nbytes, p, q, r.key, static, ready, modes, tail=q == n)
+    g = Gap(index, r.tensor, r.nbytes, p, q, ready, modes, tail=q == n)
     for tier in problem.tiers:
         g.d_out[tier] = _ticks(problem.hw.transfer_time(r.nbytes, tier, "d2h"), problem.tick)
         g.d_in[tier] = _ticks(problem.hw.transfer_time(r.nbytes, tier, "h2d"), problem.tick)
