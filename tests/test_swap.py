@@ -164,3 +164,27 @@ def test_offsets_are_dropped_when_the_schedule_changes():
     apart = {r.key: 1024 * i for i, r in enumerate(analyze_plan(plan).residencies)}
     plan = dataclasses.replace(plan, offsets=apart)
     assert swap_pass(plan, time_limit=FAST).offsets is None
+
+
+def test_compile_with_swap_through_the_cli(tmp_path):
+    # LeNet-300-100 training step after in-place reuse: at 65% of its peak the swap pass moves
+    # tensors to DRAM; at 1% it says which budget it can reach (exit 3, one line)
+    import json
+
+    import models
+    from memsched.onnx_utils import save_model_atomic
+
+    from .conftest import run_cli
+
+    path = save_model_atomic(models.build("mlp", batch=64), tmp_path / "mlp.onnx")
+    done = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "65%",
+                   "--time-limit", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["plan"]["peak_bytes"] <= report["budget_bytes"] < report["baseline"]["peak_bytes"]
+    assert report["plan"]["swapped_bytes"]["dram"] > 0
+    assert report["passes"]["swap"]["status"] in ("optimal", "feasible", "heuristic")
+    failed = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "1%",
+                     "--time-limit", "1")
+    assert failed.returncode == 3
+    assert "the smallest this plan reaches is" in failed.stderr and len(failed.stderr.strip().splitlines()) == 1
