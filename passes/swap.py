@@ -21,6 +21,7 @@ and without the budget, stall, overhead, bytes per host tier, traffic, where eac
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import defaultdict
 
 from memsched import hardware as hardware_mod
@@ -40,11 +41,14 @@ DEFAULT_TIME_LIMIT = 10.0
 def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTable | None = None) -> Plan:
     """Swap and recompute so that `plan` holds its budget at every step, predicted fastest.
 
-    Op times come from `costs` if given, else the roofline on the plan's hardware. Raises
+    `time_limit` bounds the search (heuristic, then CP-SAT in what is left); judging and
+    simulating the answers come on top. Op times come from `costs` if given, else the roofline
+    on the plan's hardware. Raises
     UserError without a hardware profile, BudgetError (with the smallest budget this pass
     reaches) when the budget cannot be met."""
     if plan.hardware is None:
         raise UserError("swap planning needs a hardware profile (the plan has none)")
+    started = time.perf_counter()
     hw = hardware_mod.load(plan.hardware)
     unlimited = simulate(plan, hw, costs)
     profile = unlimited.profile
@@ -61,7 +65,7 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
     choices, _ = found
 
     results = [("heuristic", choices)]
-    solved = solve(problem, choices, time_limit)
+    solved = solve(problem, choices, time_limit - (time.perf_counter() - started))
     if solved.choices is not None:
         results.append(("cp-sat", solved.choices))
     best = None

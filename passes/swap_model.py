@@ -45,7 +45,8 @@ class Solved:
 
 
 def solve(problem: Problem, hint: list[Choice], time_limit: float) -> Solved:
-    """Build the model with `hint` (a valid heuristic answer) as a complete hint and solve it."""
+    """Build the model with `hint` (a valid heuristic answer) as a complete hint and solve it
+    in what is left of `time_limit` seconds (never less than a tenth of a second)."""
     begin = time.perf_counter()
     for g, c in zip(problem.gaps, hint):          # the hint's slots must be on offer
         if c.mode != "keep":
@@ -55,7 +56,7 @@ def solve(problem: Problem, hint: list[Choice], time_limit: float) -> Solved:
                 g.K = sorted({*g.K, c.k})
     model = _Model(problem)
     model.hint(hint, timeline(problem, hint))
-    remaining = max(0.01, time_limit - (time.perf_counter() - begin))
+    remaining = max(0.1, time_limit - (time.perf_counter() - begin))
     # presolve off: on graphs of thousands of steps it can use the whole limit before searching
     result = cpsat.solve(model.m, remaining, presolve=False)
     seconds = time.perf_counter() - begin
