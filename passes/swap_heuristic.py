@@ -1,20 +1,23 @@
 """The swap planner's heuristic: a valid plan fast, the CP-SAT model's warm start and fallback.
 
 Three phases over the gaps of passes.swap_gaps:
-1. memory: while a step is over the budget, free the candidate gap covering the worst step
-   that is easiest to hide (TFLMS: the longest idle interval per transfer time, i.e. per
-   byte; a static that starts on the host or a tensor the host already holds first, as they
-   need no copy out), as aggressively as possible (out right after p, back right before q);
-   host tiers first-fit, DRAM before NVDIMM; recompute where no host tier has room.
-   Then tiers are re-dealt: the tensors whose idle interval hides NVDIMM's slower transfer
-   best go there when DRAM cannot hold them all.
+1. memory: in order of how easily they hide -- statics that can start on the host first (no
+   copy out), then the longest idle interval per transfer time (TFLMS: per byte), tiny
+   tensors whose copies are mostly latency last -- free each gap that covers a step still
+   over the budget, as aggressively as possible (out right after p, back right before q);
+   host tiers first-fit, DRAM before NVDIMM; recompute where no host tier has room. Then
+   undo the picks later ones made unnecessary, turn a second swap of a tensor the host
+   already holds into an evict, and re-deal tiers: when DRAM cannot hold every tensor, the
+   ones whose idle interval hides NVDIMM's slower transfer best go there.
 2. placement: relax each swap so its transfer hides behind compute, as far as memory lets:
    the swap-out is released where its copy (started when the tensor is ready, queued behind
    the earlier ones on the device-to-host link) is done; the swap-in is issued just early
    enough that the host-to-device queue, filled backwards from the last use, finishes it
    before its use (the prefetch distance comes from op and transfer times, not a fixed N).
-3. exchange: where the model timeline still waits, replace swaps by recomputation of their
-   producer when that costs less time (Capuchin), keeping what lowers the predicted delay.
+3. exchange: where the model timeline still waits, replace swaps by replays of their
+   producers when that costs less time (Capuchin; the replay's inputs are kept or reloaded
+   in time for it), all the clearly cheaper ones at once, then one by one, keeping each
+   change that lowers the predicted delay.
 
 `timeline` is the time model the CP-SAT model encodes, evaluated for fixed choices: the
 compute stream runs the original steps at T[s] + D[s], where D[s] is the delay (waits on
@@ -22,7 +25,8 @@ transfers, replays) accumulated before step s; a copy out starts when its tensor
 the previous copy out is done and must end before the first step after its release slot j
 (the simulator's rule: later allocations wait for it); a copy in starts when compute reaches
 its slot k, the previous copy in and every earlier copy out are done, and must end before its
-use q. Frees/swap-outs precede swap-ins, which precede recomputes, in a slot.
+use q (a replay that reads it: before the replay). Frees/swap-outs precede swap-ins, which
+precede recomputes, in a slot.
 """
 from __future__ import annotations
 
@@ -217,10 +221,10 @@ def _priority(problem: Problem, g: Gap) -> tuple:
     are mostly bandwidth rather than per-transfer latency (tiny tensors free little and cost a
     latency each); then the longest idle interval per transfer time (per byte: TFLMS)."""
     first = problem.tiers[0]
-    moved = g.d_in[first] + (0 if "host" in g.modes else g.d_out[first])
-    latency = 2 * _ticks_of_latency(problem, first)
-    return (0 if "host" in g.modes else 1, moved < 2 * latency, -_idle(problem, g) / max(moved, 1), -g.nbytes,
-            g.index)
+    copies = 1 if "host" in g.modes else 2
+    moved = g.d_in[first] + (g.d_out[first] if copies == 2 else 0)
+    latency_bound = moved < 2 * copies * _ticks_of_latency(problem, first)    # bytes/bandwidth < latency
+    return (copies, latency_bound, -_idle(problem, g) / max(moved, 1), -g.nbytes, g.index)
 
 
 def _ticks_of_latency(problem: Problem, tier: str) -> int:
