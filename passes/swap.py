@@ -26,7 +26,7 @@ from collections import defaultdict
 
 from memsched import hardware as hardware_mod
 from memsched.cost import CostTable
-from memsched.errors import BudgetError, UserError
+from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan, free, recompute, swap_in, swap_out
 from memsched.simulate import Simulation, simulate
@@ -43,9 +43,8 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
 
     `time_limit` bounds the search (heuristic, then CP-SAT in what is left); judging and
     simulating the answers come on top. Op times come from `costs` if given, else the roofline
-    on the plan's hardware. Raises
-    UserError without a hardware profile, BudgetError (with the smallest budget this pass
-    reaches) when the budget cannot be met."""
+    on the plan's hardware. Raises UserError without a hardware profile, BudgetError (with the
+    smallest budget this pass reaches) when the budget cannot be met."""
     if plan.hardware is None:
         raise UserError("swap planning needs a hardware profile (the plan has none)")
     started = time.perf_counter()
@@ -68,18 +67,24 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
     solved = solve(problem, choices, time_limit - (time.perf_counter() - started))
     if solved.choices is not None:
         results.append(("cp-sat", solved.choices))
-    best = None
+    best, rejected = None, None
     for name, picked in results:
         candidate = emit(problem, picked)
-        validate(candidate)
-        sim = simulate(candidate, hw, costs)
+        try:
+            validate(candidate)                     # the judges: memory model, then simulator
+            sim = simulate(candidate, hw, costs)
+        except ScheduleError as err:
+            if name == "heuristic":
+                raise
+            rejected = str(err)                     # a solver answer the judges refuse is dropped
+            continue
         if best is None or sim.step_time < best[2].step_time:
             best = (name, picked, sim, candidate)
     name, picked, sim, result = best
     status = solved.status if solved.choices is not None and solved.status in ("optimal", "feasible") else "heuristic"
     solver = {"status": status, "chosen": name, "seconds": solved.seconds, "time_limit_s": time_limit,
               "model_delay_s": _seconds(problem, solved.delay), "lower_bound_delay_s": _seconds(problem, solved.bound),
-              "solver_status": solved.status, "candidates": len(problem.gaps)}
+              "solver_status": solved.status, "candidates": len(problem.gaps), "rejected": rejected}
     notes = _notes(result, problem.gaps, picked, sim, unlimited, solver)
     return dataclasses.replace(result, notes={**plan.notes, "swap": notes})
 
