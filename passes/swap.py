@@ -81,7 +81,8 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
         if best is None or sim.step_time < best[2].step_time:
             best = (name, picked, sim, candidate)
     name, picked, sim, result = best
-    status = solved.status if solved.choices is not None and solved.status in ("optimal", "feasible") else "heuristic"
+    accepted = solved.choices is not None and rejected is None
+    status = solved.status if accepted and solved.status in ("optimal", "feasible") else "heuristic"
     solver = {"status": status, "chosen": name, "seconds": solved.seconds, "time_limit_s": time_limit,
               "model_delay_s": _seconds(problem, solved.delay), "lower_bound_delay_s": _seconds(problem, solved.bound),
               "solver_status": solved.status, "candidates": len(problem.gaps), "rejected": rejected}
