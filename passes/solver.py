@@ -1,0 +1,59 @@
+"""CP-SAT settings shared by the planning passes (DESIGN.md, Contracts: "Solvers").
+
+Every solve gets a wall-clock limit (never hang), `num_workers` from the cores present and a
+fixed seed. `interleave_search` makes CP-SAT's parallel search reproducible, and a
+deterministic-time limit below the wall limit usually ends the search first, so the same
+inputs give the same plan; `run` says when the wall clock ended a search instead (the
+result is still valid, only possibly different from run to run).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+SEED = 20240607
+# share of the wall limit given as deterministic time; CP-SAT's deterministic seconds run
+# slower than wall seconds on a loaded machine, so this leaves room for the reproducible limit
+DETERMINISTIC_SHARE = 0.5
+
+
+@dataclass
+class SolveResult:
+    """What a CP-SAT solve left behind: the solver (to read values) and what it proved."""
+
+    solver: cp_model.CpSolver
+    status: str          # "optimal", "feasible" or "unknown" (no solution, or model invalid)
+    bound: float | None  # the proven objective bound, None when nothing was proven
+    seconds: float
+    deterministic: bool  # False when the wall clock, not the deterministic limit, stopped it
+
+    @property
+    def has_solution(self) -> bool:
+        return self.status in ("optimal", "feasible")
+
+
+def workers() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+def solve(model: cp_model.CpModel, time_limit: float) -> SolveResult:
+    """Solve `model` within `time_limit` wall seconds; never raises on a time-out."""
+    solver = cp_model.CpSolver()
+    params = solver.parameters
+    params.max_time_in_seconds = max(0.01, float(time_limit))
+    params.max_deterministic_time = max(0.005, DETERMINISTIC_SHARE * float(time_limit))
+    params.num_workers = workers()
+    params.interleave_search = True
+    params.random_seed = SEED
+    params.log_search_progress = False
+    start = time.perf_counter()
+    code = solver.Solve(model)
+    seconds = time.perf_counter() - start
+    status = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible"}.get(code, "unknown")
+    finished = code in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+    deterministic = finished or solver.deterministic_time >= 0.99 * params.max_deterministic_time
+    bound = solver.BestObjectiveBound() if status != "unknown" else None
+    return SolveResult(solver, status, bound, seconds, deterministic)

@@ -1,0 +1,93 @@
+"""Arena offsets: exact placements on small plans, CP-SAT beating the greedy, the judge agreeing."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from memsched.errors import ScheduleError
+from memsched.memory import analyze_plan, buffers, check_placement, validate
+from memsched.schedule import Plan
+from passes.placement import (ALIGNMENT, aligned_peak, cpsat_offsets, greedy_offsets, place_buffers,
+                              place_pass)
+
+from .plan_graphs import GraphBuilder
+
+
+def chain_plan() -> Plan:
+    """in(100) -> a(200) -> b(300) -> c(50, output): peak 500 at step 1 (a and b)."""
+    g = GraphBuilder()
+    g.input("in", 100)
+    g.op("op1", "Conv", ["in"], [("a", 200)])
+    g.op("op2", "Conv", ["a"], [("b", 300)])
+    g.op("op3", "Conv", ["b"], [("c", 50)])
+    g.output("c")
+    return Plan.initial(g.graph())
+
+
+def test_greedy_by_size_exact_offsets():
+    plan = place_pass(chain_plan(), time_limit=1)
+    # b (largest) at 0; a overlaps b -> above it at 320 (b's 300 bytes rounded to 64);
+    # c overlaps b -> 320; in overlaps only a -> the gap below a at 0
+    assert plan.offsets == {("in", 0): 0, ("a", 0): 320, ("b", 0): 0, ("c", 0): 320}
+    notes = plan.notes["placement"]
+    assert notes["arena_bytes"] == 520 == check_placement(analyze_plan(plan), plan.offsets)
+    assert notes["lower_bound_bytes"] == 500 == analyze_plan(plan).peak_bytes
+    # rounded to 64: a 256 + b 320 at step 1 = 576 = a's aligned end: optimal for aligned buffers
+    assert notes["aligned_lower_bound_bytes"] == 576
+    assert notes["status"] == "optimal"
+    assert all(offset % ALIGNMENT == 0 for offset in plan.offsets.values())
+    validate(plan)
+
+
+def test_inplace_residencies_share_their_buffer_offset():
+    g = GraphBuilder()
+    g.input("in", 128)
+    g.op("conv", "Conv", ["in"], [("a", 256)])
+    g.op("relu", "Relu", ["a"], [("r", 256)])
+    g.op("head", "Conv", ["r"], [("y", 64)])
+    g.output("y")
+    plan = dataclasses.replace(Plan.initial(g.graph()), aliases={"r": "a"})
+    placed = place_pass(plan, time_limit=1)
+    assert placed.offsets[("r", 0)] == placed.offsets[("a", 0)]
+    assert len(placed.offsets) == 4
+    profile = analyze_plan(placed)
+    # a/r: one 256-byte buffer over steps 0-2; in at step 0, y at step 2
+    assert profile.peak_bytes == 384
+    assert placed.notes["placement"]["arena_bytes"] == 384 == check_placement(profile, placed.offsets)
+
+
+def test_whole_step_buffers_are_stacked_at_the_bottom():
+    items = [(("w1", 0), 0, 3, 100), (("act", 0), 1, 2, 1000), (("w2", 0), 0, 3, 64)]
+    offsets = greedy_offsets(items, 4)
+    assert offsets == {("w1", 0): 0, ("w2", 0): 128, ("act", 0): 192}
+
+
+# found by a search over random instances: greedy-by-size leaves a 64-byte hole at step 2
+HARD = [(("b0", 0), 2, 3, 256), (("b1", 0), 2, 2, 256), (("b2", 0), 4, 5, 320), (("b3", 0), 0, 4, 256)]
+
+
+def test_cpsat_beats_greedy_and_proves_the_lower_bound():
+    greedy = greedy_offsets(HARD, 6)
+    assert max(greedy[k] + b for k, _, _, b in HARD) == 832
+    assert aligned_peak(HARD, 6) == 768       # b0 + b1 + b3 at step 2
+    offsets, status, proven, _ = cpsat_offsets(HARD, 6, greedy, 768, time_limit=5)
+    assert status == "optimal" and proven == 768
+    assert max(offsets[k] + b for k, _, _, b in HARD) == 768
+    chosen, info = place_buffers(HARD, 6, time_limit=5)
+    assert info["method"] == "cp-sat NoOverlap2D" and info["status"] == "optimal"
+    assert chosen == offsets
+
+
+def test_no_time_keeps_the_greedy():
+    offsets, info = place_buffers(HARD, 6, time_limit=0)
+    assert offsets == greedy_offsets(HARD, 6)
+    assert info["status"] == "heuristic" and info["cpsat"].startswith("skipped")
+
+
+def test_judge_rejects_overlapping_offsets():
+    plan = chain_plan()
+    profile = analyze_plan(plan)
+    bad = {key: 0 for key, *_ in buffers(profile)}
+    with pytest.raises(ScheduleError, match="overlap"):
+        check_placement(profile, bad)
