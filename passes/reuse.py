@@ -1,0 +1,258 @@
+"""Reuse without extra work: optimizer-in-backward, the dW/dX rule, in-place aliasing.
+
+Three decisions, none adding a FLOP or a transfer:
+
+- Per-layer update: each parameter's optimizer update (ops of phase `update`) runs as soon
+  as its gradient exists and every other reader of the parameter has run, so the gradient
+  dies at once and the update can overwrite the parameter in place (optimizer-in-backward).
+- The dW/dX rule of Fujitsu's memory-efficient Caffe: where a layer's input X is larger than
+  its weight (conv layers), dW runs before dX, so X dies before dX allocates a buffer of X's
+  size; where the weight is larger (FC layers), dX runs first, so the weight's last reader is
+  done and the update overwrites it in place.
+- In-place aliasing (`Plan.aliases`): an output takes the storage of an input of the same
+  size that dies at its op, where the memory model allows it (`memsched.memory.INPLACE_OPS`,
+  update ops on their parameter). Chosen greedily; the judge (`analyze`) confirms.
+
+Everything rests on phases, tensor kinds and producer/consumer structure; a layer's dW op
+is a backward op writing a `param_grad` tensor (or a tensor an update op reads), its dX ops
+are the other backward ops reading the same incoming gradient. The size of X is the size
+of dX's output, the size of W the size of dW's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Iterable
+
+from memsched.errors import ScheduleError
+from memsched.ir import Graph, Op
+from memsched.memory import INPLACE_OPS, analyze
+from memsched.schedule import Plan, Schedule, order_schedule
+
+# ops whose every input may be overwritten by the output; other in-place ops only their first
+_ANY_INPUT = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
+
+
+def reuse_pass(plan: Plan) -> Plan:
+    """Move updates into the backward, apply the dW/dX rule, alias in place; never raise the peak.
+
+    Candidate orders (the given one, updates moved, updates moved plus the dW/dX rule) are
+    each given greedy in-place aliases and judged; the lowest peak wins, ties going to the
+    one that reuses more. Schedules with recompute/swap steps keep their order (aliases only).
+    """
+    graph = plan.graph
+    order = compute_order(plan.schedule)
+    prefer = plan.aliases
+    if order is None:
+        aliases = choose_aliases(graph, plan.schedule, prefer)
+        profile = analyze(graph, plan.schedule, aliases, plan.on_host)
+        notes = {"order": "kept (schedule has recompute/swap steps)", "peak_bytes": profile.peak_bytes,
+                 **_alias_notes(graph, aliases)}
+        return dataclasses.replace(plan, aliases=aliases, offsets=None,
+                                   notes={**plan.notes, "reuse": notes})
+    candidates = {"given": order,
+                  "updates-in-backward": training_order(graph, order, dwdx=False),
+                  "dw-dx-rule": training_order(graph, order)}
+    judged = {}
+    for name, candidate in candidates.items():
+        schedule = order_schedule(candidate)
+        aliases = choose_aliases(graph, schedule, prefer if name == "given" else None)
+        judged[name] = (analyze(graph, schedule, aliases, plan.on_host).peak_bytes, schedule, aliases)
+    best = min(judged, key=lambda name: (judged[name][0], -list(judged).index(name)))
+    peak, schedule, aliases = judged[best]
+    input_peak = analyze(graph, plan.schedule, plan.aliases, plan.on_host).peak_bytes
+    chosen = candidates[best]
+    notes = {"order": best, "peak_bytes": peak, "input_peak_bytes": input_peak,
+             "candidate_peaks": {name: j[0] for name, j in judged.items()},
+             "updates_in_backward": _updates_in_backward(graph, chosen),
+             **_dwdx_notes(graph, chosen), **_alias_notes(graph, aliases)}
+    return dataclasses.replace(plan, schedule=schedule, aliases=aliases, offsets=None,
+                               notes={**plan.notes, "reuse": notes})
+
+
+def compute_order(schedule: Schedule) -> list[str] | None:
+    """The op names of a compute-only schedule, or None when it has other steps."""
+    if any(step.kind != "compute" for step in schedule):
+        return None
+    return [step.target for step in schedule]
+
+
+# ---- in-place ---------------------------------------------------------------------------
+def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
+    """Inputs of `op` that `output` may overwrite if they die at `op` (the static half of the
+    memory model's rule 4, plus: only update ops overwrite parameters and optimizer state --
+    they persist across steps otherwise -- and constants are never overwritten).
+    Parameters come first: taking their storage saves them for the rest of the step."""
+    if op.op_type not in INPLACE_OPS and op.phase != "update":
+        return []
+    if op.phase != "update" and op.op_type not in _ANY_INPUT:
+        data = op.inputs[1:3] if op.op_type == "Where" else op.inputs[:1]
+    else:
+        data = op.inputs
+    nbytes = graph.tensors[output].nbytes
+    if nbytes == 0 or output in graph.inputs:
+        return []
+    found = []
+    for name in dict.fromkeys(t for t in data if t):
+        t = graph.tensors[name]
+        if t.nbytes != nbytes or name in graph.inputs or name in graph.outputs:
+            continue
+        if t.is_static and (op.phase != "update" or t.kind == "constant"):
+            continue
+        found.append(name)
+    return sorted(found, key=lambda name: not graph.tensors[name].is_static)
+
+
+def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | None = None) -> dict[str, str]:
+    """Greedy in-place aliases for `schedule`: each output takes an eligible input that is
+    last read at its op (a pair in `prefer` first). Tensors that are swapped, freed or
+    recomputed are left alone. `memsched.memory.analyze` is the judge of the result."""
+    prefer = prefer or {}
+    last_read: dict[str, int] = {}
+    blocked: set[str] = set()
+    replayed: set[str] = set()
+    for i, step in enumerate(schedule):
+        if step.kind in ("compute", "recompute"):
+            op = graph.op_by_name[step.target]
+            for t in op.present_inputs:
+                last_read[t] = i
+            if step.kind == "recompute":
+                replayed.add(op.name)
+                blocked.update(op.present_outputs)
+        else:
+            blocked.add(step.target)
+            if step.kind == "swap_out":
+                last_read[step.target] = i
+    aliases: dict[str, str] = {}
+    taken: set[str] = set()
+    for i, step in enumerate(schedule):
+        if step.kind != "compute" or step.target in replayed:
+            continue
+        op = graph.op_by_name[step.target]
+        for out in op.present_outputs:
+            if out in blocked:
+                continue
+            sources = [x for x in alias_sources(graph, op, out)
+                       if last_read.get(x) == i and x not in blocked and x not in taken]
+            if sources:
+                source = prefer.get(out) if prefer.get(out) in sources else sources[0]
+                aliases[out] = source
+                taken.add(source)
+    return aliases
+
+
+def _alias_notes(graph: Graph, aliases: dict[str, str]) -> dict:
+    return {"aliases": len(aliases),
+            "aliased_bytes": sum(graph.tensors[out].nbytes for out in aliases),
+            "updates_in_place": sum(1 for out, src in aliases.items() if graph.tensors[src].is_static)}
+
+
+# ---- per-layer update and the dW/dX rule ----------------------------------------------
+def training_order(graph: Graph, order: list[str], dwdx: bool = True) -> list[str]:
+    """`order` with each update run as soon as it can overwrite its parameter, and (with
+    `dwdx`) each layer's dW and dX ops ordered by the Fujitsu rule, wherever the graph lets."""
+    position = {name: float(i) for i, name in enumerate(order)}
+    if dwdx:
+        for dw, dxs in layer_pairs(graph):
+            if not dxs:
+                continue
+            x_bytes = max(_out_bytes(graph, dx) for dx in dxs)
+            if x_bytes > _out_bytes(graph, dw):
+                position[dw.name] = min(position[dw.name], min(position[dx.name] for dx in dxs) - 0.5)
+            else:
+                for dx in dxs:
+                    position[dx.name] = min(position[dx.name], position[dw.name] - 0.5)
+    key = {name: (0 if graph.op_by_name[name].phase == "update" else 1, p) for name, p in position.items()}
+    return priority_order(graph, key, update_edges(graph))
+
+
+def layer_pairs(graph: Graph) -> list[tuple[Op, list[Op]]]:
+    """(dW op, its dX ops) for every weight gradient in the graph, in graph order."""
+    producer = graph.producer
+    consumers = graph.consumers
+    updates_read = {t for op in graph.ops if op.phase == "update" for t in op.present_inputs}
+    dw_ops = [op for op in graph.ops if op.phase == "backward" and any(
+        graph.tensors[t].kind == "param_grad" or (t in updates_read and not graph.tensors[t].is_static)
+        for t in op.present_outputs)]
+    dw_names = {op.name for op in dw_ops}
+    pairs = []
+    for dw in dw_ops:
+        grads = [t for t in dw.present_inputs
+                 if t in producer and producer[t].phase in ("backward", "loss")]
+        dxs = {c.name: c for t in grads for c in consumers.get(t, [])
+               if c.phase == "backward" and c.name not in dw_names}
+        pairs.append((dw, list(dxs.values())))
+    return pairs
+
+
+def update_edges(graph: Graph) -> list[tuple[str, str]]:
+    """Edges (reader, update op): an update waits for every other reader of the parameter it
+    overwrites, so it can take the parameter's storage. Readers downstream of an update are
+    skipped, which keeps the edges acyclic."""
+    updates = [op for op in graph.ops if op.phase == "update"]
+    downstream = set()
+    frontier = [op.name for op in updates]
+    while frontier:
+        name = frontier.pop()
+        for succ in graph.nx.successors(name):
+            if succ not in downstream:
+                downstream.add(succ)
+                frontier.append(succ)
+    edges = []
+    for u in updates:
+        for t in u.present_inputs:
+            tensor = graph.tensors[t]
+            if not tensor.is_static or tensor.kind == "constant":
+                continue
+            edges.extend((r.name, u.name) for r in graph.consumers.get(t, [])
+                         if r.phase != "update" and r.name not in downstream)
+    return edges
+
+
+def priority_order(graph: Graph, key: dict, extra_edges: Iterable[tuple[str, str]] = ()) -> list[str]:
+    """Kahn's topological sort taking the ready op with the smallest key; `extra_edges` add
+    precedences the data flow does not have. Raises ScheduleError if they close a cycle."""
+    preds = {op.name: set(graph.nx.predecessors(op.name)) for op in graph.ops}
+    succs = {op.name: set(graph.nx.successors(op.name)) for op in graph.ops}
+    for a, b in extra_edges:
+        if a != b:
+            preds[b].add(a)
+            succs[a].add(b)
+    waiting = {name: len(p) for name, p in preds.items()}
+    ready = [(key[name], name) for name, n in waiting.items() if n == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        order.append(name)
+        for succ in succs[name]:
+            waiting[succ] -= 1
+            if waiting[succ] == 0:
+                heapq.heappush(ready, (key[succ], succ))
+    if len(order) != len(graph.ops):
+        raise ScheduleError("the precedences asked of the op order form a cycle")
+    return order
+
+
+def _out_bytes(graph: Graph, op: Op) -> int:
+    return sum(graph.tensors[t].nbytes for t in op.present_outputs)
+
+
+def _updates_in_backward(graph: Graph, order: list[str]) -> int:
+    """How many update ops run before the last backward op."""
+    last_backward = max((i for i, name in enumerate(order) if graph.op_by_name[name].phase == "backward"),
+                        default=-1)
+    return sum(1 for i, name in enumerate(order[:last_backward]) if graph.op_by_name[name].phase == "update")
+
+
+def _dwdx_notes(graph: Graph, order: list[str]) -> dict:
+    """How many layers run dW before all their dX ops, and how many after."""
+    position = {name: i for i, name in enumerate(order)}
+    dw_first = dx_first = 0
+    for dw, dxs in layer_pairs(graph):
+        if dxs:
+            if position[dw.name] < min(position[dx.name] for dx in dxs):
+                dw_first += 1
+            else:
+                dx_first += 1
+    return {"layers_dw_first": dw_first, "layers_dx_first": dx_first}
