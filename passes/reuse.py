@@ -129,7 +129,8 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
         if step.kind != "compute" or step.target in replayed:
             continue
         op = graph.op_by_name[step.target]
-        for out in op.present_outputs:
+        # preferred pairs first, so another output of the op cannot take their source
+        for out in sorted(op.present_outputs, key=lambda out: out not in prefer):
             if out in blocked:
                 continue
             sources = [x for x in alias_sources(graph, op, out)

@@ -1,0 +1,577 @@
+"""Operator order: a topological order of the ops with the lowest peak of device bytes.
+
+Fast heuristics give the start, each judged by the memory model (`memsched.memory.analyze`):
+the given order; XLA's list scheduler (run the ready op that frees the most bytes net of
+what it defines); a depth-first order (run what the last op made ready); and, for training
+graphs, the order of `passes.reuse.training_order` (updates in the backward, the dW/dX
+rule). The best becomes the hint of a CP-SAT model: op positions (AllDifferent, data-flow
+precedences), each tensor an interval from its producer to its last reader, a Cumulative
+over the intervals whose capacity -- the peak -- is minimised. Graphs too large for one
+model are decomposed: windows of consecutive ops around the current peak step are
+re-optimised with the rest of the order fixed (steps outside a window keep their bytes, so
+the peak never rises), growing until the time runs out or nothing improves.
+
+With `inplace` (the default when the plan already has aliases, i.e. after `reuse`), the
+order is judged with greedy in-place aliases (`passes.reuse.choose_aliases`), and the
+CP-SAT model keeps the current alias pairs valid: every other reader of a source runs
+before the op that overwrites it.
+
+The lower bound is structural: at every op, a tensor produced by one of its ancestors (or
+itself) and read by one of its descendants (or itself) is resident in *any* order, so the
+largest such sum over ops bounds every order's peak; a whole-graph CP-SAT solve of the
+exact model (no in-place) may prove more.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from memsched.errors import ScheduleError
+from memsched.ir import Graph
+from memsched.memory import analyze
+from memsched.schedule import Plan, order_schedule
+
+from .reuse import alias_sources, choose_aliases, compute_order, training_order
+from .solver import solve
+
+WHOLE_GRAPH_OPS = 120      # one CP-SAT model up to this many ops, windows beyond
+WINDOW_OPS = 60            # first window size; doubled when every peak step was tried
+MAX_WINDOW_OPS = 240
+STRUCTURAL_BOUND_OPS = 12000   # bitset reachability beyond this costs too much memory
+
+
+def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None) -> Plan:
+    """Reorder `plan`'s ops to lower its peak within `time_limit` seconds; notes["order"]."""
+    start = time.perf_counter()
+    deadline = start + max(0.0, float(time_limit))
+    order = compute_order(plan.schedule)
+    if order is None:
+        raise ScheduleError("the order pass needs a schedule of compute steps only; run it before "
+                            "recompute and swap")
+    inplace = bool(plan.aliases) if inplace is None else inplace
+    problem = Problem.build(plan.graph, inplace)
+    judge = _Judge(plan, inplace)
+
+    heuristics = {"given": order, "list": list_schedule(problem), "dfs": dfs_schedule(problem, order),
+                  "training": training_order(plan.graph, order)}
+    peaks = {name: judge.peak(candidate) for name, candidate in heuristics.items()}
+    first = min(peaks, key=lambda name: (peaks[name], list(peaks).index(name)))
+    best = heuristics[first]
+    lower, lower_kind = structural_bound(problem)
+
+    search = Search(problem, judge, best, deadline)
+    if peaks[first] <= lower:
+        search.ended = "the start meets the lower bound"
+    elif len(order) <= WHOLE_GRAPH_OPS:
+        search.whole()
+    else:
+        search.windows()
+    best, aliases, peak = search.order, search.aliases, search.profile.peak_bytes
+    if search.proven is not None and search.proven > lower:
+        lower, lower_kind = search.proven, "cp-sat"
+    if peak == lower:
+        status = "optimal"
+    else:
+        status = "feasible" if search.solutions else "heuristic"
+    schedule = order_schedule(best)
+    notes = {"status": status, "peak_bytes": peak, "input_peak_bytes": judge.peak_of_plan(),
+             "lower_bound_bytes": lower, "lower_bound": lower_kind, "inplace": inplace,
+             "ops": len(order), "heuristic_peaks": peaks, "start": first, "cpsat": search.notes(),
+             "deterministic": search.deterministic, "time_limit_s": time_limit,
+             "seconds": round(time.perf_counter() - start, 3)}
+    return dataclasses.replace(plan, schedule=schedule, aliases=aliases, offsets=None,
+                               notes={**plan.notes, "order": notes})
+
+
+# ---- the problem, indexed ----------------------------------------------------------------
+@dataclass
+class Problem:
+    """The graph as integers: ops by index (graph order), tensors with producer/readers."""
+
+    graph: Graph
+    names: list[str]
+    index: dict[str, int]
+    preds: list[list[int]]
+    succs: list[list[int]]
+    tensors: list[str]             # modelled tensors: not static, more than 0 bytes
+    nbytes: list[int]
+    producer: list[int]            # op index, -1 for graph inputs
+    readers: list[list[int]]       # distinct op indices
+    held: list[bool]               # graph outputs: resident to the end of the step
+    may_alias: list[bool]          # with in-place: this output may take an input's storage
+    takes_static: list[bool]       # ... the storage of a parameter (an in-place update)
+    static_bytes: int
+    inplace: bool
+
+    @classmethod
+    def build(cls, graph: Graph, inplace: bool) -> "Problem":
+        names = [op.name for op in graph.ops]
+        index = {name: i for i, name in enumerate(names)}
+        preds = [sorted({index[p] for p in graph.nx.predecessors(name)}) for name in names]
+        succs = [sorted({index[s] for s in graph.nx.successors(name)}) for name in names]
+        tensors, nbytes, producer, readers, held, may_alias, takes_static = [], [], [], [], [], [], []
+        static = 0
+        for name, t in graph.tensors.items():
+            if t.is_static:
+                static += t.nbytes
+                continue
+            op = graph.producer.get(name)
+            if (op is None and name not in graph.inputs) or t.nbytes == 0:
+                continue
+            tensors.append(name)
+            nbytes.append(t.nbytes)
+            producer.append(index[op.name] if op is not None else -1)
+            readers.append(sorted({index[c.name] for c in graph.consumers.get(name, [])}))
+            held.append(name in graph.outputs)
+            sources = alias_sources(graph, op, name) if inplace and op is not None else []
+            may_alias.append(bool(sources))
+            takes_static.append(any(graph.tensors[x].is_static for x in sources))
+        return cls(graph, names, index, preds, succs, tensors, nbytes, producer, readers, held,
+                   may_alias, takes_static, static, inplace)
+
+
+class _Judge:
+    """Candidate orders judged by the memory model, with greedy in-place aliases when asked."""
+
+    def __init__(self, plan: Plan, inplace: bool):
+        self.plan = plan
+        self.inplace = inplace
+
+    def aliases(self, order: list[str], prefer: dict[str, str] | None = None) -> dict[str, str]:
+        if not self.inplace:
+            return {}
+        return choose_aliases(self.plan.graph, order_schedule(order), prefer or self.plan.aliases)
+
+    def profile(self, order: list[str], aliases: dict[str, str]):
+        return analyze(self.plan.graph, order_schedule(order), aliases, self.plan.on_host)
+
+    def peak(self, order: list[str]) -> int:
+        return self.profile(order, self.aliases(order)).peak_bytes
+
+    def peak_of_plan(self) -> int:
+        plan = self.plan
+        return analyze(plan.graph, plan.schedule, plan.aliases, plan.on_host).peak_bytes
+
+
+# ---- heuristics ----------------------------------------------------------------------------
+def list_schedule(problem: Problem) -> list[str]:
+    """XLA's list scheduler: run the ready op with the most bytes freed minus bytes defined
+    (ties: graph order). With in-place, an output that can take a parameter's storage at its
+    last read defines nothing."""
+    graph = problem.graph
+    ops = graph.ops
+    n = len(ops)
+    tensors = graph.tensors
+    remaining = {name: len({c.name for c in cs}) for name, cs in graph.consumers.items()}
+    readers = {name: [problem.index[c.name] for c in cs] for name, cs in graph.consumers.items()}
+    sources = [{out: alias_sources(graph, op, out) for out in op.present_outputs} if problem.inplace else {}
+               for op in ops]
+    done = [False] * n
+    waiting = [len(p) for p in problem.preds]
+    version = [0] * n
+    kept = set(graph.outputs)
+
+    def priority(i: int) -> int:
+        op = ops[i]
+        freed = sum(tensors[t].nbytes for t in set(op.present_inputs)
+                    if remaining[t] == 1 and not tensors[t].is_static and t not in kept)
+        defined = 0
+        for out in op.present_outputs:
+            takes_parameter = any(remaining[x] == 1 and tensors[x].is_static for x in sources[i].get(out, ()))
+            defined += 0 if takes_parameter else tensors[out].nbytes
+        return freed - defined
+
+    heap = [(-priority(i), i, 0) for i in range(n) if waiting[i] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, i, v = heapq.heappop(heap)
+        if done[i] or v != version[i]:
+            continue
+        done[i] = True
+        order.append(problem.names[i])
+        for t in set(ops[i].present_inputs):
+            remaining[t] -= 1
+            if remaining[t] == 1:
+                for j in readers[t]:
+                    if not done[j] and waiting[j] == 0:
+                        version[j] += 1
+                        heapq.heappush(heap, (-priority(j), j, version[j]))
+        for j in problem.succs[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(heap, (-priority(j), j, version[j]))
+    return order
+
+
+def dfs_schedule(problem: Problem, order: list[str]) -> list[str]:
+    """Depth-first: always run an op made ready by the last one (latest in `order` first
+    among them), so each chain is finished -- and its temporaries freed -- before the next."""
+    position = {problem.index[name]: k for k, name in enumerate(order)}
+    waiting = [len(p) for p in problem.preds]
+    stack = sorted((i for i in range(len(waiting)) if waiting[i] == 0), key=lambda i: -position[i])
+    result = []
+    while stack:
+        i = stack.pop()
+        result.append(problem.names[i])
+        newly = []
+        for j in problem.succs[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                newly.append(j)
+        stack.extend(sorted(newly, key=lambda j: -position[j]))
+    return result
+
+
+# ---- lower bound -------------------------------------------------------------------------
+def structural_bound(problem: Problem) -> tuple[int, str]:
+    """The largest, over ops, of the bytes resident at that op in every topological order."""
+    n = len(problem.names)
+    if n == 0:
+        return problem.static_bytes, "structural"
+    if n > STRUCTURAL_BOUND_OPS:
+        return _per_op_bound(problem), "per-op"
+    topo = _topological(problem)
+    anc = [0] * n
+    for i in topo:
+        bits = 1 << i
+        for p in problem.preds[i]:
+            bits |= anc[p]
+        anc[i] = bits
+    desc = [0] * n
+    for i in reversed(topo):
+        bits = 1 << i
+        for s in problem.succs[i]:
+            bits |= desc[s]
+        desc[i] = bits
+    everything = (1 << n) - 1
+    width = (n + 7) // 8
+    totals = np.zeros(n, dtype=np.int64)
+
+    def add(mask: int, nbytes: int) -> None:
+        if mask:
+            bits = np.unpackbits(np.frombuffer(mask.to_bytes(width, "little"), dtype=np.uint8),
+                                 bitorder="little")[:n]
+            totals[:] += bits.astype(np.int64) * nbytes
+
+    def read_by(readers: list[int]) -> int:
+        ends = 0
+        for c in readers:
+            ends |= anc[c]
+        return ends
+
+    always, released = _static_residency(problem)
+    for nbytes, readers in released:
+        add(read_by(readers), nbytes)
+    for k, nbytes in enumerate(problem.nbytes):
+        u = problem.producer[k]
+        if problem.takes_static[k]:
+            continue      # it may live in a parameter's storage, counted with the parameter
+        if u < 0:
+            starts = everything
+        else:
+            starts = desc[u] & ~(1 << u) if problem.may_alias[k] else desc[u]
+        if problem.held[k]:
+            ends = everything
+        elif problem.readers[k]:
+            ends = read_by(problem.readers[k])
+        else:
+            ends = (1 << u) if u >= 0 else 0
+        add(starts & ends, nbytes)
+    return int(totals.max()) + always, "structural"
+
+
+def _static_residency(problem: Problem) -> tuple[int, list[tuple[int, list[int]]]]:
+    """Static bytes resident at every step, and the statics that may leave early.
+
+    A parameter overwritten in place by an update keeps its storage to the end when the
+    update's output is a graph output (the storage holds one or the other); only where an
+    overwriting output dies may the storage go, after the parameter's last reader at least:
+    those come back as (bytes, reader op indices)."""
+    if not problem.inplace:
+        return problem.static_bytes, []
+    graph = problem.graph
+    writers: dict[str, list[str]] = {}
+    for op in graph.ops:
+        for out in op.present_outputs:
+            for x in alias_sources(graph, op, out):
+                if graph.tensors[x].is_static:
+                    writers.setdefault(x, []).append(out)
+    always = problem.static_bytes
+    released = []
+    for x, outs in writers.items():
+        if all(out in graph.outputs for out in outs):
+            continue
+        always -= graph.tensors[x].nbytes
+        readers = sorted({problem.index[c.name] for c in graph.consumers.get(x, [])})
+        released.append((graph.tensors[x].nbytes, readers))
+    return always, released
+
+
+def _per_op_bound(problem: Problem) -> int:
+    """Each op's non-static inputs and outputs (less those it may write in place)."""
+    at = np.zeros(len(problem.names), dtype=np.int64)
+    for k, nbytes in enumerate(problem.nbytes):
+        if problem.takes_static[k]:
+            continue
+        for c in problem.readers[k]:
+            at[c] += nbytes
+        u = problem.producer[k]
+        if u >= 0 and not problem.may_alias[k] and u not in problem.readers[k]:
+            at[u] += nbytes
+    return int(at.max()) + _static_residency(problem)[0]
+
+
+def _topological(problem: Problem) -> list[int]:
+    waiting = [len(p) for p in problem.preds]
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    result = []
+    while ready:
+        i = ready.pop()
+        result.append(i)
+        for j in problem.succs[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                ready.append(j)
+    return result
+
+
+# ---- CP-SAT --------------------------------------------------------------------------------
+class Search:
+    """CP-SAT improvement of an order: one whole-graph model, or windows around the peak."""
+
+    def __init__(self, problem: Problem, judge: _Judge, order: list[str], deadline: float):
+        self.problem = problem
+        self.judge = judge
+        self.order = list(order)
+        self.aliases = judge.aliases(self.order)
+        self.profile = judge.profile(self.order, self.aliases)
+        self.deadline = deadline
+        self.mode = None
+        self.solves = 0
+        self.improved = 0
+        self.solutions = 0
+        self.statuses: dict[str, int] = {}
+        self.proven: int | None = None
+        self.deterministic = True
+        self.window_ops = WINDOW_OPS
+        self.ended = None
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def whole(self) -> None:
+        self.mode = "whole graph"
+        n = len(self.order)
+        if n == 0 or self.left() <= 0.05:
+            self.ended = "no time" if n else "empty graph"
+            return
+        solved, scale = self._step(0, n, self.left())
+        if solved is not None and solved.status == "optimal" and self._model_is_exact():
+            # the whole graph's exact model: its optimum bounds every order from below
+            self.proven = _static_residency(self.problem)[0] + scale * int(round(solved.bound))
+
+    def windows(self) -> None:
+        """Re-optimise windows centred on peak steps until no peak step is left to try."""
+        self.mode = "windows"
+        tried: set[int] = set()
+        n = len(self.order)
+        while True:
+            if self.left() <= 0.1:
+                self.ended = "time limit"
+                self.deterministic = False
+                return
+            live = self.profile.live_bytes
+            steps = [int(s) for s in np.flatnonzero(live == live.max()) if int(s) not in tried]
+            if not steps:
+                if self.window_ops >= min(MAX_WINDOW_OPS, n):
+                    self.ended = "no peak step left to improve"
+                    return
+                self.window_ops = min(self.window_ops * 2, MAX_WINDOW_OPS)
+                tried.clear()
+                continue
+            ws = max(0, min(steps[0] - self.window_ops // 2, n - self.window_ops))
+            we = min(n, ws + self.window_ops)
+            peak = self.profile.peak_bytes
+            self._step(ws, we, min(self.left(), max(1.0, 0.1 * self.left())))
+            tried.update(t for t in steps if ws <= t < we)
+            if self.profile.peak_bytes < peak:
+                tried.clear()
+
+    def _model_is_exact(self) -> bool:
+        """In place, a parameter's storage is counted to the end: exact when every output
+        that may overwrite a parameter is kept to the end (SGD's `<param>.updated`)."""
+        return not _static_residency(self.problem)[1]
+
+    def _step(self, ws: int, we: int, time_limit: float):
+        """Solve the window [ws, we) of the current order and keep the result if the judge
+        finds it better. Returns (solve result or None, byte scale)."""
+        model, positions, scale, pairs = window_model(self.problem, self.order, ws, we, self.aliases)
+        solved = solve(model, time_limit)
+        self.solves += 1
+        self.statuses[solved.status] = self.statuses.get(solved.status, 0) + 1
+        self.deterministic &= solved.deterministic
+        if not solved.has_solution:
+            return None, scale
+        self.solutions += 1
+        value = solved.solver.Value
+        inside = sorted(positions, key=lambda i: value(positions[i]))
+        order = self.order[:ws] + [self.problem.names[i] for i in inside] + self.order[we:]
+        window_outputs = {out for out, _, _ in pairs}
+        prefer = {o: x for o, x in self.aliases.items() if o not in window_outputs}
+        prefer.update({out: src for out, src, var in pairs if value(var)})
+        aliases = self.judge.aliases(order, prefer)
+        profile = self.judge.profile(order, aliases)
+        if _better(profile, self.profile):
+            self.order, self.aliases, self.profile = order, aliases, profile
+            self.improved += 1
+        return solved, scale
+
+    def notes(self) -> dict:
+        notes = {"mode": self.mode, "solves": self.solves, "improved": self.improved,
+                 "statuses": self.statuses}
+        if self.mode == "windows":
+            notes.update(window_ops=self.window_ops, ended=self.ended)
+        elif self.ended:
+            notes["ended"] = self.ended
+        return notes
+
+
+def _better(new, old) -> bool:
+    """Lower peak, or the same peak at fewer steps (the next window can then remove the rest)."""
+    new_count = int((new.live_bytes == new.peak_bytes).sum())
+    old_count = int((old.live_bytes == old.peak_bytes).sum())
+    return (new.peak_bytes, new_count) < (old.peak_bytes, old_count)
+
+
+def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: dict[str, str]):
+    """CP-SAT model of steps [ws, we) of `order` with every other op fixed.
+
+    Returns (model, {op index: position variable}, byte scale, [(output, source, bool var)]).
+    Tensors are intervals clipped to the window; one no window op touches either spans the
+    whole window (the same bytes at every step: left out) or is a fixed interval. With
+    in-place, each eligible pair at a window op is a choice: taken, every other reader of
+    the source runs first, and the output starts one step after its op -- or, taking a
+    parameter's storage, adds nothing. Pairs at ops outside the window keep `aliases`.
+    """
+    index = problem.index
+    graph = problem.graph
+    position = {index[name]: k for k, name in enumerate(order)}
+    inside = [index[name] for name in order[ws:we]]
+    inside_set = set(inside)
+
+    model = cp_model.CpModel()
+    pos = {i: model.NewIntVar(ws, we - 1, f"p{i}") for i in inside}
+    model.AddAllDifferent(list(pos.values()))
+    for i in inside:
+        model.AddHint(pos[i], position[i])
+        for p in problem.preds[i]:
+            if p in inside_set:
+                model.Add(pos[p] + 1 <= pos[i])
+
+    pairs = _alias_choices(problem, model, pos, position, we, aliases) if problem.inplace else []
+    by_output: dict[int, list] = {}
+    for k, src, var in pairs:
+        by_output.setdefault(k, []).append((src, var))
+
+    scale = math.gcd(*problem.nbytes) if problem.nbytes else 1
+    intervals, demands = [], []
+    for k, nbytes in enumerate(problem.nbytes):
+        u = problem.producer[k]
+        fixed_src = aliases.get(problem.tensors[k]) if u not in inside_set else None
+        if fixed_src is not None and graph.tensors[fixed_src].is_static:
+            continue                      # lives in its parameter's storage
+        readers = problem.readers[k]
+        demand = nbytes // scale
+        if not (u in inside_set or any(r in inside_set for r in readers)):
+            first = (position[u] + (fixed_src is not None)) if u >= 0 else 0
+            last = _fixed_end(problem, k, position, len(order))
+            if (first > ws or last < we - 1) and first <= we - 1 and last >= ws:
+                lo, hi = max(first, ws), min(last, we - 1)
+                intervals.append(model.NewIntervalVar(lo, hi - lo + 1, hi + 1, f"c{k}"))
+                demands.append(demand)
+            continue
+        if u in inside_set:
+            choices = by_output.get(k, [])
+            shared = [var for src, var in choices if not graph.tensors[src].is_static]
+            in_param = [var for src, var in choices if graph.tensors[src].is_static]
+            start = model.NewIntVar(ws, we, f"b{k}")
+            model.Add(start == pos[u] + sum(shared))
+            if in_param:
+                taken = model.NewBoolVar(f"w{k}")
+                model.Add(taken == sum(in_param))
+                demand = demand - demand * taken
+        else:
+            start = ws
+        if problem.held[k] or any(position[r] >= we for r in readers):
+            end = we - 1
+        else:
+            ends = [pos[r] for r in readers if r in inside_set]
+            if not ends:
+                end = pos[u]
+            elif len(ends) == 1:
+                end = ends[0]
+            else:
+                end = model.NewIntVar(ws, we - 1, f"e{k}")
+                model.AddMaxEquality(end, ends)
+        size = model.NewIntVar(0, we - ws, f"s{k}")
+        intervals.append(model.NewIntervalVar(start, size, end + 1, f"t{k}"))
+        demands.append(demand)
+    total = sum(nbytes // scale for nbytes in problem.nbytes)
+    capacity = model.NewIntVar(0, total, "peak")
+    model.AddCumulative(intervals, demands, capacity)
+    model.Minimize(capacity)
+    return model, pos, scale, [(problem.tensors[k], src, var) for k, src, var in pairs]
+
+
+def _alias_choices(problem: Problem, model: cp_model.CpModel, pos: dict, position: dict, we: int,
+                   aliases: dict[str, str]) -> list:
+    """A bool per eligible (output, source) pair at a window op, each source and output used
+    once; taken, every other reader of the source precedes the op. Hinted with `aliases`."""
+    graph = problem.graph
+    index = problem.index
+    tindex = {name: k for k, name in enumerate(problem.tensors)}
+    pairs = []
+    for i in pos:
+        op = graph.op_by_name[problem.names[i]]
+        for out in op.present_outputs:
+            if out not in tindex:
+                continue
+            for src in alias_sources(graph, op, out):
+                others = [index[c.name] for c in graph.consumers.get(src, []) if index[c.name] != i]
+                if any(position[r] >= we for r in others):
+                    continue              # a reader after the window: the source cannot die here
+                var = model.NewBoolVar(f"a{tindex[out]}_{src}")
+                model.AddHint(var, aliases.get(out) == src)
+                for r in others:
+                    if r in pos:
+                        model.Add(pos[r] + 1 <= pos[i]).OnlyEnforceIf(var)
+                pairs.append((tindex[out], src, var))
+    for group in _groups(pairs, lambda p: p[0]) + _groups(pairs, lambda p: p[1]):
+        if len(group) > 1:
+            model.Add(sum(var for *_, var in group) <= 1)
+    return pairs
+
+
+def _groups(items: list, key) -> list[list]:
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.values())
+
+
+def _fixed_end(problem: Problem, k: int, position: dict[int, int], n: int) -> int:
+    """Last step of tensor k when none of its ops moves (the memory model's rule 2)."""
+    if problem.held[k]:
+        return n - 1
+    readers = problem.readers[k]
+    if readers:
+        return max(position[r] for r in readers)
+    u = problem.producer[k]
+    return position[u] if u >= 0 else 0
