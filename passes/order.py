@@ -372,10 +372,11 @@ class Search:
         if n == 0 or self.left() <= 0.05:
             self.ended = "no time" if n else "empty graph"
             return
-        solved, scale = self._step(0, n, self.left())
-        if solved is not None and solved.status == "optimal" and self._model_is_exact():
+        solved, scale, modelled_static = self._step(0, n, self.left())
+        if solved is not None and solved.status == "optimal":
             # the whole graph's exact model: its optimum bounds every order from below
-            self.proven = _static_residency(self.problem)[0] + scale * int(round(solved.bound))
+            unmodelled = self.problem.static_bytes - modelled_static
+            self.proven = unmodelled + scale * int(round(solved.bound))
 
     def windows(self) -> None:
         """Re-optimise windows centred on peak steps until no peak step is left to try."""
@@ -404,21 +405,17 @@ class Search:
             if self.profile.peak_bytes < peak:
                 tried.clear()
 
-    def _model_is_exact(self) -> bool:
-        """In place, a parameter's storage is counted to the end: exact when every output
-        that may overwrite a parameter is kept to the end (SGD's `<param>.updated`)."""
-        return not _static_residency(self.problem)[1]
-
     def _step(self, ws: int, we: int, time_limit: float):
         """Solve the window [ws, we) of the current order and keep the result if the judge
-        finds it better. Returns (solve result or None, byte scale)."""
-        model, positions, scale, pairs = window_model(self.problem, self.order, ws, we, self.aliases)
+        finds it better. Returns (solve result or None, byte scale, static bytes modelled)."""
+        model, positions, scale, pairs, modelled_static = window_model(self.problem, self.order, ws, we,
+                                                                       self.aliases)
         solved = solve(model, time_limit)
         self.solves += 1
         self.statuses[solved.status] = self.statuses.get(solved.status, 0) + 1
         self.deterministic &= solved.deterministic
         if not solved.has_solution:
-            return None, scale
+            return None, scale, modelled_static
         self.solutions += 1
         value = solved.solver.Value
         inside = sorted(positions, key=lambda i: value(positions[i]))
@@ -431,7 +428,7 @@ class Search:
         if _better(profile, self.profile):
             self.order, self.aliases, self.profile = order, aliases, profile
             self.improved += 1
-        return solved, scale
+        return solved, scale, modelled_static
 
     def notes(self) -> dict:
         notes = {"mode": self.mode, "solves": self.solves, "improved": self.improved,
@@ -453,15 +450,18 @@ def _better(new, old) -> bool:
 def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: dict[str, str]):
     """CP-SAT model of steps [ws, we) of `order` with every other op fixed.
 
-    Returns (model, {op index: position variable}, byte scale, [(output, source, bool var)]).
-    Tensors are intervals clipped to the window; one no window op touches either spans the
-    whole window (the same bytes at every step: left out) or is a fixed interval. With
-    in-place, each eligible pair at a window op is a choice: taken, every other reader of
-    the source runs first, and the output starts one step after its op -- or, taking a
-    parameter's storage, adds nothing. Pairs at ops outside the window keep `aliases`.
+    Returns (model, {op index: position variable}, byte scale, [(output, source, bool var)],
+    static bytes modelled). Each tensor is an interval from its producer to its last reader,
+    clipped to the window; one no window op touches either spans the whole window (the same
+    bytes at every step: left out) or is a fixed interval. With in-place, each eligible pair
+    at a window op is a choice: taken, every other reader of the source runs first and the
+    output starts one step after its op (rule 4 of the memory model). A parameter that may be
+    overwritten is modelled too: to the end of the step, or to its last reader if overwritten.
+    Pairs at ops outside the window keep `aliases`.
     """
     index = problem.index
     graph = problem.graph
+    n = len(order)
     position = {index[name]: k for k, name in enumerate(order)}
     inside = [index[name] for name in order[ws:we]]
     inside_set = set(inside)
@@ -476,58 +476,68 @@ def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: 
                 model.Add(pos[p] + 1 <= pos[i])
 
     pairs = _alias_choices(problem, model, pos, position, we, aliases) if problem.inplace else []
-    by_output: dict[int, list] = {}
-    for k, src, var in pairs:
-        by_output.setdefault(k, []).append((src, var))
-
-    scale = math.gcd(*problem.nbytes) if problem.nbytes else 1
+    takes: dict[str, list] = {}       # output -> its pair variables
+    taken_by: dict[str, list] = {}    # source -> its pair variables
+    for out, src, var in pairs:
+        takes.setdefault(out, []).append(var)
+        taken_by.setdefault(src, []).append(var)
+    statics = sorted({src for _, src, _ in pairs if graph.tensors[src].is_static})
+    modelled_static = sum(graph.tensors[x].nbytes for x in statics)
+    scale = math.gcd(*problem.nbytes, *(graph.tensors[x].nbytes for x in statics)) or 1
     intervals, demands = [], []
+
+    def readers_end(readers: list[int], name: str):
+        """The window step of the last of `readers` (a variable when several move)."""
+        ends = [pos[r] for r in readers if r in inside_set]
+        if len(ends) == 1:
+            return ends[0]
+        end = model.NewIntVar(ws, we - 1, f"e{name}")
+        model.AddMaxEquality(end, ends)
+        return end
+
+    def add(start, end, nbytes: int, name: str) -> None:
+        size = model.NewIntVar(0, we - ws, f"s{name}")
+        intervals.append(model.NewIntervalVar(start, size, end + 1, f"t{name}"))
+        demands.append(nbytes // scale)
+
     for k, nbytes in enumerate(problem.nbytes):
+        name = problem.tensors[k]
         u = problem.producer[k]
-        fixed_src = aliases.get(problem.tensors[k]) if u not in inside_set else None
-        if fixed_src is not None and graph.tensors[fixed_src].is_static:
-            continue                      # lives in its parameter's storage
         readers = problem.readers[k]
-        demand = nbytes // scale
         if not (u in inside_set or any(r in inside_set for r in readers)):
-            first = (position[u] + (fixed_src is not None)) if u >= 0 else 0
-            last = _fixed_end(problem, k, position, len(order))
+            first = (position[u] + (name in aliases)) if u >= 0 else 0
+            last = _fixed_end(problem, k, position, n)
             if (first > ws or last < we - 1) and first <= we - 1 and last >= ws:
                 lo, hi = max(first, ws), min(last, we - 1)
                 intervals.append(model.NewIntervalVar(lo, hi - lo + 1, hi + 1, f"c{k}"))
-                demands.append(demand)
+                demands.append(nbytes // scale)
             continue
         if u in inside_set:
-            choices = by_output.get(k, [])
-            shared = [var for src, var in choices if not graph.tensors[src].is_static]
-            in_param = [var for src, var in choices if graph.tensors[src].is_static]
             start = model.NewIntVar(ws, we, f"b{k}")
-            model.Add(start == pos[u] + sum(shared))
-            if in_param:
-                taken = model.NewBoolVar(f"w{k}")
-                model.Add(taken == sum(in_param))
-                demand = demand - demand * taken
+            model.Add(start == pos[u] + sum(takes.get(name, [])))
         else:
             start = ws
         if problem.held[k] or any(position[r] >= we for r in readers):
             end = we - 1
+        elif any(r in inside_set for r in readers):
+            end = readers_end(readers, str(k))
         else:
-            ends = [pos[r] for r in readers if r in inside_set]
-            if not ends:
-                end = pos[u]
-            elif len(ends) == 1:
-                end = ends[0]
-            else:
-                end = model.NewIntVar(ws, we - 1, f"e{k}")
-                model.AddMaxEquality(end, ends)
-        size = model.NewIntVar(0, we - ws, f"s{k}")
-        intervals.append(model.NewIntervalVar(start, size, end + 1, f"t{k}"))
-        demands.append(demand)
-    total = sum(nbytes // scale for nbytes in problem.nbytes)
-    capacity = model.NewIntVar(0, total, "peak")
+            end = pos[u]
+        add(start, end, nbytes, str(k))
+    for x in statics:
+        # to the end of the step, or -- overwritten -- to its last reader, the overwriting op
+        readers = [index[c.name] for c in graph.consumers.get(x, [])]
+        taken = model.NewBoolVar(f"taken_{x}")
+        model.Add(taken == sum(taken_by[x]))
+        last = readers_end(readers, x)
+        end = model.NewIntVar(ws, we - 1, f"end_{x}")
+        model.Add(end == last).OnlyEnforceIf(taken)
+        model.Add(end == we - 1).OnlyEnforceIf(taken.Not())
+        add(ws, end, graph.tensors[x].nbytes, x)
+    capacity = model.NewIntVar(0, sum(demands), "peak")
     model.AddCumulative(intervals, demands, capacity)
     model.Minimize(capacity)
-    return model, pos, scale, [(problem.tensors[k], src, var) for k, src, var in pairs]
+    return model, pos, scale, pairs, modelled_static
 
 
 def _alias_choices(problem: Problem, model: cp_model.CpModel, pos: dict, position: dict, we: int,
@@ -536,23 +546,23 @@ def _alias_choices(problem: Problem, model: cp_model.CpModel, pos: dict, positio
     once; taken, every other reader of the source precedes the op. Hinted with `aliases`."""
     graph = problem.graph
     index = problem.index
-    tindex = {name: k for k, name in enumerate(problem.tensors)}
+    modelled = set(problem.tensors)
     pairs = []
     for i in pos:
         op = graph.op_by_name[problem.names[i]]
         for out in op.present_outputs:
-            if out not in tindex:
+            if out not in modelled:
                 continue
             for src in alias_sources(graph, op, out):
                 others = [index[c.name] for c in graph.consumers.get(src, []) if index[c.name] != i]
                 if any(position[r] >= we for r in others):
                     continue              # a reader after the window: the source cannot die here
-                var = model.NewBoolVar(f"a{tindex[out]}_{src}")
+                var = model.NewBoolVar(f"a_{out}_{src}")
                 model.AddHint(var, aliases.get(out) == src)
                 for r in others:
                     if r in pos:
                         model.Add(pos[r] + 1 <= pos[i]).OnlyEnforceIf(var)
-                pairs.append((tindex[out], src, var))
+                pairs.append((out, src, var))
     for group in _groups(pairs, lambda p: p[0]) + _groups(pairs, lambda p: p[1]):
         if len(group) > 1:
             model.Add(sum(var for *_, var in group) <= 1)
