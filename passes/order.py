@@ -410,7 +410,7 @@ class Search:
         finds it better. Returns (solve result or None, byte scale, static bytes modelled)."""
         model, positions, scale, pairs, modelled_static = window_model(self.problem, self.order, ws, we,
                                                                        self.aliases)
-        solved = solve(model, time_limit)
+        solved = solve(model, time_limit, presolve=False)
         self.solves += 1
         self.statuses[solved.status] = self.statuses.get(solved.status, 0) + 1
         self.deterministic &= solved.deterministic
@@ -468,7 +468,9 @@ def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: 
 
     model = cp_model.CpModel()
     pos = {i: model.NewIntVar(ws, we - 1, f"p{i}") for i in inside}
-    model.AddAllDifferent(list(pos.values()))
+    # one op per step; a NoOverlap of unit intervals, which CP-SAT does not expand into a
+    # Boolean permutation matrix as it does an AllDifferent over exactly n values
+    model.AddNoOverlap([model.NewFixedSizeIntervalVar(v, 1, f"o{i}") for i, v in pos.items()])
     for i in inside:
         model.AddHint(pos[i], position[i])
         for p in problem.preds[i]:
@@ -485,20 +487,28 @@ def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: 
     modelled_static = sum(graph.tensors[x].nbytes for x in statics)
     scale = math.gcd(*problem.nbytes, *(graph.tensors[x].nbytes for x in statics)) or 1
     intervals, demands = [], []
+    load = np.zeros(we - ws + 1, dtype=np.int64)     # the hinted order's bytes per window step
+
+    def hinted(var, value: int):
+        model.AddHint(var, int(value))
+        return var
 
     def readers_end(readers: list[int], name: str):
-        """The window step of the last of `readers` (a variable when several move)."""
-        ends = [pos[r] for r in readers if r in inside_set]
-        if len(ends) == 1:
-            return ends[0]
-        end = model.NewIntVar(ws, we - 1, f"e{name}")
-        model.AddMaxEquality(end, ends)
-        return end
+        """The window step of the last of `readers` (a variable when several move), and its hint."""
+        inner = [r for r in readers if r in inside_set]
+        last = max(position[r] for r in inner)
+        if len(inner) == 1:
+            return pos[inner[0]], last
+        end = hinted(model.NewIntVar(ws, we - 1, f"e{name}"), last)
+        model.AddMaxEquality(end, [pos[r] for r in inner])
+        return end, last
 
-    def add(start, end, nbytes: int, name: str) -> None:
-        size = model.NewIntVar(0, we - ws, f"s{name}")
+    def add(start, end, nbytes: int, name: str, hint: tuple[int, int]) -> None:
+        size = hinted(model.NewIntVar(0, we - ws, f"s{name}"), hint[1] + 1 - hint[0])
         intervals.append(model.NewIntervalVar(start, size, end + 1, f"t{name}"))
         demands.append(nbytes // scale)
+        load[hint[0] - ws] += nbytes // scale
+        load[hint[1] + 1 - ws] -= nbytes // scale
 
     for k, nbytes in enumerate(problem.nbytes):
         name = problem.tensors[k]
@@ -511,30 +521,35 @@ def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: 
                 lo, hi = max(first, ws), min(last, we - 1)
                 intervals.append(model.NewIntervalVar(lo, hi - lo + 1, hi + 1, f"c{k}"))
                 demands.append(nbytes // scale)
+                load[lo - ws] += nbytes // scale
+                load[hi + 1 - ws] -= nbytes // scale
             continue
         if u in inside_set:
-            start = model.NewIntVar(ws, we, f"b{k}")
+            first = position[u] + (name in aliases and name in takes)
+            start = hinted(model.NewIntVar(ws, we, f"b{k}"), first)
             model.Add(start == pos[u] + sum(takes.get(name, [])))
         else:
-            start = ws
+            start = first = ws
         if problem.held[k] or any(position[r] >= we for r in readers):
-            end = we - 1
+            end = last = we - 1
         elif any(r in inside_set for r in readers):
-            end = readers_end(readers, str(k))
+            end, last = readers_end(readers, str(k))
         else:
-            end = pos[u]
-        add(start, end, nbytes, str(k))
+            end, last = pos[u], position[u]
+        add(start, end, nbytes, str(k), (first, last))
     for x in statics:
         # to the end of the step, or -- overwritten -- to its last reader, the overwriting op
         readers = [index[c.name] for c in graph.consumers.get(x, [])]
-        taken = model.NewBoolVar(f"taken_{x}")
+        overwritten = x in aliases.values()
+        taken = hinted(model.NewBoolVar(f"taken_{x}"), overwritten)
         model.Add(taken == sum(taken_by[x]))
-        last = readers_end(readers, x)
-        end = model.NewIntVar(ws, we - 1, f"end_{x}")
+        last, last_hint = readers_end(readers, x)
+        hint = last_hint if overwritten else we - 1
+        end = hinted(model.NewIntVar(ws, we - 1, f"end_{x}"), hint)
         model.Add(end == last).OnlyEnforceIf(taken)
         model.Add(end == we - 1).OnlyEnforceIf(taken.Not())
-        add(ws, end, graph.tensors[x].nbytes, x)
-    capacity = model.NewIntVar(0, sum(demands), "peak")
+        add(ws, end, graph.tensors[x].nbytes, x, (ws, hint))
+    capacity = hinted(model.NewIntVar(0, sum(demands), "peak"), np.cumsum(load)[:-1].max(initial=0))
     model.AddCumulative(intervals, demands, capacity)
     model.Minimize(capacity)
     return model, pos, scale, pairs, modelled_static

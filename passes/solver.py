@@ -39,8 +39,11 @@ def workers() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def solve(model: cp_model.CpModel, time_limit: float) -> SolveResult:
-    """Solve `model` within `time_limit` wall seconds; never raises on a time-out."""
+def solve(model: cp_model.CpModel, time_limit: float, presolve: bool = True) -> SolveResult:
+    """Solve `model` within `time_limit` wall seconds; never raises on a time-out.
+
+    `presolve=False` suits the scheduling models, whose presolve (probing a Cumulative over
+    hundreds of variable intervals) can take the whole time limit before any search."""
     solver = cp_model.CpSolver()
     params = solver.parameters
     params.max_time_in_seconds = max(0.01, float(time_limit))
@@ -49,6 +52,7 @@ def solve(model: cp_model.CpModel, time_limit: float) -> SolveResult:
     params.interleave_search = True
     params.random_seed = SEED
     params.log_search_progress = False
+    params.cp_model_presolve = presolve
     start = time.perf_counter()
     code = solver.Solve(model)
     seconds = time.perf_counter() - start
