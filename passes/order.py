@@ -37,7 +37,7 @@ from memsched.ir import Graph
 from memsched.memory import analyze
 from memsched.schedule import Plan, order_schedule
 
-from .reuse import alias_sources, choose_aliases, compute_order, training_order
+from .reuse import alias_table, choose_aliases, compute_order, training_order
 from .solver import solve
 
 WHOLE_GRAPH_OPS = 120      # one CP-SAT model up to this many ops, windows beyond
@@ -117,6 +117,7 @@ class Problem:
         succs = [sorted({index[s] for s in graph.nx.successors(name)}) for name in names]
         tensors, nbytes, producer, readers, held, may_alias, takes_static = [], [], [], [], [], [], []
         static = 0
+        table = alias_table(graph)
         for name, t in graph.tensors.items():
             if t.is_static:
                 static += t.nbytes
@@ -129,7 +130,7 @@ class Problem:
             producer.append(index[op.name] if op is not None else -1)
             readers.append(sorted({index[c.name] for c in graph.consumers.get(name, [])}))
             held.append(name in graph.outputs)
-            sources = alias_sources(graph, op, name) if inplace and op is not None else []
+            sources = table[name] if inplace and op is not None else []
             may_alias.append(bool(sources))
             takes_static.append(any(graph.tensors[x].is_static for x in sources))
         return cls(graph, names, index, preds, succs, tensors, nbytes, producer, readers, held,
@@ -170,8 +171,8 @@ def list_schedule(problem: Problem) -> list[str]:
     tensors = graph.tensors
     remaining = {name: len({c.name for c in cs}) for name, cs in graph.consumers.items()}
     readers = {name: [problem.index[c.name] for c in cs] for name, cs in graph.consumers.items()}
-    sources = [{out: alias_sources(graph, op, out) for out in op.present_outputs} if problem.inplace else {}
-               for op in ops]
+    table = alias_table(graph) if problem.inplace else {}
+    sources = [{out: table[out] for out in op.present_outputs} if problem.inplace else {} for op in ops]
     done = [False] * n
     waiting = [len(p) for p in problem.preds]
     version = [0] * n
@@ -297,10 +298,11 @@ def _static_residency(problem: Problem) -> tuple[int, list[tuple[int, list[int]]
     if not problem.inplace:
         return problem.static_bytes, []
     graph = problem.graph
+    table = alias_table(graph)
     writers: dict[str, list[str]] = {}
     for op in graph.ops:
         for out in op.present_outputs:
-            for x in alias_sources(graph, op, out):
+            for x in table[out]:
                 if graph.tensors[x].is_static:
                     writers.setdefault(x, []).append(out)
     always = problem.static_bytes
@@ -561,6 +563,7 @@ def _alias_choices(problem: Problem, model: cp_model.CpModel, pos: dict, positio
     once; taken, every other reader of the source precedes the op. Hinted with `aliases`."""
     graph = problem.graph
     index = problem.index
+    table = alias_table(graph)
     modelled = set(problem.tensors)
     pairs = []
     for i in pos:
@@ -568,7 +571,7 @@ def _alias_choices(problem: Problem, model: cp_model.CpModel, pos: dict, positio
         for out in op.present_outputs:
             if out not in modelled:
                 continue
-            for src in alias_sources(graph, op, out):
+            for src in table[out]:
                 others = [index[c.name] for c in graph.consumers.get(src, []) if index[c.name] != i]
                 if any(position[r] >= we for r in others):
                     continue              # a reader after the window: the source cannot die here

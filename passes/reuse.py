@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import weakref
 from typing import Iterable
 
 from memsched.errors import ScheduleError
@@ -103,6 +104,18 @@ def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
     return sorted(found, key=lambda name: not graph.tensors[name].is_static)
 
 
+_TABLES: "weakref.WeakKeyDictionary[Graph, dict[str, list[str]]]" = weakref.WeakKeyDictionary()
+
+
+def alias_table(graph: Graph) -> dict[str, list[str]]:
+    """Output -> `alias_sources` of it, for every op output of `graph` (cached per graph)."""
+    table = _TABLES.get(graph)
+    if table is None:
+        table = {out: alias_sources(graph, op, out) for op in graph.ops for out in op.present_outputs}
+        _TABLES[graph] = table
+    return table
+
+
 def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | None = None) -> dict[str, str]:
     """Greedy in-place aliases for `schedule`: each output takes an eligible input that is
     last read at its op (a pair in `prefer` first). Tensors that are swapped, freed or
@@ -123,6 +136,7 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
             blocked.add(step.target)
             if step.kind == "swap_out":
                 last_read[step.target] = i
+    table = alias_table(graph)
     aliases: dict[str, str] = {}
     taken: set[str] = set()
     for i, step in enumerate(schedule):
@@ -133,8 +147,7 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
         for out in sorted(op.present_outputs, key=lambda out: out not in prefer):
             if out in blocked:
                 continue
-            sources = [x for x in alias_sources(graph, op, out)
-                       if last_read.get(x) == i and x not in blocked and x not in taken]
+            sources = [x for x in table[out] if last_read.get(x) == i and x not in blocked and x not in taken]
             if sources:
                 source = prefer.get(out) if prefer.get(out) in sources else sources[0]
                 aliases[out] = source
