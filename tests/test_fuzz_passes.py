@@ -14,7 +14,7 @@ from passes.order import order_pass
 from passes.placement import place_pass
 from passes.reuse import reuse_pass
 
-from .graphs import GraphBuilder
+from .plan_graphs import GraphBuilder
 
 OP_TYPES = ["Relu", "Add", "Mul", "Sub", "MatMul", "Conv", "Concat", "Reshape"]
 

@@ -15,7 +15,7 @@ from passes.order import order_pass
 from passes.placement import place_pass
 from passes.reuse import choose_aliases, reuse_pass
 
-from .graphs import GraphBuilder, random_dag, training_chain
+from .plan_graphs import GraphBuilder, random_dag, training_chain
 
 
 def brute_force_peak(graph, inplace: bool) -> int:

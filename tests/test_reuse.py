@@ -11,7 +11,7 @@ from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule, swap_in, swap_out
 from passes.reuse import choose_aliases, layer_pairs, reuse_pass, training_order
 
-from .graphs import GraphBuilder, training_chain
+from .plan_graphs import GraphBuilder, training_chain
 
 
 def names(plan: Plan) -> list[str]:
