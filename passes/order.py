@@ -65,7 +65,7 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     best = heuristics[first]
     lower, lower_kind = structural_bound(problem)
 
-    search = Search(problem, judge, best, deadline)
+    search = Search(problem, judge, best, deadline, lower)
     if peaks[first] <= lower:
         search.ended = "the start meets the lower bound"
     elif len(order) <= WHOLE_GRAPH_OPS:
@@ -348,8 +348,10 @@ def _topological(problem: Problem) -> list[int]:
 class Search:
     """CP-SAT improvement of an order: one whole-graph model, or windows around the peak."""
 
-    def __init__(self, problem: Problem, judge: _Judge, order: list[str], deadline: float):
+    def __init__(self, problem: Problem, judge: _Judge, order: list[str], deadline: float,
+                 lower_bound: int = 0):
         self.problem = problem
+        self.lower_bound = lower_bound
         self.judge = judge
         self.order = list(order)
         self.aliases = judge.aliases(self.order)
@@ -374,7 +376,7 @@ class Search:
         if n == 0 or self.left() <= 0.05:
             self.ended = "no time" if n else "empty graph"
             return
-        solved, scale, modelled_static = self._step(0, n, self.left())
+        solved, scale, modelled_static = self._step(0, n, self.left(), floor=self.lower_bound)
         if solved is not None and solved.status == "optimal":
             # the whole graph's exact model: its optimum bounds every order from below
             unmodelled = self.problem.static_bytes - modelled_static
@@ -407,11 +409,12 @@ class Search:
             if self.profile.peak_bytes < peak:
                 tried.clear()
 
-    def _step(self, ws: int, we: int, time_limit: float):
+    def _step(self, ws: int, we: int, time_limit: float, floor: int = 0):
         """Solve the window [ws, we) of the current order and keep the result if the judge
-        finds it better. Returns (solve result or None, byte scale, static bytes modelled)."""
+        finds it better. `floor`: a lower bound on the whole graph's peak (whole-graph models
+        only). Returns (solve result or None, byte scale, static bytes modelled)."""
         model, positions, scale, pairs, modelled_static = window_model(self.problem, self.order, ws, we,
-                                                                       self.aliases)
+                                                                       self.aliases, floor)
         solved = solve(model, time_limit, presolve=False)
         self.solves += 1
         self.statuses[solved.status] = self.statuses.get(solved.status, 0) + 1
@@ -449,7 +452,8 @@ def _better(new, old) -> bool:
     return (new.peak_bytes, new_count) < (old.peak_bytes, old_count)
 
 
-def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: dict[str, str]):
+def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: dict[str, str],
+                 floor: int = 0):
     """CP-SAT model of steps [ws, we) of `order` with every other op fixed.
 
     Returns (model, {op index: position variable}, byte scale, [(output, source, bool var)],
@@ -459,7 +463,8 @@ def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: 
     at a window op is a choice: taken, every other reader of the source runs first and the
     output starts one step after its op (rule 4 of the memory model). A parameter that may be
     overwritten is modelled too: to the end of the step, or to its last reader if overwritten.
-    Pairs at ops outside the window keep `aliases`.
+    Pairs at ops outside the window keep `aliases`. `floor` (whole graph only) is a known
+    lower bound on the peak, given to the solver to shorten its proof.
     """
     index = problem.index
     graph = problem.graph
@@ -551,7 +556,11 @@ def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: 
         model.Add(end == last).OnlyEnforceIf(taken)
         model.Add(end == we - 1).OnlyEnforceIf(taken.Not())
         add(ws, end, graph.tensors[x].nbytes, x, (ws, hint))
-    capacity = hinted(model.NewIntVar(0, sum(demands), "peak"), np.cumsum(load)[:-1].max(initial=0))
+    hint = int(np.cumsum(load)[:-1].max(initial=0))
+    least = 0
+    if floor and (ws, we) == (0, n):
+        least = min(hint, max(0, -(-(floor - (problem.static_bytes - modelled_static)) // scale)))
+    capacity = hinted(model.NewIntVar(least, max(least, sum(demands)), "peak"), hint)
     model.AddCumulative(intervals, demands, capacity)
     model.Minimize(capacity)
     return model, pos, scale, pairs, modelled_static
