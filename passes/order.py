@@ -60,6 +60,7 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
 
     heuristics = {"given": order, "list": list_schedule(problem), "dfs": dfs_schedule(problem, order),
                   "training": training_order(plan.graph, order)}
+    heuristics.update({f"{name}+sink": sink(problem, candidate) for name, candidate in list(heuristics.items())})
     peaks = {name: judge.peak(candidate) for name, candidate in heuristics.items()}
     first = min(peaks, key=lambda name: (peaks[name], list(peaks).index(name)))
     best = heuristics[first]
@@ -227,6 +228,59 @@ def dfs_schedule(problem: Problem, order: list[str]) -> list[str]:
             if waiting[j] == 0:
                 newly.append(j)
         stack.extend(sorted(newly, key=lambda j: -position[j]))
+    return result
+
+
+def sink(problem: Problem, order: list[str]) -> list[str]:
+    """`order` with each op that frees nothing moved down to just before the first op that
+    needs it: the first reader of one of its outputs, or the last reader of one of its
+    inputs (so no input lives longer). Its outputs then start later and nothing else moves:
+    without in-place, no step holds more bytes than before. Fixes the list scheduler's
+    habit of running cheap backward prologues (a Reshape of a forward activation) early."""
+    index = problem.index
+    graph = problem.graph
+    position = {index[name]: k for k, name in enumerate(order)}
+    last_read: dict[str, int] = {}
+    for k, name in enumerate(order):
+        for t in graph.op_by_name[name].present_inputs:
+            last_read[t] = k
+    freeable = {t for t in problem.tensors if t not in graph.outputs}
+    triggers: dict[int, list[int]] = {}
+    deferred: set[int] = set()
+    for k, name in enumerate(order):
+        op = graph.op_by_name[name]
+        if not op.present_outputs or any(last_read.get(t) == k and t in freeable for t in op.present_inputs):
+            continue
+        i = index[name]
+        deadline = {r for t in op.present_outputs for r in (index[c.name] for c in graph.consumers.get(t, []))}
+        deadline |= {index[order[last_read[t]]] for t in op.present_inputs if t in freeable}
+        deadline.discard(i)
+        deferred.add(i)
+        for w in deadline:
+            triggers.setdefault(w, []).append(i)
+    result: list[str] = []
+    emitted: set[int] = set()
+
+    def emit(first: int) -> None:
+        """Emit `first` after the deferred ops it triggers (their triggers first, and so on)."""
+        stack = [(first, iter(sorted(triggers.get(first, ()), key=position.get)))]
+        while stack:
+            node, pending = stack[-1]
+            for v in pending:
+                if v not in emitted:
+                    stack.append((v, iter(sorted(triggers.get(v, ()), key=position.get))))
+                    break
+            else:
+                stack.pop()
+                if node not in emitted:
+                    emitted.add(node)
+                    result.append(problem.names[node])
+
+    for name in order:
+        if index[name] not in deferred:
+            emit(index[name])
+    for name in order:
+        emit(index[name])
     return result
 
 
