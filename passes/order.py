@@ -29,6 +29,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import networkx as nx
 import numpy as np
 from ortools.sat.python import cp_model
 
@@ -44,6 +45,7 @@ WHOLE_GRAPH_OPS = 120      # one CP-SAT model up to this many ops, windows beyon
 WINDOW_OPS = 60            # first window size; doubled when every peak step was tried
 MAX_WINDOW_OPS = 240
 STRUCTURAL_BOUND_OPS = 12000   # bitset reachability beyond this costs too much memory
+BOUND_SHARE = 0.15             # of the time limit, for min-cut lower bounds before the search
 
 
 def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None) -> Plan:
@@ -60,11 +62,15 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
 
     heuristics = {"given": order, "list": list_schedule(problem), "dfs": dfs_schedule(problem, order),
                   "training": training_order(plan.graph, order)}
-    heuristics.update({f"{name}+sink": sink(problem, candidate) for name, candidate in list(heuristics.items())})
+    for name, candidate in list(heuristics.items()):
+        heuristics[f"{name}+sink"] = sunk = sink(problem, candidate)
+        heuristics[f"{name}+sink+hoist"] = hoist(problem, sunk)
     peaks = {name: judge.peak(candidate) for name, candidate in heuristics.items()}
     first = min(peaks, key=lambda name: (peaks[name], list(peaks).index(name)))
     best = heuristics[first]
-    lower, lower_kind = structural_bound(problem)
+    bounds = LowerBound(problem, start + BOUND_SHARE * max(0.0, float(time_limit)))
+    bounds.cuts(bounds.candidates)
+    lower = bounds.value
 
     search = Search(problem, judge, best, deadline, lower)
     if peaks[first] <= lower:
@@ -74,6 +80,11 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     else:
         search.windows()
     best, aliases, peak = search.order, search.aliases, search.profile.peak_bytes
+    if peak > bounds.value:
+        bounds.deadline = deadline
+        steps = np.flatnonzero(search.profile.live_bytes == peak)
+        bounds.cuts([problem.index[best[int(k)]] for k in steps[:2]])
+    lower, lower_kind = bounds.value, bounds.kind
     if search.proven is not None and search.proven > lower:
         lower, lower_kind = search.proven, "cp-sat"
     if peak == lower:
@@ -82,7 +93,8 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
         status = "feasible" if search.solutions else "heuristic"
     schedule = order_schedule(best)
     notes = {"status": status, "peak_bytes": peak, "input_peak_bytes": judge.peak_of_plan(),
-             "lower_bound_bytes": lower, "lower_bound": lower_kind, "inplace": inplace,
+             "lower_bound_bytes": lower, "lower_bound": lower_kind, "cuts": bounds.cut_count,
+             "inplace": inplace,
              "ops": len(order), "heuristic_peaks": peaks, "start": first, "cpsat": search.notes(),
              "deterministic": search.deterministic, "time_limit_s": time_limit,
              "seconds": round(time.perf_counter() - start, 3)}
@@ -231,29 +243,47 @@ def dfs_schedule(problem: Problem, order: list[str]) -> list[str]:
     return result
 
 
-def sink(problem: Problem, order: list[str]) -> list[str]:
-    """`order` with each op that frees nothing moved down to just before the first op that
-    needs it: the first reader of one of its outputs, or the last reader of one of its
-    inputs (so no input lives longer). Its outputs then start later and nothing else moves:
-    without in-place, no step holds more bytes than before. Fixes the list scheduler's
-    habit of running cheap backward prologues (a Reshape of a forward activation) early."""
-    index = problem.index
+def _last_reads(problem: Problem, order: list[str]) -> tuple[dict[str, int], set[str], dict[str, int]]:
+    """Per tensor the step of its last reader in `order`, the tensors whose storage goes
+    after that read (not static, not graph outputs), and their sizes."""
     graph = problem.graph
-    position = {index[name]: k for k, name in enumerate(order)}
     last_read: dict[str, int] = {}
     for k, name in enumerate(order):
         for t in graph.op_by_name[name].present_inputs:
             last_read[t] = k
+    nbytes = dict(zip(problem.tensors, problem.nbytes))
     freeable = {t for t in problem.tensors if t not in graph.outputs}
+    return last_read, freeable, nbytes
+
+
+def _balance(problem: Problem, op, k: int, last_read, freeable, nbytes) -> tuple[list[str], int, int]:
+    """(inputs the op at step k frees, bytes freed, bytes defined)."""
+    freed = [t for t in dict.fromkeys(op.present_inputs) if last_read.get(t) == k and t in freeable]
+    return freed, sum(nbytes[t] for t in freed), sum(nbytes.get(t, 0) for t in op.present_outputs)
+
+
+def sink(problem: Problem, order: list[str]) -> list[str]:
+    """`order` with each op that defines more bytes than it frees moved down to just before
+    the first op that needs it: the first reader of one of its outputs, or the last reader
+    of an input it does not free. Between its old and new step the outputs are not yet there
+    and the freed inputs still are, which lowers those steps; the moved op's own step may
+    hold more (what ran meanwhile), so the result is a candidate for the judge, not a sure
+    gain. Fixes the list scheduler's habit of running backward prologues (a Reshape of a
+    forward activation) early."""
+    index = problem.index
+    graph = problem.graph
+    position = {index[name]: k for k, name in enumerate(order)}
+    last_read, freeable, nbytes = _last_reads(problem, order)
     triggers: dict[int, list[int]] = {}
     deferred: set[int] = set()
     for k, name in enumerate(order):
         op = graph.op_by_name[name]
-        if not op.present_outputs or any(last_read.get(t) == k and t in freeable for t in op.present_inputs):
+        freed, freed_bytes, defined = _balance(problem, op, k, last_read, freeable, nbytes)
+        if defined <= freed_bytes:
             continue
         i = index[name]
         deadline = {r for t in op.present_outputs for r in (index[c.name] for c in graph.consumers.get(t, []))}
-        deadline |= {index[order[last_read[t]]] for t in op.present_inputs if t in freeable}
+        deadline |= {index[order[last_read[t]]] for t in op.present_inputs if t in freeable and t not in freed}
         deadline.discard(i)
         deferred.add(i)
         for w in deadline:
@@ -284,14 +314,62 @@ def sink(problem: Problem, order: list[str]) -> list[str]:
     return result
 
 
+def hoist(problem: Problem, order: list[str]) -> list[str]:
+    """`order` with each op that frees more bytes than it defines moved up to just after the
+    last op it waits for: the producers of its inputs and the other readers of the inputs
+    it frees. Between its new and old step the freed inputs are gone and the outputs there,
+    which lowers those steps (the moved op's own step may hold more: a candidate for the
+    judge, as with `sink`, whose mirror it is)."""
+    index = problem.index
+    graph = problem.graph
+    last_read, freeable, nbytes = _last_reads(problem, order)
+    remaining: dict[int, int] = {}
+    waiting: dict[int, list[int]] = {}
+    for k, name in enumerate(order):
+        op = graph.op_by_name[name]
+        freed, freed_bytes, defined = _balance(problem, op, k, last_read, freeable, nbytes)
+        if freed_bytes <= defined:
+            continue
+        i = index[name]
+        waits = set(problem.preds[i])
+        waits |= {index[c.name] for t in freed for c in graph.consumers.get(t, [])}
+        waits.discard(i)
+        remaining[i] = len(waits)
+        for w in waits:
+            waiting.setdefault(w, []).append(i)
+    result: list[str] = []
+    emitted: set[int] = set()
+
+    def emit(first: int) -> None:
+        """Emit `first`, then every eager op it was the last wait of (and theirs, ...)."""
+        ready = [first]
+        while ready:
+            node = ready.pop()
+            if node in emitted:
+                continue
+            emitted.add(node)
+            result.append(problem.names[node])
+            for e in reversed(waiting.get(node, [])):
+                remaining[e] -= 1
+                if remaining[e] == 0:
+                    ready.append(e)
+
+    for name in order:
+        i = index[name]
+        if remaining.get(i) == 0:
+            emit(i)
+    for name in order:
+        i = index[name]
+        if i not in remaining:
+            emit(i)
+    return result
+
+
 # ---- lower bound -------------------------------------------------------------------------
-def structural_bound(problem: Problem) -> tuple[int, str]:
-    """The largest, over ops, of the bytes resident at that op in every topological order."""
+def reachability(problem: Problem) -> tuple[list[int], list[int]]:
+    """Per op, bitsets (bit i = op index i) of its ancestors and of its descendants, itself
+    included in both."""
     n = len(problem.names)
-    if n == 0:
-        return problem.static_bytes, "structural"
-    if n > STRUCTURAL_BOUND_OPS:
-        return _per_op_bound(problem), "per-op"
     topo = _topological(problem)
     anc = [0] * n
     for i in topo:
@@ -305,6 +383,15 @@ def structural_bound(problem: Problem) -> tuple[int, str]:
         for s in problem.succs[i]:
             bits |= desc[s]
         desc[i] = bits
+    return anc, desc
+
+
+def structural_bound(problem: Problem, reach: tuple[list[int], list[int]]) -> tuple[int, np.ndarray]:
+    """The bytes resident at each op's step in *every* order -- tensors produced by an
+    ancestor (or the op) and read by a descendant (or the op) -- and the largest such sum,
+    static bytes included. Returns (bound, bytes per op)."""
+    anc, desc = reach
+    n = len(problem.names)
     everything = (1 << n) - 1
     width = (n + 7) // 8
     totals = np.zeros(n, dtype=np.int64)
@@ -339,7 +426,109 @@ def structural_bound(problem: Problem) -> tuple[int, str]:
         else:
             ends = (1 << u) if u >= 0 else 0
         add(starts & ends, nbytes)
-    return int(totals.max()) + always, "structural"
+    return int(totals.max()) + always, totals + always
+
+
+def cut_bound(problem: Problem, u: int, reach: tuple[list[int], list[int]]) -> int:
+    """Bytes resident at op u's step in every order, by a minimum cut.
+
+    The ops run by u's step form a set S holding u and its ancestors, none of its
+    descendants, closed under predecessors; every tensor produced in S (or a graph input)
+    and read outside it is resident then, as are u's own inputs and outputs and the static
+    bytes no order releases. The least such sum over all S is a max-flow min-cut: op nodes
+    with uncuttable edges to their predecessors (closure), a node per tensor entered from
+    its producer at its byte size and leaving to each reader uncuttably. Stronger than the
+    structural bound where one of two tensors must be kept (x or a same-sized function of
+    it) but either may be."""
+    graph = problem.graph
+    anc, desc = reach
+    source, sink_ = "source", "sink"
+    network = nx.DiGraph()
+    network.add_nodes_from((source, sink_))
+    for v, preds in enumerate(problem.preds):
+        network.add_edges_from((v, p) for p in preds)          # no capacity: uncuttable
+    network.add_edges_from((source, a) for a in _members(anc[u]))
+    network.add_edges_from((d, sink_) for d in _members(desc[u] & ~(1 << u)))
+    op = graph.op_by_name[problem.names[u]]
+    around = set(op.present_inputs) | set(op.present_outputs)
+    constant = _static_residency(problem)[0]
+    for k, nbytes in enumerate(problem.nbytes):
+        name, producer = problem.tensors[k], problem.producer[k]
+        if problem.takes_static[k] or (producer == u and problem.may_alias[k]):
+            continue                       # lives in storage counted elsewhere
+        if name in around or (problem.held[k] and producer < 0):
+            constant += nbytes
+            continue
+        tail = source if producer < 0 else producer
+        if problem.held[k]:
+            _add_capacity(network, tail, sink_, nbytes)
+        elif problem.readers[k]:
+            _add_capacity(network, tail, ("t", k), nbytes)
+            network.add_edges_from((("t", k), r) for r in problem.readers[k])
+    return constant + int(nx.minimum_cut_value(network, source, sink_))
+
+
+def _members(bits: int) -> list[int]:
+    """Indices of the set bits of `bits`."""
+    width = (bits.bit_length() + 7) // 8
+    if not width:
+        return []
+    flags = np.unpackbits(np.frombuffer(bits.to_bytes(width, "little"), dtype=np.uint8), bitorder="little")
+    return [int(i) for i in np.flatnonzero(flags)]
+
+
+def _add_capacity(network: nx.DiGraph, tail, head, nbytes: int) -> None:
+    if network.has_edge(tail, head):
+        if "capacity" in network[tail][head]:
+            network[tail][head]["capacity"] += nbytes
+    else:
+        network.add_edge(tail, head, capacity=nbytes)
+
+
+def cut_candidates(problem: Problem, reach, totals: np.ndarray, count: int = 5) -> list[int]:
+    """Ops worth a min cut: the largest structural sums, and the ops with the most ancestors
+    times descendants (in a training step, where the forward hands over to the backward)."""
+    anc, desc = reach
+    spread = [(anc[i].bit_count() - 1) * (desc[i].bit_count() - 1) for i in range(len(anc))]
+    by_total = [int(i) for i in np.argsort(-totals, kind="stable")[:count]]
+    by_spread = sorted(range(len(anc)), key=lambda i: (-spread[i], i))[:count]
+    return list(dict.fromkeys(x for pair in zip(by_spread, by_total) for x in pair))
+
+
+class LowerBound:
+    """The best proven lower bound so far: structural at once, min cuts while time allows."""
+
+    def __init__(self, problem: Problem, deadline: float):
+        self.problem = problem
+        self.deadline = deadline
+        self.cut_count = 0
+        self.done: set[int] = set()
+        self.last_cut_seconds = 0.0
+        n = len(problem.names)
+        if n == 0:
+            self.value, self.kind, self.reach, self.candidates = problem.static_bytes, "structural", None, []
+        elif n > STRUCTURAL_BOUND_OPS:
+            self.value, self.kind, self.reach, self.candidates = _per_op_bound(problem), "per-op", None, []
+        else:
+            self.reach = reachability(problem)
+            self.value, totals = structural_bound(problem, self.reach)
+            self.kind = "structural"
+            self.candidates = cut_candidates(problem, self.reach, totals)
+
+    def cuts(self, ops: list[int]) -> None:
+        """Min cuts at `ops` (skipping those done), each only if the last one's time still fits."""
+        if self.reach is None:
+            return
+        for u in ops:
+            if u in self.done or time.perf_counter() + self.last_cut_seconds > self.deadline:
+                continue
+            started = time.perf_counter()
+            value = cut_bound(self.problem, u, self.reach)
+            self.last_cut_seconds = time.perf_counter() - started
+            self.done.add(u)
+            self.cut_count += 1
+            if value > self.value:
+                self.value, self.kind = value, "min-cut"
 
 
 def _static_residency(problem: Problem) -> tuple[int, list[tuple[int, list[int]]]]:

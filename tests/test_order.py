@@ -11,7 +11,7 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule
-from passes.order import order_pass
+from passes.order import Problem, cut_bound, hoist, order_pass, reachability, sink, structural_bound
 from passes.placement import place_pass
 from passes.reuse import choose_aliases, reuse_pass
 
@@ -80,6 +80,64 @@ def test_training_graph_in_place_meets_its_structural_bound():
     assert validate(plan).peak_bytes == 9774
     assert notes["lower_bound_bytes"] == 9774 and notes["lower_bound"] == "structural"
     assert notes["status"] == "optimal" and notes["inplace"]
+
+
+def test_sink_runs_a_prologue_where_it_is_needed():
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("early", "Conv", ["x"], [("E", 100)])      # frees nothing: x is read again at the end
+    g.op("mid", "Conv", ["x"], [("M", 200)])
+    g.op("use_m", "Conv", ["M"], [("N", 8)])
+    g.op("use_e", "Concat", ["E", "N", "x"], [("out", 8)])
+    g.output("out")
+    graph = g.graph()
+    order = [op.name for op in graph.ops]
+    moved = sink(Problem.build(graph, False), order)
+    assert moved == ["mid", "use_m", "early", "use_e"]
+    assert list(analyze(graph, order_schedule(order)).live_bytes) == [108, 308, 316, 124]
+    assert list(analyze(graph, order_schedule(moved)).live_bytes) == [208, 216, 116, 124]
+
+
+def test_hoist_runs_a_reduction_as_soon_as_it_can():
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("big", "Conv", ["x"], [("B", 200)])
+    g.op("other", "Conv", ["x"], [("O", 150)])
+    g.op("red", "ReduceSum", ["B"], [("R", 4)])     # frees 200 bytes, defines 4
+    g.op("final", "Concat", ["R", "O"], [("Y", 8)])
+    g.output("Y")
+    graph = g.graph()
+    order = [op.name for op in graph.ops]
+    moved = hoist(Problem.build(graph, False), order)
+    assert moved == ["big", "red", "other", "final"]
+    assert list(analyze(graph, order_schedule(order)).live_bytes) == [208, 358, 354, 162]
+    assert list(analyze(graph, order_schedule(moved)).live_bytes) == [208, 212, 162, 162]
+
+
+def test_min_cut_proves_what_the_structure_cannot():
+    """A (100) feeds the forward and a backward prologue P = Neg(A) (100) that may run at any
+    time: at the gradient seed one of A or P is resident, which only the cut sees."""
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("a", "Conv", ["x"], [("A", 100)])
+    g.op("c", "Conv", ["A"], [("C", 100)])
+    g.op("f", "Conv", ["C"], [("Y", 8)])
+    g.op("p", "Neg", ["A"], [("P", 100)], phase="backward")
+    g.op("g", "Expand", ["Y"], [("G", 50)], phase="backward")
+    g.op("b1", "Mul", ["C", "G"], [("D", 8)], phase="backward")
+    g.op("b2", "Mul", ["P", "D"], [("B", 8)], phase="backward")
+    g.output("B")
+    graph = g.graph()
+    problem = Problem.build(graph, False)
+    reach = reachability(problem)
+    structural, per_op = structural_bound(problem, reach)
+    seed = problem.index["g"]
+    # at g: C 100 + Y 8 + G 50 in any order; A or P (100) only by the cut
+    assert (structural, int(per_op[seed])) == (200, 158)
+    assert cut_bound(problem, seed, reach) == 258 == brute_force_peak(graph, inplace=False)
+    notes = order_pass(Plan.initial(graph), time_limit=5).notes["order"]
+    assert notes["lower_bound"] == "min-cut" and notes["lower_bound_bytes"] == 258
+    assert notes["status"] == "optimal" and notes["peak_bytes"] == 258
 
 
 def test_large_graph_returns_within_its_time_limit():
