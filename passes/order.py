@@ -44,7 +44,9 @@ from .solver import solve
 WHOLE_GRAPH_OPS = 120      # one CP-SAT model up to this many ops, windows beyond
 WINDOW_OPS = 60            # first window size; doubled when every peak step was tried
 MAX_WINDOW_OPS = 240
+WINDOW_PLACES = (0.5, 0.25, 0.75)   # where in a window its peak step sits, tried in this order
 STRUCTURAL_BOUND_OPS = 12000   # bitset reachability beyond this costs too much memory
+HEURISTIC_SHARE = 0.5          # of the time limit, at most, for the heuristic starts
 BOUND_SHARE = 0.15             # of the time limit, for min-cut lower bounds before the search
 
 
@@ -58,17 +60,12 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
                             "recompute and swap")
     inplace = bool(plan.aliases) if inplace is None else inplace
     problem = Problem.build(plan.graph, inplace)
-    judge = _Judge(plan, inplace)
+    judge = Judge(plan, inplace)
 
-    heuristics = {"given": order, "list": list_schedule(problem), "dfs": dfs_schedule(problem, order),
-                  "training": training_order(plan.graph, order)}
-    for name, candidate in list(heuristics.items()):
-        heuristics[f"{name}+sink"] = sunk = sink(problem, candidate)
-        heuristics[f"{name}+sink+hoist"] = hoist(problem, sunk)
-    peaks = {name: judge.peak(candidate) for name, candidate in heuristics.items()}
+    heuristics, peaks = starts(problem, plan.graph, order, judge, start + HEURISTIC_SHARE * max(0.0, time_limit))
     first = min(peaks, key=lambda name: (peaks[name], list(peaks).index(name)))
     best = heuristics[first]
-    bounds = LowerBound(problem, start + BOUND_SHARE * max(0.0, float(time_limit)))
+    bounds = LowerBound(problem, min(deadline, time.perf_counter() + BOUND_SHARE * max(0.0, float(time_limit))))
     bounds.cuts(bounds.candidates)
     lower = bounds.value
 
@@ -150,7 +147,7 @@ class Problem:
                    may_alias, takes_static, static, inplace)
 
 
-class _Judge:
+class Judge:
     """Candidate orders judged by the memory model, with greedy in-place aliases when asked."""
 
     def __init__(self, plan: Plan, inplace: bool):
@@ -174,6 +171,28 @@ class _Judge:
 
 
 # ---- heuristics ----------------------------------------------------------------------------
+def starts(problem: Problem, graph: Graph, order: list[str], judge: "Judge", deadline: float):
+    """The heuristic orders and their judged peaks: the given order always, the others (each
+    base, then sunk, then sunk and hoisted) while `deadline` allows, best-first as measured
+    on the model zoo. Returns ({name: order}, {name: peak})."""
+    bases = {"given": lambda: order, "list": lambda: list_schedule(problem),
+             "training": lambda: training_order(graph, order), "dfs": lambda: dfs_schedule(problem, order)}
+    orders: dict[str, list[str]] = {}
+    peaks: dict[str, int] = {}
+    for name, build in bases.items():
+        if orders and time.perf_counter() > deadline:
+            break
+        base = build()
+        sunk = sink(problem, base)
+        for label, candidate in ((name, base), (f"{name}+sink", sunk),
+                                 (f"{name}+sink+hoist", hoist(problem, sunk))):
+            if orders and time.perf_counter() > deadline:
+                break
+            orders[label] = candidate
+            peaks[label] = judge.peak(candidate)
+    return orders, peaks
+
+
 def list_schedule(problem: Problem) -> list[str]:
     """XLA's list scheduler: run the ready op with the most bytes freed minus bytes defined
     (ties: graph order). With in-place, an output that can take a parameter's storage at its
@@ -591,7 +610,7 @@ def _topological(problem: Problem) -> list[int]:
 class Search:
     """CP-SAT improvement of an order: one whole-graph model, or windows around the peak."""
 
-    def __init__(self, problem: Problem, judge: _Judge, order: list[str], deadline: float,
+    def __init__(self, problem: Problem, judge: Judge, order: list[str], deadline: float,
                  lower_bound: int = 0):
         self.problem = problem
         self.lower_bound = lower_bound
@@ -626,9 +645,11 @@ class Search:
             self.proven = unmodelled + scale * int(round(solved.bound))
 
     def windows(self) -> None:
-        """Re-optimise windows centred on peak steps until no peak step is left to try."""
+        """Re-optimise windows around peak steps -- the peak at the window's middle, then at
+        a quarter and at three quarters of it -- growing the windows when every peak step
+        was tried, until none is left or the time is up."""
         self.mode = "windows"
-        tried: set[int] = set()
+        tried: set[tuple[int, float]] = set()
         n = len(self.order)
         while True:
             if self.left() <= 0.1:
@@ -636,19 +657,21 @@ class Search:
                 self.deterministic = False
                 return
             live = self.profile.live_bytes
-            steps = [int(s) for s in np.flatnonzero(live == live.max()) if int(s) not in tried]
-            if not steps:
+            peak_steps = [int(s) for s in np.flatnonzero(live == live.max())]
+            todo = [(s, f) for f in WINDOW_PLACES for s in peak_steps if (s, f) not in tried]
+            if not todo:
                 if self.window_ops >= min(MAX_WINDOW_OPS, n):
                     self.ended = "no peak step left to improve"
                     return
                 self.window_ops = min(self.window_ops * 2, MAX_WINDOW_OPS)
                 tried.clear()
                 continue
-            ws = max(0, min(steps[0] - self.window_ops // 2, n - self.window_ops))
+            step, place = todo[0]
+            ws = max(0, min(step - int(self.window_ops * place), n - self.window_ops))
             we = min(n, ws + self.window_ops)
             peak = self.profile.peak_bytes
             self._step(ws, we, min(self.left(), max(1.0, 0.1 * self.left())))
-            tried.update(t for t in steps if ws <= t < we)
+            tried.update((s, place) for s in peak_steps if ws <= s < we)
             if self.profile.peak_bytes < peak:
                 tried.clear()
 
