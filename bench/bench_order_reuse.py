@@ -1,6 +1,7 @@
 """Zero-overhead memory savings on training graphs: reuse -> order -> placement vs the baseline.
 
-For every bundled network (models/) at two small batch sizes, the SGD training step from
+For every bundled network (models/) at two small batch sizes, and for two torch-exported
+networks (bench/torch_models.py, when torch is installed), the SGD training step from
 passes.autodiff is planned as `memsched compile --strategies order,reuse` plans it:
 reuse (updates in the backward, dW/dX rule, in-place), order (CP-SAT, warm-started),
 placement (arena offsets). The baseline is the graph in autodiff's order, updates at the
@@ -8,8 +9,9 @@ end, nothing in place: `Plan.initial(graph)`. A synthetic ~5,000-op training cha
 that the largest graphs finish inside the time limit.
 
 Prints one JSON object: per graph the baseline and plan peaks, their ratio, the arena and
-arena/peak, the order pass's lower bound and status, and seconds per pass; then a summary
-(mean and max ratio, max arena/peak, whether every pass kept to its limit).
+arena/peak, the order pass's proven lower bound (and its ratio to the baseline: no order
+with in-place can do better), its status, and seconds per pass; then a summary (mean and
+max ratio, mean lower-bound ratio, max arena/peak, whether every pass kept to its limit).
 
     python bench/bench_order_reuse.py --time-limit 60
     python bench/bench_order_reuse.py --models mlp,resnet18 --batches 1,2 --time-limit 10
@@ -34,13 +36,15 @@ from passes.placement import place_pass  # noqa: E402
 from passes.reuse import reuse_pass  # noqa: E402
 
 
-def training_graph(name: str, batch: int):
-    """The SGD training step of bundled model `name` at `batch` (other options: defaults)."""
+def training_graph(name: str, batch: int, model=None):
+    """The SGD training step of bundled model `name` at `batch` (other options: defaults),
+    or of the ONNX `model` given."""
     try:
         from passes.autodiff import build_training_step
     except ImportError:
         sys.exit("bench_order_reuse: passes.autodiff (the training-step builder) is not in this tree")
-    return build_training_step(lower(models.build(name, batch=batch)), loss="cross_entropy", optimizer="sgd")
+    model = model if model is not None else models.build(name, batch=batch)
+    return build_training_step(lower(model), loss="cross_entropy", optimizer="sgd")
 
 
 def synthetic_graph(layers: int = 700):
@@ -78,6 +82,7 @@ def plan_graph(graph, time_limit: float, place_limit: float) -> dict:
         "arena_over_peak": round(placement["arena_bytes"] / peak, 4),
         "lower_bound_bytes": order["lower_bound_bytes"],
         "lower_bound": order["lower_bound"],
+        "lower_bound_ratio": round(order["lower_bound_bytes"] / base_peak, 4),
         "order_status": order["status"],
         "order_start": order["start"],
         "order_cpsat": order["cpsat"],
@@ -91,6 +96,20 @@ def plan_graph(graph, time_limit: float, place_limit: float) -> dict:
     }
 
 
+def torch_cases(batches: list[int]) -> list[tuple]:
+    """(name, batch, model) for the torch-exported networks; none where torch is missing."""
+    try:
+        from bench.torch_models import exported
+    except ImportError:
+        return []
+    try:
+        return [(name, batch, model) for batch in batches for name, model in exported(batch).items()]
+    except ImportError:
+        print("bench_order_reuse: torch is not installed; the torch-exported networks are skipped",
+              file=sys.stderr)
+        return []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(models.NAMES), help="comma-separated model names")
@@ -99,15 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--place-limit", type=float, default=10.0, help="placement seconds per graph")
     parser.add_argument("--synthetic-layers", type=int, default=700,
                         help="layers of the synthetic chain (7 ops each); 0 to skip")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch-exported networks")
     args = parser.parse_args(argv)
     rows = []
-    for name in [n.strip() for n in args.models.split(",") if n.strip()]:
-        for batch in [int(b) for b in args.batches.split(",")]:
-            graph = training_graph(name, batch)
-            row = {"graph": name, "batch": batch, **plan_graph(graph, args.time_limit, args.place_limit)}
-            rows.append(row)
-            print(f"{name} b={batch}: {row['ratio']:.3f} x baseline, arena {row['arena_over_peak']:.4f} x peak, "
-                  f"{row['seconds']}", file=sys.stderr)
+    batches = [int(b) for b in args.batches.split(",")]
+    cases = [(name, batch, None) for name in args.models.split(",") if name.strip() for batch in batches]
+    if not args.no_torch:
+        cases += torch_cases(batches)
+    for name, batch, model in cases:
+        graph = training_graph(name.strip(), batch, model)
+        row = {"graph": name.strip(), "batch": batch, **plan_graph(graph, args.time_limit, args.place_limit)}
+        rows.append(row)
+        print(f"{row['graph']} b={batch}: {row['ratio']:.3f} x baseline (bound {row['lower_bound_ratio']:.3f}), "
+              f"arena {row['arena_over_peak']:.4f} x peak, {row['seconds']}", file=sys.stderr)
     synthetic = None
     if args.synthetic_layers:
         graph = synthetic_graph(args.synthetic_layers)
@@ -117,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "graphs": len(rows),
         "mean_ratio": round(sum(ratios) / len(ratios), 4) if ratios else None,
         "max_ratio": max(ratios, default=None),
+        "mean_lower_bound_ratio": round(sum(r["lower_bound_ratio"] for r in rows) / len(rows), 4) if rows else None,
         "max_arena_over_peak": max((r["arena_over_peak"] for r in rows), default=None),
         "all_within_limit": all(r["within_limit"] for r in rows + ([synthetic] if synthetic else [])),
         "time_limit_s": args.time_limit,
