@@ -1,25 +1,31 @@
 """Operator order: a topological order of the ops with the lowest peak of device bytes.
 
-Fast heuristics give the start, each judged by the memory model (`memsched.memory.analyze`):
-the given order; XLA's list scheduler (run the ready op that frees the most bytes net of
-what it defines); a depth-first order (run what the last op made ready); and, for training
-graphs, the order of `passes.reuse.training_order` (updates in the backward, the dW/dX
-rule). The best becomes the hint of a CP-SAT model: op positions (AllDifferent, data-flow
-precedences), each tensor an interval from its producer to its last reader, a Cumulative
-over the intervals whose capacity -- the peak -- is minimised. Graphs too large for one
-model are decomposed: windows of consecutive ops around the current peak step are
-re-optimised with the rest of the order fixed (steps outside a window keep their bytes, so
-the peak never rises), growing until the time runs out or nothing improves.
+Starts (`starts`), each judged by the memory model (`memsched.memory.analyze`): the given
+order; XLA's list scheduler (run the ready op that frees the most bytes net of what it
+defines); a depth-first order (run what the last op made ready); the training order of
+`passes.reuse.training_order` (updates in the backward, the dW/dX rule); each also with
+`sink` (ops that define more than they free moved down to where they are needed) and then
+`hoist` (ops that free more than they define moved up to where they can run).
 
-With `inplace` (the default when the plan already has aliases, i.e. after `reuse`), the
-order is judged with greedy in-place aliases (`passes.reuse.choose_aliases`), and the
-CP-SAT model keeps the current alias pairs valid: every other reader of a source runs
-before the op that overwrites it.
+The best start is the hint of a CP-SAT model (`window_model`): op positions (one op per
+step, data-flow precedences), each tensor an interval from its producer to its last reader,
+a Cumulative over the intervals whose capacity -- the peak -- is minimised. Up to
+WHOLE_GRAPH_OPS ops one model takes the whole graph; beyond, windows of consecutive ops
+around the current peak step are re-optimised with the rest of the order fixed (steps
+outside a window keep their bytes, so the peak never rises), growing until no peak step
+is left to improve or the time is up.
 
-The lower bound is structural: at every op, a tensor produced by one of its ancestors (or
-itself) and read by one of its descendants (or itself) is resident in *any* order, so the
-largest such sum over ops bounds every order's peak; a whole-graph CP-SAT solve of the
-exact model (no in-place) may prove more.
+With `inplace` (the default when the plan already has aliases, i.e. after `reuse`), orders
+are judged with greedy in-place aliases (`passes.reuse.choose_aliases`), and in the model
+each eligible (output, input) pair is a choice: taken, every other reader of the input
+runs first and the output takes no bytes of its own (the memory model's rule 4).
+
+Lower bounds (`LowerBound`), valid for every order (with any in-place aliases): the
+structural one -- at each op, the tensors produced by an ancestor and read by a descendant
+are resident in any order -- and, while time allows, min cuts at chosen ops (`cut_bound`),
+which also see that one of two tensors must be kept where either may be; a whole-graph
+CP-SAT optimum is one too. The status is `optimal` when the peak meets the bound,
+`feasible` when CP-SAT ran, `heuristic` otherwise.
 """
 from __future__ import annotations
 
@@ -62,10 +68,11 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     problem = Problem.build(plan.graph, inplace)
     judge = Judge(plan, inplace)
 
-    heuristics, peaks = starts(problem, plan.graph, order, judge, start + HEURISTIC_SHARE * max(0.0, time_limit))
+    budget = max(0.0, float(time_limit))
+    heuristics, peaks = starts(problem, plan.graph, order, judge, start + HEURISTIC_SHARE * budget)
     first = min(peaks, key=lambda name: (peaks[name], list(peaks).index(name)))
     best = heuristics[first]
-    bounds = LowerBound(problem, min(deadline, time.perf_counter() + BOUND_SHARE * max(0.0, float(time_limit))))
+    bounds = LowerBound(problem, min(deadline, time.perf_counter() + BOUND_SHARE * budget))
     bounds.cuts(bounds.candidates)
     lower = bounds.value
 
@@ -91,9 +98,10 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     schedule = order_schedule(best)
     notes = {"status": status, "peak_bytes": peak, "input_peak_bytes": judge.peak_of_plan(),
              "lower_bound_bytes": lower, "lower_bound": lower_kind, "cuts": bounds.cut_count,
-             "inplace": inplace,
-             "ops": len(order), "heuristic_peaks": peaks, "start": first, "cpsat": search.notes(),
-             "deterministic": search.deterministic, "time_limit_s": time_limit,
+             "inplace": inplace, "ops": len(order), "heuristic_peaks": peaks, "start": first,
+             "cpsat": search.notes(),
+             "deterministic": search.deterministic and len(peaks) == 12 and not bounds.skipped,
+             "time_limit_s": time_limit,
              "seconds": round(time.perf_counter() - start, 3)}
     return dataclasses.replace(plan, schedule=schedule, aliases=aliases, offsets=None,
                                notes={**plan.notes, "order": notes})
@@ -174,22 +182,22 @@ class Judge:
 def starts(problem: Problem, graph: Graph, order: list[str], judge: "Judge", deadline: float):
     """The heuristic orders and their judged peaks: the given order always, the others (each
     base, then sunk, then sunk and hoisted) while `deadline` allows, best-first as measured
-    on the model zoo. Returns ({name: order}, {name: peak})."""
+    on the model zoo. Returns ({name: order}, {name: peak}); fewer than 12 when time ran out."""
     bases = {"given": lambda: order, "list": lambda: list_schedule(problem),
              "training": lambda: training_order(graph, order), "dfs": lambda: dfs_schedule(problem, order)}
+    steps = [("", lambda previous: previous), ("+sink", lambda previous: sink(problem, previous)),
+             ("+hoist", lambda previous: hoist(problem, previous))]
     orders: dict[str, list[str]] = {}
     peaks: dict[str, int] = {}
     for name, build in bases.items():
-        if orders and time.perf_counter() > deadline:
-            break
-        base = build()
-        sunk = sink(problem, base)
-        for label, candidate in ((name, base), (f"{name}+sink", sunk),
-                                 (f"{name}+sink+hoist", hoist(problem, sunk))):
+        candidate = None
+        for suffix, transform in steps:
             if orders and time.perf_counter() > deadline:
-                break
-            orders[label] = candidate
-            peaks[label] = judge.peak(candidate)
+                return orders, peaks
+            candidate = build() if candidate is None else transform(candidate)
+            name += suffix
+            orders[name] = candidate
+            peaks[name] = judge.peak(candidate)
     return orders, peaks
 
 
@@ -521,6 +529,7 @@ class LowerBound:
         self.problem = problem
         self.deadline = deadline
         self.cut_count = 0
+        self.skipped = 0             # cuts left out for want of time
         self.done: set[int] = set()
         self.last_cut_seconds = 0.0
         n = len(problem.names)
@@ -539,7 +548,10 @@ class LowerBound:
         if self.reach is None:
             return
         for u in ops:
-            if u in self.done or time.perf_counter() + self.last_cut_seconds > self.deadline:
+            if u in self.done:
+                continue
+            if time.perf_counter() + self.last_cut_seconds > self.deadline:
+                self.skipped += 1
                 continue
             started = time.perf_counter()
             value = cut_bound(self.problem, u, self.reach)
