@@ -9,8 +9,8 @@ TensorFlow Lite's arena planner and OLLA:
   optimizer state) are stacked at the bottom first -- any packing can be rearranged so, at
   no cost -- then the rest one by one, each into the smallest gap left by the buffers it
   overlaps in time, or above them all. The order of the rest decides the result: by size
-  (TFLite's greedy by size), by size then lifetime, by lifetime, by size x lifetime, by
-  first step (TFLite's greedy by breadth); `best_greedy` keeps the smallest arena.
+  (TFLite's greedy by size), by lifetime, by first step (TFLite's greedy by breadth), by
+  last step, and mixes of these (GREEDY_ORDERS); `best_greedy` keeps the smallest arena.
 - `cpsat_offsets`: CP-SAT with NoOverlap2D over (lifetime x address), warm-started with the
   greedy result and bounded by it, used when the greedy arena is above the lower bound.
 
@@ -22,6 +22,7 @@ the peak of the rounded sizes (also reported).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -44,6 +45,9 @@ GREEDY_ORDERS = {
     "lifetime": lambda b: (b[1] - b[2], -b[3], b[1], str(b[0][0]), b[0][1]),
     "size x lifetime": lambda b: (-b[3] * (b[2] - b[1] + 1), -b[3], b[1], str(b[0][0]), b[0][1]),
     "first step": lambda b: (b[1], -b[3], str(b[0][0]), b[0][1]),
+    "size, last step": lambda b: (-b[3], -b[2], str(b[0][0]), b[0][1]),
+    "size x sqrt lifetime": lambda b: (-b[3] * (b[2] - b[1] + 1) ** 0.5, str(b[0][0]), b[0][1]),
+    "last step": lambda b: (-b[2], -b[3], str(b[0][0]), b[0][1]),
 }
 
 Buffer = tuple  # (key, first step, last step, bytes), as memsched.memory.buffers gives
@@ -74,7 +78,9 @@ def place_pass(plan: Plan, time_limit: float = 10.0) -> Plan:
 
 def place_buffers(items: list[Buffer], n_steps: int, time_limit: float) -> tuple[dict, dict]:
     """Offsets for `items` (greedy, then CP-SAT where it may help); returns (offsets, info)."""
-    greedy, name = best_greedy(items, n_steps)
+    started = time.perf_counter()
+    greedy, name = best_greedy(items, n_steps, started + time_limit / 2)
+    time_limit -= time.perf_counter() - started
     arena = _arena_aligned(items, greedy, ALIGNMENT)
     bound = aligned_peak(items, n_steps)
     info = {"method": f"greedy ({name})", "status": "optimal" if arena <= bound else "heuristic",
@@ -103,10 +109,13 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float) -> tuple
     return greedy, info
 
 
-def best_greedy(items: list[Buffer], n_steps: int) -> tuple[dict, str]:
-    """The greedy placement with the smallest arena over GREEDY_ORDERS (ties: the first)."""
+def best_greedy(items: list[Buffer], n_steps: int, deadline: float = math.inf) -> tuple[dict, str]:
+    """The greedy placement with the smallest arena over GREEDY_ORDERS (ties: the first);
+    the orders after the first only while `deadline` (a perf_counter time) allows."""
     best = None
     for name, order in GREEDY_ORDERS.items():
+        if best is not None and time.perf_counter() > deadline:
+            break
         offsets = greedy_offsets(items, n_steps, order)
         arena = _arena_aligned(items, offsets, ALIGNMENT)
         if best is None or arena < best[0]:
