@@ -13,10 +13,11 @@ Three decisions, none adding a FLOP or a transfer:
   size that dies at its op, where the memory model allows it (`memsched.memory.INPLACE_OPS`,
   update ops on their parameter). Chosen greedily; the judge (`analyze`) confirms.
 
-Everything rests on phases, tensor kinds and producer/consumer structure; a layer's dW op
-is a backward op writing a `param_grad` tensor (or a tensor an update op reads), its dX ops
-are the other backward ops reading the same incoming gradient. The size of X is the size
-of dX's output, the size of W the size of dW's.
+The dW and dX ops of each weight come from the roles passes.autodiff records in
+`graph.metadata["memsched.grad_roles"]` (several ops per role, X the layer's input); for
+graphs without them, from phases, tensor kinds and structure alone: a dW op is a backward
+op writing a `param_grad` tensor (or a tensor an update op reads), its dX ops the other
+backward ops reading the same incoming gradient, X as large as dX's output, W as dW's.
 """
 from __future__ import annotations
 
