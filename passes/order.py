@@ -1,25 +1,31 @@
 """Operator order: a topological order of the ops with the lowest peak of device bytes.
 
-Fast heuristics give the start, each judged by the memory model (`memsched.memory.analyze`):
-the given order; XLA's list scheduler (run the ready op that frees the most bytes net of
-what it defines); a depth-first order (run what the last op made ready); and, for training
-graphs, the order of `passes.reuse.training_order` (updates in the backward, the dW/dX
-rule). The best becomes the hint of a CP-SAT model: op positions (AllDifferent, data-flow
-precedences), each tensor an interval from its producer to its last reader, a Cumulative
-over the intervals whose capacity -- the peak -- is minimised. Graphs too large for one
-model are decomposed: windows of consecutive ops around the current peak step are
-re-optimised with the rest of the order fixed (steps outside a window keep their bytes, so
-the peak never rises), growing until the time runs out or nothing improves.
+Starts (`starts`), each judged by the memory model (`memsched.memory.analyze`): the given
+order; XLA's list scheduler (run the ready op that frees the most bytes net of what it
+defines); a depth-first order (run what the last op made ready); the training order of
+`passes.reuse.training_order` (updates in the backward, the dW/dX rule); each also with
+`sink` (ops that define more than they free moved down to where they are needed) and then
+`hoist` (ops that free more than they define moved up to where they can run).
 
-With `inplace` (the default when the plan already has aliases, i.e. after `reuse`), the
-order is judged with greedy in-place aliases (`passes.reuse.choose_aliases`), and the
-CP-SAT model keeps the current alias pairs valid: every other reader of a source runs
-before the op that overwrites it.
+The best start is the hint of a CP-SAT model (`window_model`): op positions (one op per
+step, data-flow precedences), each tensor an interval from its producer to its last reader,
+a Cumulative over the intervals whose capacity -- the peak -- is minimised. Up to
+WHOLE_GRAPH_OPS ops one model takes the whole graph; beyond, windows of consecutive ops
+around the current peak step are re-optimised with the rest of the order fixed (steps
+outside a window keep their bytes, so the peak never rises), growing until no peak step
+is left to improve or the time is up.
 
-The lower bound is structural: at every op, a tensor produced by one of its ancestors (or
-itself) and read by one of its descendants (or itself) is resident in *any* order, so the
-largest such sum over ops bounds every order's peak; a whole-graph CP-SAT solve of the
-exact model (no in-place) may prove more.
+With `inplace` (the default when the plan already has aliases, i.e. after `reuse`), orders
+are judged with greedy in-place aliases (`passes.reuse.choose_aliases`), and in the model
+each eligible (output, input) pair is a choice: taken, every other reader of the input
+runs first and the output takes no bytes of its own (the memory model's rule 4).
+
+Lower bounds (`LowerBound`), valid for every order (with any in-place aliases): the
+structural one -- at each op, the tensors produced by an ancestor and read by a descendant
+are resident in any order -- and, while time allows, min cuts at chosen ops (`cut_bound`),
+which also see that one of two tensors must be kept where either may be; a whole-graph
+CP-SAT optimum is one too. The status is `optimal` when the peak meets the bound,
+`feasible` when CP-SAT ran, `heuristic` otherwise.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import networkx as nx
 import numpy as np
 from ortools.sat.python import cp_model
 
@@ -43,7 +50,10 @@ from .solver import solve
 WHOLE_GRAPH_OPS = 120      # one CP-SAT model up to this many ops, windows beyond
 WINDOW_OPS = 60            # first window size; doubled when every peak step was tried
 MAX_WINDOW_OPS = 240
+WINDOW_PLACES = (0.5, 0.25, 0.75)   # where in a window its peak step sits, tried in this order
 STRUCTURAL_BOUND_OPS = 12000   # bitset reachability beyond this costs too much memory
+HEURISTIC_SHARE = 0.5          # of the time limit, at most, for the heuristic starts
+BOUND_SHARE = 0.15             # of the time limit, for min-cut lower bounds before the search
 
 
 def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None) -> Plan:
@@ -56,16 +66,17 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
                             "recompute and swap")
     inplace = bool(plan.aliases) if inplace is None else inplace
     problem = Problem.build(plan.graph, inplace)
-    judge = _Judge(plan, inplace)
+    judge = Judge(plan, inplace)
 
-    heuristics = {"given": order, "list": list_schedule(problem), "dfs": dfs_schedule(problem, order),
-                  "training": training_order(plan.graph, order)}
-    peaks = {name: judge.peak(candidate) for name, candidate in heuristics.items()}
+    budget = max(0.0, float(time_limit))
+    heuristics, peaks = starts(problem, plan.graph, order, judge, start + HEURISTIC_SHARE * budget)
     first = min(peaks, key=lambda name: (peaks[name], list(peaks).index(name)))
     best = heuristics[first]
-    lower, lower_kind = structural_bound(problem)
+    bounds = LowerBound(problem, min(deadline, time.perf_counter() + BOUND_SHARE * budget))
+    bounds.cuts(bounds.candidates)
+    lower = bounds.value
 
-    search = Search(problem, judge, best, deadline)
+    search = Search(problem, judge, best, deadline, lower)
     if peaks[first] <= lower:
         search.ended = "the start meets the lower bound"
     elif len(order) <= WHOLE_GRAPH_OPS:
@@ -73,6 +84,11 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     else:
         search.windows()
     best, aliases, peak = search.order, search.aliases, search.profile.peak_bytes
+    if peak > bounds.value:
+        bounds.deadline = deadline
+        steps = np.flatnonzero(search.profile.live_bytes == peak)
+        bounds.cuts([problem.index[best[int(k)]] for k in steps[:2]])
+    lower, lower_kind = bounds.value, bounds.kind
     if search.proven is not None and search.proven > lower:
         lower, lower_kind = search.proven, "cp-sat"
     if peak == lower:
@@ -81,9 +97,11 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
         status = "feasible" if search.solutions else "heuristic"
     schedule = order_schedule(best)
     notes = {"status": status, "peak_bytes": peak, "input_peak_bytes": judge.peak_of_plan(),
-             "lower_bound_bytes": lower, "lower_bound": lower_kind, "inplace": inplace,
-             "ops": len(order), "heuristic_peaks": peaks, "start": first, "cpsat": search.notes(),
-             "deterministic": search.deterministic, "time_limit_s": time_limit,
+             "lower_bound_bytes": lower, "lower_bound": lower_kind, "cuts": bounds.cut_count,
+             "inplace": inplace, "ops": len(order), "heuristic_peaks": peaks, "start": first,
+             "cpsat": search.notes(),
+             "deterministic": search.deterministic and len(peaks) == 12 and not bounds.skipped,
+             "time_limit_s": time_limit,
              "seconds": round(time.perf_counter() - start, 3)}
     return dataclasses.replace(plan, schedule=schedule, aliases=aliases, offsets=None,
                                notes={**plan.notes, "order": notes})
@@ -137,7 +155,7 @@ class Problem:
                    may_alias, takes_static, static, inplace)
 
 
-class _Judge:
+class Judge:
     """Candidate orders judged by the memory model, with greedy in-place aliases when asked."""
 
     def __init__(self, plan: Plan, inplace: bool):
@@ -161,6 +179,28 @@ class _Judge:
 
 
 # ---- heuristics ----------------------------------------------------------------------------
+def starts(problem: Problem, graph: Graph, order: list[str], judge: "Judge", deadline: float):
+    """The heuristic orders and their judged peaks: the given order always, the others (each
+    base, then sunk, then sunk and hoisted) while `deadline` allows, best-first as measured
+    on the model zoo. Returns ({name: order}, {name: peak}); fewer than 12 when time ran out."""
+    bases = {"given": lambda: order, "list": lambda: list_schedule(problem),
+             "training": lambda: training_order(graph, order), "dfs": lambda: dfs_schedule(problem, order)}
+    steps = [("", lambda previous: previous), ("+sink", lambda previous: sink(problem, previous)),
+             ("+hoist", lambda previous: hoist(problem, previous))]
+    orders: dict[str, list[str]] = {}
+    peaks: dict[str, int] = {}
+    for name, build in bases.items():
+        candidate = None
+        for suffix, transform in steps:
+            if orders and time.perf_counter() > deadline:
+                return orders, peaks
+            candidate = build() if candidate is None else transform(candidate)
+            name += suffix
+            orders[name] = candidate
+            peaks[name] = judge.peak(candidate)
+    return orders, peaks
+
+
 def list_schedule(problem: Problem) -> list[str]:
     """XLA's list scheduler: run the ready op with the most bytes freed minus bytes defined
     (ties: graph order). With in-place, an output that can take a parameter's storage at its
@@ -230,14 +270,133 @@ def dfs_schedule(problem: Problem, order: list[str]) -> list[str]:
     return result
 
 
+def _last_reads(problem: Problem, order: list[str]) -> tuple[dict[str, int], set[str], dict[str, int]]:
+    """Per tensor the step of its last reader in `order`, the tensors whose storage goes
+    after that read (not static, not graph outputs), and their sizes."""
+    graph = problem.graph
+    last_read: dict[str, int] = {}
+    for k, name in enumerate(order):
+        for t in graph.op_by_name[name].present_inputs:
+            last_read[t] = k
+    nbytes = dict(zip(problem.tensors, problem.nbytes))
+    freeable = {t for t in problem.tensors if t not in graph.outputs}
+    return last_read, freeable, nbytes
+
+
+def _balance(problem: Problem, op, k: int, last_read, freeable, nbytes) -> tuple[list[str], int, int]:
+    """(inputs the op at step k frees, bytes freed, bytes defined)."""
+    freed = [t for t in dict.fromkeys(op.present_inputs) if last_read.get(t) == k and t in freeable]
+    return freed, sum(nbytes[t] for t in freed), sum(nbytes.get(t, 0) for t in op.present_outputs)
+
+
+def sink(problem: Problem, order: list[str]) -> list[str]:
+    """`order` with each op that defines more bytes than it frees moved down to just before
+    the first op that needs it: the first reader of one of its outputs, or the last reader
+    of an input it does not free. Between its old and new step the outputs are not yet there
+    and the freed inputs still are, which lowers those steps; the moved op's own step may
+    hold more (what ran meanwhile), so the result is a candidate for the judge, not a sure
+    gain. Fixes the list scheduler's habit of running backward prologues (a Reshape of a
+    forward activation) early."""
+    index = problem.index
+    graph = problem.graph
+    position = {index[name]: k for k, name in enumerate(order)}
+    last_read, freeable, nbytes = _last_reads(problem, order)
+    triggers: dict[int, list[int]] = {}
+    deferred: set[int] = set()
+    for k, name in enumerate(order):
+        op = graph.op_by_name[name]
+        freed, freed_bytes, defined = _balance(problem, op, k, last_read, freeable, nbytes)
+        if defined <= freed_bytes:
+            continue
+        i = index[name]
+        deadline = {r for t in op.present_outputs for r in (index[c.name] for c in graph.consumers.get(t, []))}
+        deadline |= {index[order[last_read[t]]] for t in op.present_inputs if t in freeable and t not in freed}
+        deadline.discard(i)
+        deferred.add(i)
+        for w in deadline:
+            triggers.setdefault(w, []).append(i)
+    result: list[str] = []
+    emitted: set[int] = set()
+
+    def emit(first: int) -> None:
+        """Emit `first` after the deferred ops it triggers (their triggers first, and so on)."""
+        stack = [(first, iter(sorted(triggers.get(first, ()), key=position.get)))]
+        while stack:
+            node, pending = stack[-1]
+            for v in pending:
+                if v not in emitted:
+                    stack.append((v, iter(sorted(triggers.get(v, ()), key=position.get))))
+                    break
+            else:
+                stack.pop()
+                if node not in emitted:
+                    emitted.add(node)
+                    result.append(problem.names[node])
+
+    for name in order:
+        if index[name] not in deferred:
+            emit(index[name])
+    for name in order:
+        emit(index[name])
+    return result
+
+
+def hoist(problem: Problem, order: list[str]) -> list[str]:
+    """`order` with each op that frees more bytes than it defines moved up to just after the
+    last op it waits for: the producers of its inputs and the other readers of the inputs
+    it frees. Between its new and old step the freed inputs are gone and the outputs there,
+    which lowers those steps (the moved op's own step may hold more: a candidate for the
+    judge, as with `sink`, whose mirror it is)."""
+    index = problem.index
+    graph = problem.graph
+    last_read, freeable, nbytes = _last_reads(problem, order)
+    remaining: dict[int, int] = {}
+    waiting: dict[int, list[int]] = {}
+    for k, name in enumerate(order):
+        op = graph.op_by_name[name]
+        freed, freed_bytes, defined = _balance(problem, op, k, last_read, freeable, nbytes)
+        if freed_bytes <= defined:
+            continue
+        i = index[name]
+        waits = set(problem.preds[i])
+        waits |= {index[c.name] for t in freed for c in graph.consumers.get(t, [])}
+        waits.discard(i)
+        remaining[i] = len(waits)
+        for w in waits:
+            waiting.setdefault(w, []).append(i)
+    result: list[str] = []
+    emitted: set[int] = set()
+
+    def emit(first: int) -> None:
+        """Emit `first`, then every eager op it was the last wait of (and theirs, ...)."""
+        ready = [first]
+        while ready:
+            node = ready.pop()
+            if node in emitted:
+                continue
+            emitted.add(node)
+            result.append(problem.names[node])
+            for e in reversed(waiting.get(node, [])):
+                remaining[e] -= 1
+                if remaining[e] == 0:
+                    ready.append(e)
+
+    for name in order:
+        i = index[name]
+        if remaining.get(i) == 0:
+            emit(i)
+    for name in order:
+        i = index[name]
+        if i not in remaining:
+            emit(i)
+    return result
+
+
 # ---- lower bound -------------------------------------------------------------------------
-def structural_bound(problem: Problem) -> tuple[int, str]:
-    """The largest, over ops, of the bytes resident at that op in every topological order."""
+def reachability(problem: Problem) -> tuple[list[int], list[int]]:
+    """Per op, bitsets (bit i = op index i) of its ancestors and of its descendants, itself
+    included in both."""
     n = len(problem.names)
-    if n == 0:
-        return problem.static_bytes, "structural"
-    if n > STRUCTURAL_BOUND_OPS:
-        return _per_op_bound(problem), "per-op"
     topo = _topological(problem)
     anc = [0] * n
     for i in topo:
@@ -251,6 +410,15 @@ def structural_bound(problem: Problem) -> tuple[int, str]:
         for s in problem.succs[i]:
             bits |= desc[s]
         desc[i] = bits
+    return anc, desc
+
+
+def structural_bound(problem: Problem, reach: tuple[list[int], list[int]]) -> tuple[int, np.ndarray]:
+    """The bytes resident at each op's step in *every* order -- tensors produced by an
+    ancestor (or the op) and read by a descendant (or the op) -- and the largest such sum,
+    static bytes included. Returns (bound, bytes per op)."""
+    anc, desc = reach
+    n = len(problem.names)
     everything = (1 << n) - 1
     width = (n + 7) // 8
     totals = np.zeros(n, dtype=np.int64)
@@ -285,7 +453,113 @@ def structural_bound(problem: Problem) -> tuple[int, str]:
         else:
             ends = (1 << u) if u >= 0 else 0
         add(starts & ends, nbytes)
-    return int(totals.max()) + always, "structural"
+    return int(totals.max()) + always, totals + always
+
+
+def cut_bound(problem: Problem, u: int, reach: tuple[list[int], list[int]]) -> int:
+    """Bytes resident at op u's step in every order, by a minimum cut.
+
+    The ops run by u's step form a set S holding u and its ancestors, none of its
+    descendants, closed under predecessors; every tensor produced in S (or a graph input)
+    and read outside it is resident then, as are u's own inputs and outputs and the static
+    bytes no order releases. The least such sum over all S is a max-flow min-cut: op nodes
+    with uncuttable edges to their predecessors (closure), a node per tensor entered from
+    its producer at its byte size and leaving to each reader uncuttably. Stronger than the
+    structural bound where one of two tensors must be kept (x or a same-sized function of
+    it) but either may be."""
+    graph = problem.graph
+    anc, desc = reach
+    source, sink_ = "source", "sink"
+    network = nx.DiGraph()
+    network.add_nodes_from((source, sink_))
+    for v, preds in enumerate(problem.preds):
+        network.add_edges_from((v, p) for p in preds)          # no capacity: uncuttable
+    network.add_edges_from((source, a) for a in _members(anc[u]))
+    network.add_edges_from((d, sink_) for d in _members(desc[u] & ~(1 << u)))
+    op = graph.op_by_name[problem.names[u]]
+    around = set(op.present_inputs) | set(op.present_outputs)
+    constant = _static_residency(problem)[0]
+    for k, nbytes in enumerate(problem.nbytes):
+        name, producer = problem.tensors[k], problem.producer[k]
+        if problem.takes_static[k] or (producer == u and problem.may_alias[k]):
+            continue                       # lives in storage counted elsewhere
+        if name in around or (problem.held[k] and producer < 0):
+            constant += nbytes
+            continue
+        tail = source if producer < 0 else producer
+        if problem.held[k]:
+            _add_capacity(network, tail, sink_, nbytes)
+        elif problem.readers[k]:
+            _add_capacity(network, tail, ("t", k), nbytes)
+            network.add_edges_from((("t", k), r) for r in problem.readers[k])
+    return constant + int(nx.minimum_cut_value(network, source, sink_))
+
+
+def _members(bits: int) -> list[int]:
+    """Indices of the set bits of `bits`."""
+    width = (bits.bit_length() + 7) // 8
+    if not width:
+        return []
+    flags = np.unpackbits(np.frombuffer(bits.to_bytes(width, "little"), dtype=np.uint8), bitorder="little")
+    return [int(i) for i in np.flatnonzero(flags)]
+
+
+def _add_capacity(network: nx.DiGraph, tail, head, nbytes: int) -> None:
+    if network.has_edge(tail, head):
+        if "capacity" in network[tail][head]:
+            network[tail][head]["capacity"] += nbytes
+    else:
+        network.add_edge(tail, head, capacity=nbytes)
+
+
+def cut_candidates(problem: Problem, reach, totals: np.ndarray, count: int = 5) -> list[int]:
+    """Ops worth a min cut: the largest structural sums, and the ops with the most ancestors
+    times descendants (in a training step, where the forward hands over to the backward)."""
+    anc, desc = reach
+    spread = [(anc[i].bit_count() - 1) * (desc[i].bit_count() - 1) for i in range(len(anc))]
+    by_total = [int(i) for i in np.argsort(-totals, kind="stable")[:count]]
+    by_spread = sorted(range(len(anc)), key=lambda i: (-spread[i], i))[:count]
+    return list(dict.fromkeys(x for pair in zip(by_spread, by_total) for x in pair))
+
+
+class LowerBound:
+    """The best proven lower bound so far: structural at once, min cuts while time allows."""
+
+    def __init__(self, problem: Problem, deadline: float):
+        self.problem = problem
+        self.deadline = deadline
+        self.cut_count = 0
+        self.skipped = 0             # cuts left out for want of time
+        self.done: set[int] = set()
+        self.last_cut_seconds = 0.0
+        n = len(problem.names)
+        if n == 0:
+            self.value, self.kind, self.reach, self.candidates = problem.static_bytes, "structural", None, []
+        elif n > STRUCTURAL_BOUND_OPS:
+            self.value, self.kind, self.reach, self.candidates = _per_op_bound(problem), "per-op", None, []
+        else:
+            self.reach = reachability(problem)
+            self.value, totals = structural_bound(problem, self.reach)
+            self.kind = "structural"
+            self.candidates = cut_candidates(problem, self.reach, totals)
+
+    def cuts(self, ops: list[int]) -> None:
+        """Min cuts at `ops` (skipping those done), each only if the last one's time still fits."""
+        if self.reach is None:
+            return
+        for u in ops:
+            if u in self.done:
+                continue
+            if time.perf_counter() + self.last_cut_seconds > self.deadline:
+                self.skipped += 1
+                continue
+            started = time.perf_counter()
+            value = cut_bound(self.problem, u, self.reach)
+            self.last_cut_seconds = time.perf_counter() - started
+            self.done.add(u)
+            self.cut_count += 1
+            if value > self.value:
+                self.value, self.kind = value, "min-cut"
 
 
 def _static_residency(problem: Problem) -> tuple[int, list[tuple[int, list[int]]]]:
@@ -348,8 +622,10 @@ def _topological(problem: Problem) -> list[int]:
 class Search:
     """CP-SAT improvement of an order: one whole-graph model, or windows around the peak."""
 
-    def __init__(self, problem: Problem, judge: _Judge, order: list[str], deadline: float):
+    def __init__(self, problem: Problem, judge: Judge, order: list[str], deadline: float,
+                 lower_bound: int = 0):
         self.problem = problem
+        self.lower_bound = lower_bound
         self.judge = judge
         self.order = list(order)
         self.aliases = judge.aliases(self.order)
@@ -374,16 +650,18 @@ class Search:
         if n == 0 or self.left() <= 0.05:
             self.ended = "no time" if n else "empty graph"
             return
-        solved, scale, modelled_static = self._step(0, n, self.left())
+        solved, scale, modelled_static = self._step(0, n, self.left(), floor=self.lower_bound)
         if solved is not None and solved.status == "optimal":
             # the whole graph's exact model: its optimum bounds every order from below
             unmodelled = self.problem.static_bytes - modelled_static
             self.proven = unmodelled + scale * int(round(solved.bound))
 
     def windows(self) -> None:
-        """Re-optimise windows centred on peak steps until no peak step is left to try."""
+        """Re-optimise windows around peak steps -- the peak at the window's middle, then at
+        a quarter and at three quarters of it -- growing the windows when every peak step
+        was tried, until none is left or the time is up."""
         self.mode = "windows"
-        tried: set[int] = set()
+        tried: set[tuple[int, float]] = set()
         n = len(self.order)
         while True:
             if self.left() <= 0.1:
@@ -391,27 +669,30 @@ class Search:
                 self.deterministic = False
                 return
             live = self.profile.live_bytes
-            steps = [int(s) for s in np.flatnonzero(live == live.max()) if int(s) not in tried]
-            if not steps:
+            peak_steps = [int(s) for s in np.flatnonzero(live == live.max())]
+            todo = [(s, f) for f in WINDOW_PLACES for s in peak_steps if (s, f) not in tried]
+            if not todo:
                 if self.window_ops >= min(MAX_WINDOW_OPS, n):
                     self.ended = "no peak step left to improve"
                     return
                 self.window_ops = min(self.window_ops * 2, MAX_WINDOW_OPS)
                 tried.clear()
                 continue
-            ws = max(0, min(steps[0] - self.window_ops // 2, n - self.window_ops))
+            step, place = todo[0]
+            ws = max(0, min(step - int(self.window_ops * place), n - self.window_ops))
             we = min(n, ws + self.window_ops)
             peak = self.profile.peak_bytes
             self._step(ws, we, min(self.left(), max(1.0, 0.1 * self.left())))
-            tried.update(t for t in steps if ws <= t < we)
+            tried.update((s, place) for s in peak_steps if ws <= s < we)
             if self.profile.peak_bytes < peak:
                 tried.clear()
 
-    def _step(self, ws: int, we: int, time_limit: float):
+    def _step(self, ws: int, we: int, time_limit: float, floor: int = 0):
         """Solve the window [ws, we) of the current order and keep the result if the judge
-        finds it better. Returns (solve result or None, byte scale, static bytes modelled)."""
+        finds it better. `floor`: a lower bound on the whole graph's peak (whole-graph models
+        only). Returns (solve result or None, byte scale, static bytes modelled)."""
         model, positions, scale, pairs, modelled_static = window_model(self.problem, self.order, ws, we,
-                                                                       self.aliases)
+                                                                       self.aliases, floor)
         solved = solve(model, time_limit, presolve=False)
         self.solves += 1
         self.statuses[solved.status] = self.statuses.get(solved.status, 0) + 1
@@ -449,7 +730,8 @@ def _better(new, old) -> bool:
     return (new.peak_bytes, new_count) < (old.peak_bytes, old_count)
 
 
-def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: dict[str, str]):
+def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: dict[str, str],
+                 floor: int = 0):
     """CP-SAT model of steps [ws, we) of `order` with every other op fixed.
 
     Returns (model, {op index: position variable}, byte scale, [(output, source, bool var)],
@@ -459,7 +741,8 @@ def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: 
     at a window op is a choice: taken, every other reader of the source runs first and the
     output starts one step after its op (rule 4 of the memory model). A parameter that may be
     overwritten is modelled too: to the end of the step, or to its last reader if overwritten.
-    Pairs at ops outside the window keep `aliases`.
+    Pairs at ops outside the window keep `aliases`. `floor` (whole graph only) is a known
+    lower bound on the peak, given to the solver to shorten its proof.
     """
     index = problem.index
     graph = problem.graph
@@ -551,7 +834,11 @@ def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: 
         model.Add(end == last).OnlyEnforceIf(taken)
         model.Add(end == we - 1).OnlyEnforceIf(taken.Not())
         add(ws, end, graph.tensors[x].nbytes, x, (ws, hint))
-    capacity = hinted(model.NewIntVar(0, sum(demands), "peak"), np.cumsum(load)[:-1].max(initial=0))
+    hint = int(np.cumsum(load)[:-1].max(initial=0))
+    least = 0
+    if floor and (ws, we) == (0, n):
+        least = min(hint, max(0, -(-(floor - (problem.static_bytes - modelled_static)) // scale)))
+    capacity = hinted(model.NewIntVar(least, max(least, sum(demands)), "peak"), hint)
     model.AddCumulative(intervals, demands, capacity)
     model.Minimize(capacity)
     return model, pos, scale, pairs, modelled_static

@@ -13,16 +13,19 @@ Three decisions, none adding a FLOP or a transfer:
   size that dies at its op, where the memory model allows it (`memsched.memory.INPLACE_OPS`,
   update ops on their parameter). Chosen greedily; the judge (`analyze`) confirms.
 
-Everything rests on phases, tensor kinds and producer/consumer structure; a layer's dW op
-is a backward op writing a `param_grad` tensor (or a tensor an update op reads), its dX ops
-are the other backward ops reading the same incoming gradient. The size of X is the size
-of dX's output, the size of W the size of dW's.
+The dW and dX ops of each weight come from the roles passes.autodiff records in
+`graph.metadata["memsched.grad_roles"]` (several ops per role, X the layer's input); for
+graphs without them, from phases, tensor kinds and structure alone: a dW op is a backward
+op writing a `param_grad` tensor (or a tensor an update op reads), its dX ops the other
+backward ops reading the same incoming gradient, X as large as dX's output, W as dW's.
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import json
 import weakref
+from dataclasses import dataclass
 from typing import Iterable
 
 from memsched.errors import ScheduleError
@@ -30,6 +33,8 @@ from memsched.ir import Graph, Op
 from memsched.memory import INPLACE_OPS, analyze
 from memsched.schedule import Plan, Schedule, order_schedule
 
+# where passes.autodiff records each backward op's role (dW, dX, update; see its package doc)
+GRAD_ROLES_KEY = "memsched.grad_roles"
 # ops whose every input may be overwritten by the output; other in-place ops only their first
 _ANY_INPUT = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
@@ -167,36 +172,78 @@ def training_order(graph: Graph, order: list[str], dwdx: bool = True) -> list[st
     `dwdx`) each layer's dW and dX ops ordered by the Fujitsu rule, wherever the graph lets."""
     position = {name: float(i) for i, name in enumerate(order)}
     if dwdx:
-        for dw, dxs in layer_pairs(graph):
-            if not dxs:
+        for group in layer_groups(graph):
+            if not group.dx:
                 continue
-            x_bytes = max(_out_bytes(graph, dx) for dx in dxs)
-            if x_bytes > _out_bytes(graph, dw):
-                position[dw.name] = min(position[dw.name], min(position[dx.name] for dx in dxs) - 0.5)
-            else:
-                for dx in dxs:
-                    position[dx.name] = min(position[dx.name], position[dw.name] - 0.5)
+            if group.x_bytes > group.w_bytes:      # conv-like: dW first, X dies before dX
+                first, moved = min(position[op.name] for op in group.dx), group.dw
+            else:                                  # FC-like: dX first, the update overwrites W
+                first, moved = min(position[op.name] for op in group.dw), group.dx
+            ranked = sorted(moved, key=lambda op: position[op.name])
+            for rank, op in enumerate(ranked):
+                position[op.name] = min(position[op.name], first - 0.5 + rank / (2 * len(ranked) + 2))
     key = {name: (0 if graph.op_by_name[name].phase == "update" else 1, p) for name, p in position.items()}
     return priority_order(graph, key, update_edges(graph))
 
 
-def layer_pairs(graph: Graph) -> list[tuple[Op, list[Op]]]:
-    """(dW op, its dX ops) for every weight gradient in the graph, in graph order."""
+@dataclass
+class LayerGroup:
+    """A weight's gradient ops (dW) and its layer's input-gradient ops (dX), with the sizes
+    the dW/dX rule compares: the layer's input X and the weight W."""
+
+    dw: list[Op]
+    dx: list[Op]
+    x_bytes: int
+    w_bytes: int
+
+
+def layer_groups(graph: Graph) -> list[LayerGroup]:
+    """One group per weight gradient: from autodiff's roles (graph.metadata[GRAD_ROLES_KEY])
+    where present, else from structure -- a dW op writes a `param_grad` tensor (or one an
+    update reads), its dX ops are the other backward ops reading the same incoming gradient,
+    X is as large as dX's output and W as dW's."""
+    roles = json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}"))
+    if roles:
+        return _groups_from_roles(graph, roles)
     producer = graph.producer
-    consumers = graph.consumers
     updates_read = {t for op in graph.ops if op.phase == "update" for t in op.present_inputs}
     dw_ops = [op for op in graph.ops if op.phase == "backward" and any(
         graph.tensors[t].kind == "param_grad" or (t in updates_read and not graph.tensors[t].is_static)
         for t in op.present_outputs)]
     dw_names = {op.name for op in dw_ops}
-    pairs = []
+    groups = []
     for dw in dw_ops:
         grads = [t for t in dw.present_inputs
                  if t in producer and producer[t].phase in ("backward", "loss")]
-        dxs = {c.name: c for t in grads for c in consumers.get(t, [])
+        dxs = {c.name: c for t in grads for c in graph.consumers.get(t, [])
                if c.phase == "backward" and c.name not in dw_names}
-        pairs.append((dw, list(dxs.values())))
-    return pairs
+        x_bytes = max((_out_bytes(graph, dx) for dx in dxs.values()), default=0)
+        groups.append(LayerGroup([dw], list(dxs.values()), x_bytes, _out_bytes(graph, dw)))
+    return groups
+
+
+def _groups_from_roles(graph: Graph, roles: dict) -> list[LayerGroup]:
+    dw_by_param: dict[str, list[Op]] = {}
+    dx_by_layer: dict[str, list[Op]] = {}
+    layer_of: dict[str, str] = {}
+    for op in graph.ops:
+        role = roles.get(op.name, {})
+        if role.get("role") == "dW":
+            dw_by_param.setdefault(role["param"], []).append(op)
+            layer_of[role["param"]] = role["layer"]
+        elif role.get("role") == "dX":
+            dx_by_layer.setdefault(role["layer"], []).append(op)
+    groups = []
+    for param, dws in dw_by_param.items():
+        layer = graph.op_by_name.get(layer_of[param])
+        dxs = dx_by_layer.get(layer_of[param], [])
+        if layer is not None:
+            x_bytes = max((graph.tensors[t].nbytes for t in layer.present_inputs
+                           if not graph.tensors[t].is_static), default=0)
+        else:
+            x_bytes = max((_out_bytes(graph, dx) for dx in dxs), default=0)
+        groups.append(LayerGroup(dws, dxs, x_bytes, graph.tensors[param].nbytes))
+    return groups
 
 
 def update_edges(graph: Graph) -> list[tuple[str, str]]:
@@ -260,12 +307,12 @@ def _updates_in_backward(graph: Graph, order: list[str]) -> int:
 
 
 def _dwdx_notes(graph: Graph, order: list[str]) -> dict:
-    """How many layers run dW before all their dX ops, and how many after."""
+    """How many weights have all their dW ops before their layer's dX ops, and how many not."""
     position = {name: i for i, name in enumerate(order)}
     dw_first = dx_first = 0
-    for dw, dxs in layer_pairs(graph):
-        if dxs:
-            if position[dw.name] < min(position[dx.name] for dx in dxs):
+    for group in layer_groups(graph):
+        if group.dx:
+            if max(position[op.name] for op in group.dw) < min(position[op.name] for op in group.dx):
                 dw_first += 1
             else:
                 dx_first += 1

@@ -8,10 +8,10 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze_plan, buffers, check_placement, validate
 from memsched.schedule import Plan
-from passes.placement import (ALIGNMENT, aligned_peak, cpsat_offsets, greedy_offsets, place_buffers,
-                              place_pass)
+from passes.placement import (ALIGNMENT, aligned_peak, best_greedy, cpsat_offsets, greedy_offsets,
+                              place_buffers, place_pass)
 
-from .graphs import GraphBuilder
+from .plan_graphs import GraphBuilder
 
 
 def chain_plan() -> Plan:
@@ -63,14 +63,27 @@ def test_whole_step_buffers_are_stacked_at_the_bottom():
     assert offsets == {("w1", 0): 0, ("w2", 0): 128, ("act", 0): 192}
 
 
-# found by a search over random instances: greedy-by-size leaves a 64-byte hole at step 2
-HARD = [(("b0", 0), 2, 3, 256), (("b1", 0), 2, 2, 256), (("b2", 0), 4, 5, 320), (("b3", 0), 0, 4, 256)]
+def test_the_best_greedy_order_wins():
+    # by size, b3 (384) takes the bottom, b2 goes above b0 and b1 finds no gap: 832 bytes;
+    # longest-lived first, b2 takes the bottom and the rest stack above it: 704, the bound
+    items = [(("b0", 0), 0, 1, 256), (("b1", 0), 0, 1, 192), (("b2", 0), 1, 3, 256), (("b3", 0), 2, 2, 384)]
+    by_size = greedy_offsets(items, 5)
+    assert max(by_size[k] + b for k, _, _, b in items) == 832
+    offsets, name = best_greedy(items, 5)
+    assert name == "lifetime"
+    assert offsets == {("b2", 0): 0, ("b0", 0): 256, ("b1", 0): 512, ("b3", 0): 256}
+    assert aligned_peak(items, 5) == 704
+
+
+# found by a search over random instances: every greedy order puts b2 above b1 and leaves
+# b3 no room at step 4; the optimum puts b2 at the bottom, b1 and then b0 and b3 above it
+HARD = [(("b0", 0), 4, 4, 320), (("b1", 0), 1, 3, 384), (("b2", 0), 3, 4, 256), (("b3", 0), 4, 4, 192)]
 
 
 def test_cpsat_beats_greedy_and_proves_the_lower_bound():
-    greedy = greedy_offsets(HARD, 6)
-    assert max(greedy[k] + b for k, _, _, b in HARD) == 832
-    assert aligned_peak(HARD, 6) == 768       # b0 + b1 + b3 at step 2
+    greedy, name = best_greedy(HARD, 6)
+    assert name == "size" and max(greedy[k] + b for k, _, _, b in HARD) == 832
+    assert aligned_peak(HARD, 6) == 768       # b0 + b2 + b3 at step 4
     offsets, status, proven, _ = cpsat_offsets(HARD, 6, greedy, 768, time_limit=5)
     assert status == "optimal" and proven == 768
     assert max(offsets[k] + b for k, _, _, b in HARD) == 768
@@ -81,7 +94,7 @@ def test_cpsat_beats_greedy_and_proves_the_lower_bound():
 
 def test_no_time_keeps_the_greedy():
     offsets, info = place_buffers(HARD, 6, time_limit=0)
-    assert offsets == greedy_offsets(HARD, 6)
+    assert offsets == greedy_offsets(HARD, 6) == best_greedy(HARD, 6)[0]
     assert info["status"] == "heuristic" and info["cpsat"].startswith("skipped")
 
 

@@ -6,12 +6,13 @@ Static bytes are the learning rate (4) plus the weights.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule, swap_in, swap_out
-from passes.reuse import choose_aliases, layer_pairs, reuse_pass, training_order
+from passes.reuse import GRAD_ROLES_KEY, choose_aliases, layer_groups, reuse_pass, training_order
 
-from .graphs import GraphBuilder, training_chain
+from .plan_graphs import GraphBuilder, training_chain
 
 
 def names(plan: Plan) -> list[str]:
@@ -76,10 +77,44 @@ def test_fc_rule_is_a_warm_start_the_judge_may_overrule():
     assert validate(plan).peak_bytes == 10224
 
 
-def test_layer_pairs_from_structure():
-    g = training_chain([(100, 10), (100, 10), (100, 10)], 100)
-    pairs = {dw.name: [dx.name for dx in dxs] for dw, dxs in layer_pairs(g)}
-    assert pairs == {"dW_op2": ["dX_op2"], "dW_op1": ["dX_op1"], "dW_op0": []}
+def test_layer_groups_from_structure():
+    g = training_chain([(100, 10), (100, 30), (100, 20)], 100)
+    groups = {tuple(op.name for op in grp.dw): ([op.name for op in grp.dx], grp.x_bytes, grp.w_bytes)
+              for grp in layer_groups(g)}
+    assert groups == {("dW_op2",): (["dX_op2"], 100, 20), ("dW_op1",): (["dX_op1"], 100, 30),
+                      ("dW_op0",): ([], 0, 10)}
+
+
+def test_layer_groups_from_autodiff_roles():
+    """autodiff's roles name several dW/dX ops per layer; the rule moves each group whole."""
+    b = GraphBuilder()
+    b.input("x", 64)
+    b.static("lr", 4, "constant")
+    b.static("W", 16)
+    b.op("conv", "Conv", ["x", "W"], [("y", 64)])
+    b.op("loss", "ReduceSum", ["y"], [("loss", 4)], phase="loss")
+    b.output("loss")
+    b.op("seed", "Expand", ["loss"], [("dy", 64)], phase="loss", kind="gradient")
+    b.op("dx_t", "Transpose", ["W"], [("Wt", 16)], phase="backward", kind="gradient")
+    b.op("dx", "ConvTranspose", ["dy", "Wt"], [("dx", 64)], phase="backward", kind="gradient")
+    b.op("dw_t", "Transpose", ["dy"], [("dyt", 64)], phase="backward", kind="gradient")
+    b.op("dw", "Conv", ["x", "dyt"], [("dW", 16)], phase="backward", kind="param_grad")
+    b.op("scale", "Mul", ["dW", "lr"], [("s", 16)], phase="update", kind="gradient")
+    b.op("sgd", "Sub", ["W", "s"], [("W.updated", 16)], phase="update")
+    b.output("W.updated")
+    b.output("dx")
+    roles = {"dx_t": {"role": "dX", "layer": "conv", "param": "W"},
+             "dx": {"role": "dX", "layer": "conv", "param": "W"},
+             "dw_t": {"role": "dW", "layer": "conv", "param": "W"},
+             "dw": {"role": "dW", "layer": "conv", "param": "W"},
+             "scale": {"role": "update", "param": "W"}, "sgd": {"role": "update", "param": "W"}}
+    graph = b.graph().replace(metadata={GRAD_ROLES_KEY: json.dumps(roles)})
+    (group,) = layer_groups(graph)
+    assert [op.name for op in group.dw] == ["dw_t", "dw"] and [op.name for op in group.dx] == ["dx_t", "dx"]
+    assert (group.x_bytes, group.w_bytes) == (64, 16)
+    order = training_order(graph, [op.name for op in graph.ops])
+    # X (64) > W (16): the dW group runs first; the update waits for dx_t, W's last reader
+    assert order == ["conv", "loss", "seed", "dw_t", "dw", "scale", "dx_t", "sgd", "dx"]
 
 
 def test_relu_runs_in_place():

@@ -1,0 +1,203 @@
+"""Operator order: optimal on small graphs (checked against every topological order), valid
+and within its time limit on large ones, reproducible."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import networkx as nx
+import pytest
+
+from memsched.errors import ScheduleError
+from memsched.memory import analyze, analyze_plan, validate
+from memsched.schedule import Plan, compute, free, order_schedule
+from passes.order import (Problem, Search, Judge, cut_bound, hoist, order_pass, reachability, sink,
+                          structural_bound)
+from passes.placement import place_pass
+from passes.reuse import choose_aliases, reuse_pass
+
+from .plan_graphs import GraphBuilder, random_dag, training_chain
+
+
+def brute_force_peak(graph, inplace: bool) -> int:
+    """The lowest peak over every topological order (with greedy in-place aliases if asked)."""
+    best = None
+    for order in nx.all_topological_sorts(graph.nx):
+        schedule = order_schedule(list(order))
+        aliases = choose_aliases(graph, schedule) if inplace else {}
+        peak = analyze(graph, schedule, aliases).peak_bytes
+        best = peak if best is None else min(best, peak)
+    return best
+
+
+def two_branches():
+    """x(8) feeds two chains a1(100)->a2(8) and b1(100)->b2(8), joined into y(8)."""
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("a1", "Conv", ["x"], [("a1", 100)])
+    g.op("b1", "Conv", ["x"], [("b1", 100)])
+    g.op("a2", "Conv", ["a1"], [("a2", 8)])
+    g.op("b2", "Conv", ["b1"], [("b2", 8)])
+    g.op("join", "Concat", ["a2", "b2"], [("y", 16)])
+    g.output("y")
+    return g.graph()
+
+
+def test_finishes_a_branch_before_starting_the_next():
+    graph = two_branches()
+    base = Plan.initial(graph)
+    # the given order holds x, a1 and b1 together: 8 + 100 + 100
+    assert analyze_plan(base).peak_bytes == 208
+    plan = order_pass(base, time_limit=5)
+    # a1, a2, then b1: at most x 8 + one 100-byte tensor + a2 8 at any step
+    assert validate(plan).peak_bytes == 116 == brute_force_peak(graph, inplace=False)
+    notes = plan.notes["order"]
+    assert notes["status"] == "optimal" and notes["lower_bound_bytes"] == 116
+    assert notes["input_peak_bytes"] == 208
+    assert [s.target for s in plan.schedule][:2] in (["a1", "a2"], ["b1", "b2"])
+
+
+# seeds whose heuristics all miss the optimum (found by comparing with brute force)
+@pytest.mark.parametrize("seed,inplace", [(12, True), (13, True), (35, True), (39, True), (40, True),
+                                          (48, True), (53, True), (3, False), (21, False)])
+def test_optimal_on_small_random_graphs(seed, inplace):
+    graph = random_dag(seed, 7)
+    plan = order_pass(Plan.initial(graph), time_limit=5, inplace=inplace)
+    best = brute_force_peak(graph, inplace)
+    notes = plan.notes["order"]
+    assert validate(plan).peak_bytes == notes["peak_bytes"] == best
+    assert notes["status"] == "optimal" and notes["lower_bound_bytes"] == best
+    assert graph.is_topological([s.target for s in plan.schedule])
+    if not inplace:
+        assert plan.aliases == {}
+
+
+def test_training_graph_in_place_meets_its_structural_bound():
+    g = training_chain([(1000, 16), (200, 4000), (300, 50), (500, 500)], 1000)
+    base = Plan.initial(g)
+    assert analyze_plan(base).peak_bytes == 13140
+    plan = order_pass(reuse_pass(base), time_limit=5)
+    notes = plan.notes["order"]
+    assert validate(plan).peak_bytes == 9774
+    assert notes["lower_bound_bytes"] == 9774 and notes["lower_bound"] == "structural"
+    assert notes["status"] == "optimal" and notes["inplace"]
+
+
+def test_sink_runs_a_prologue_where_it_is_needed():
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("early", "Conv", ["x"], [("E", 100)])      # frees nothing: x is read again at the end
+    g.op("mid", "Conv", ["x"], [("M", 200)])
+    g.op("use_m", "Conv", ["M"], [("N", 8)])
+    g.op("use_e", "Concat", ["E", "N", "x"], [("out", 8)])
+    g.output("out")
+    graph = g.graph()
+    order = [op.name for op in graph.ops]
+    moved = sink(Problem.build(graph, False), order)
+    assert moved == ["mid", "use_m", "early", "use_e"]
+    assert list(analyze(graph, order_schedule(order)).live_bytes) == [108, 308, 316, 124]
+    assert list(analyze(graph, order_schedule(moved)).live_bytes) == [208, 216, 116, 124]
+
+
+def test_hoist_runs_a_reduction_as_soon_as_it_can():
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("big", "Conv", ["x"], [("B", 200)])
+    g.op("other", "Conv", ["x"], [("O", 150)])
+    g.op("red", "ReduceSum", ["B"], [("R", 4)])     # frees 200 bytes, defines 4
+    g.op("final", "Concat", ["R", "O"], [("Y", 8)])
+    g.output("Y")
+    graph = g.graph()
+    order = [op.name for op in graph.ops]
+    moved = hoist(Problem.build(graph, False), order)
+    assert moved == ["big", "red", "other", "final"]
+    assert list(analyze(graph, order_schedule(order)).live_bytes) == [208, 358, 354, 162]
+    assert list(analyze(graph, order_schedule(moved)).live_bytes) == [208, 212, 162, 162]
+
+
+def test_min_cut_proves_what_the_structure_cannot():
+    """A (100) feeds the forward and a backward prologue P = Neg(A) (100) that may run at any
+    time: at the gradient seed one of A or P is resident, which only the cut sees."""
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("a", "Conv", ["x"], [("A", 100)])
+    g.op("c", "Conv", ["A"], [("C", 100)])
+    g.op("f", "Conv", ["C"], [("Y", 8)])
+    g.op("p", "Neg", ["A"], [("P", 100)], phase="backward")
+    g.op("g", "Expand", ["Y"], [("G", 50)], phase="backward")
+    g.op("b1", "Mul", ["C", "G"], [("D", 8)], phase="backward")
+    g.op("b2", "Mul", ["P", "D"], [("B", 8)], phase="backward")
+    g.output("B")
+    graph = g.graph()
+    problem = Problem.build(graph, False)
+    reach = reachability(problem)
+    structural, per_op = structural_bound(problem, reach)
+    seed = problem.index["g"]
+    # at g: C 100 + Y 8 + G 50 in any order; A or P (100) only by the cut
+    assert (structural, int(per_op[seed])) == (200, 158)
+    assert cut_bound(problem, seed, reach) == 258 == brute_force_peak(graph, inplace=False)
+    notes = order_pass(Plan.initial(graph), time_limit=5).notes["order"]
+    assert notes["lower_bound"] == "min-cut" and notes["lower_bound_bytes"] == 258
+    assert notes["status"] == "optimal" and notes["peak_bytes"] == 258
+
+
+def test_large_graph_returns_within_its_time_limit():
+    layers = [((i % 3 + 1) * 4096, (i % 5 + 1) * 1024) for i in range(700)]
+    g = training_chain(layers, 4096)
+    assert len(g.ops) == 4899
+    limit = 6.0
+    started = time.perf_counter()
+    plan = order_pass(reuse_pass(Plan.initial(g)), time_limit=limit)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 3 * limit
+    notes = plan.notes["order"]
+    assert notes["cpsat"]["mode"] == "windows"
+    assert notes["lower_bound_bytes"] <= notes["peak_bytes"] <= notes["input_peak_bytes"]
+    assert g.is_topological([s.target for s in plan.schedule])
+    placed = place_pass(plan, time_limit=limit)
+    assert placed.notes["placement"]["arena_bytes"] <= 1.02 * notes["peak_bytes"]
+    validate(placed)
+
+
+def test_time_limit_is_kept_on_a_large_random_graph():
+    graph = random_dag(3, 2000, max_bytes=10**6)
+    limit = 1.0
+    started = time.perf_counter()
+    plan = order_pass(Plan.initial(graph), time_limit=limit)
+    assert time.perf_counter() - started < 3 * limit + 2      # + one heuristic start past the limit
+    notes = plan.notes["order"]
+    assert notes["heuristic_peaks"]["given"] == notes["input_peak_bytes"]
+    assert validate(plan).peak_bytes == notes["peak_bytes"] <= notes["input_peak_bytes"]
+
+
+def test_window_search_stops_at_its_deadline():
+    graph = random_dag(5, 400)
+    plan = Plan.initial(graph)
+    problem = Problem.build(graph, False)
+    search = Search(problem, Judge(plan, False), [op.name for op in graph.ops], time.perf_counter())
+    search.windows()
+    assert search.ended == "time limit" and search.solves == 0 and not search.deterministic
+
+
+def test_same_inputs_same_order():
+    layers = [((i % 3 + 1) * 512, (i % 4 + 1) * 256) for i in range(22)]
+    plan = reuse_pass(Plan.initial(training_chain(layers, 512)))
+    first = order_pass(plan, time_limit=20)
+    second = order_pass(plan, time_limit=20)
+    assert first.notes["order"]["deterministic"]
+    assert first.schedule == second.schedule and first.aliases == second.aliases
+
+
+def test_zero_time_still_returns_the_best_heuristic():
+    graph = two_branches()
+    plan = order_pass(Plan.initial(graph), time_limit=0)
+    notes = plan.notes["order"]
+    assert notes["cpsat"]["solves"] == 0
+    assert validate(plan).peak_bytes == min(notes["heuristic_peaks"].values())
+
+
+def test_refuses_schedules_with_other_steps():
+    graph = two_branches()
+    schedule = [compute("a1"), compute("a2"), free("a2"), compute("b1")]
+    with pytest.raises(ScheduleError, match="compute steps only"):
+        order_pass(dataclasses.replace(Plan.initial(graph), schedule=schedule))
