@@ -22,9 +22,13 @@ the memory model (`memsched.memory`) judge every answer:
 - Judging (`search`): the answer is mapped back (first occurrence `compute`, repeats
   `recompute`), given fresh in-place aliases if the plan had any (`passes.reuse.choose_aliases`;
   replayed tensors are never aliased) and analysed. In-place aliases are what the abstract
-  model cannot say. If the judged peak is over the budget, the abstract budget is lowered by
-  the overshoot and the problem re-solved; if under, raised by the slack (a cheaper plan may
-  fit); bisection once both sides are known; at most MAX_ROUNDS rounds within the time limit.
+  model cannot say. Unless the judged peak is within CLOSE_ENOUGH under the budget, the next
+  abstract budget is the budget plus the gap just seen between the abstract and the judged
+  peak (lower when the judge counted more; higher when it counted less: a cheaper plan may
+  fit, or, where the abstract problem had no answer, one may fit all the same); bisection
+  once an abstract budget that fits and one that overshoots are known; at most MAX_ROUNDS
+  rounds within the time limit. Every round's answer is judged, so a BudgetError names
+  the smallest peak the judge saw.
 - Base orders (`base_orders`): the plan's own, and the graph's stored order with updates in
   the backward (`passes.reuse.training_order`); the order pass minimises the peak without
   replays and can leave a late layer's update at the end, where no replay helps. The
@@ -109,9 +113,7 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto") -
         if found is not None and (best is None or found[0].total_cost < best[0].total_cost):
             best, base_name, problem = found, name, base_problem
     if best is None:
-        reached = min((r["judged_peak_bytes"] for r in rounds if r["judged_peak_bytes"] is not None),
-                      default=input_peak)
-        reached = min(reached, input_peak)
+        reached = min([r["judged_peak_bytes"] for r in rounds] + [input_peak])
         raise BudgetError(f"recompute cannot fit the budget of {format_bytes(budget)} ({budget:,} B): the smallest "
                           f"peak reached is {format_bytes(reached)} ({reached:,} B)", reached)
 
@@ -392,18 +394,13 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
             break   # a round takes at least about as long as the quickest one so far
         left = max(0.05, deadline - now)
         share = left * FIRST_ROUND_SHARE if r == 0 else left / (MAX_ROUNDS - r)
-        record = {"abstract_budget_bytes": target, "judged_peak_bytes": None}
+        record = {"abstract_budget_bytes": target}
         rounds.append(record)
         try:
             result = solve(problem, late, target, share, method)
-        except remat.BudgetInfeasible as exc:
-            record.update(fits=False, abstract="infeasible", smallest_abstract_bytes=exc.smallest_budget,
-                          seconds=round(time.perf_counter() - now, 3))
-            over_at = target if over_at is None else min(over_at, target)
-            if fits_at is not None or exc.smallest_budget <= target:
-                break
-            target = exc.smallest_budget   # reachable in the abstract: see what the judge says of it
-            continue
+        except remat.BudgetInfeasible as exc:   # judge the closest all the same: the judge may differ
+            result = exc.closest
+            record["abstract"] = "infeasible"
         schedule = to_schedule(result.schedule)
         aliases = _aliases_for(plan, schedule)
         peak = analyze(graph, schedule, aliases, plan.on_host).peak_bytes
@@ -417,10 +414,10 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
             fits_at = target if fits_at is None else max(fits_at, target)
             if budget - peak <= CLOSE_ENOUGH * budget or result.total_cost <= problem.base_cost:
                 break   # as close as it gets, or nothing left to save
-            proposal = target + (budget - peak)
         else:
             over_at = target if over_at is None else min(over_at, target)
-            proposal = target - (peak - budget)
+        # the abstract budget that the judge would see as `budget`, if the gap holds
+        proposal = budget + (result.peak_bytes - peak)
         target = _next_target(proposal, fits_at, over_at)
         if target is None:
             break

@@ -60,13 +60,15 @@ class BudgetInfeasible(BudgetError):
     """No schedule within the budget was found (the CLI exits 3).
 
     `smallest_budget` is the lowest peak any solver reached (a budget known to work);
-    `lower_bound` is a proven floor (no schedule can peak below it).
+    `lower_bound` is a proven floor (no schedule can peak below it); `closest` (from `plan`)
+    the Result that reached `smallest_budget`.
     """
 
-    def __init__(self, budget_bytes: int, smallest_budget: int, lower_bound: int):
+    def __init__(self, budget_bytes: int, smallest_budget: int, lower_bound: int, closest=None):
         self.budget_bytes = budget_bytes
         self.smallest_budget = smallest_budget
         self.lower_bound = lower_bound
+        self.closest = closest
         super().__init__(
             f"budget {budget_bytes} bytes cannot be met; the smallest budget found is "
             f"{smallest_budget} bytes (no schedule can go below {lower_bound} bytes)", smallest_budget)
@@ -816,7 +818,8 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
             else:   # no cheaper than the warm start: keep its name, take CP-SAT's verdict
                 best = replace(best, status=found.status, lower_bound=found.lower_bound)
     if best is None:
-        raise BudgetInfeasible(budget_bytes, min(r.peak_bytes for r in runs.values()), lower)
+        closest = min(runs.values(), key=lambda r: (r.peak_bytes, r.total_cost))
+        raise BudgetInfeasible(budget_bytes, closest.peak_bytes, lower, closest)
     return replace(best, seconds=time.perf_counter() - started, runs=runs)
 
 

@@ -258,6 +258,8 @@ def test_infeasible_budget_names_the_smallest_budget_found():
     err = info.value
     assert err.lower_bound == floor and err.smallest_budget >= floor
     assert str(err.smallest_budget) in str(err)
+    assert err.closest.peak_bytes == err.smallest_budget and not err.closest.fits
+    assert_fits(problem, err.closest, err.smallest_budget)
     reached = remat.plan(problem, err.smallest_budget, time_limit_s=2.0)   # really reachable
     assert_fits(problem, reached, err.smallest_budget)
 
