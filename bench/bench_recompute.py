@@ -25,10 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import onnx  # noqa: E402
-
 import models  # noqa: E402
 from memsched.errors import BudgetError  # noqa: E402
+from memsched.frontend import lower  # noqa: E402
 from memsched.ir import Graph  # noqa: E402
 from memsched.memory import analyze_plan  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
@@ -53,9 +52,8 @@ TARGET_OVERHEAD = 0.10
 
 def training_graph(name: str, options: dict) -> Graph:
     """The SGD training step of a shape-only build of bundled model `name`."""
-    model = models.build(name, weights=False, **options)
-    graph = Graph.from_onnx(onnx.shape_inference.infer_shapes(model, data_prop=True))
-    return build_training_step(graph, loss="cross_entropy", optimizer="sgd")
+    return build_training_step(lower(models.build(name, weights=False, **options)), loss="cross_entropy",
+                               optimizer="sgd")
 
 
 def say(message: str) -> None:

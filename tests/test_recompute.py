@@ -274,3 +274,21 @@ def test_compile_impossible_budget_exits_3_with_a_number(gpt2_path):
     assert result.returncode == 3, result.stderr
     line = result.stderr.strip()
     assert len(line.splitlines()) == 1 and "smallest peak reached is" in line and " B)" in line
+
+
+@pytest.mark.parametrize("name", ["gpt2", "unet2d"])
+def test_recompute_plan_runs_bit_identical_on_the_executor(graphs, name):
+    """The replays really recompute the same values: the scheduled step, run op by op in one
+    arena (freed slots poisoned with NaN), equals a plain ONNX Runtime run bit for bit, and the
+    bytes it measures are the judge's."""
+    from memsched.executor import run_plan
+
+    plan = reused(graphs(name))
+    budget = int(FRACTION[name] * analyze_plan(plan).peak_bytes)
+    placed = place_pass(recompute_pass(dataclasses.replace(plan, budget=budget), time_limit=3), time_limit=2)
+    assert any(s.kind == "recompute" for s in placed.schedule)
+    result = run_plan(placed, check=True)
+    assert result.check["passed"] and result.check["bit_identical"] and result.check["max_abs_diff"] == 0.0
+    profile = analyze_plan(placed)
+    assert np.array_equal(result.live_bytes, profile.live_bytes) and result.peak_bytes <= budget
+    assert result.ops == len(placed.schedule)
