@@ -386,7 +386,7 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
     graph = plan.graph
     late = late_readers(problem, graph)
     target = budget
-    fits_at, over_at = None, None     # highest abstract budget that fit, lowest that overshot
+    fits_at, over_at = None, None     # highest abstract budget whose plan fit, lowest whose plan overshot
     best, rounds = None, []
     for r in range(MAX_ROUNDS):
         now = time.perf_counter()
@@ -408,19 +408,20 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
         record.update(fits=fits, judged_peak_bytes=peak, abstract_peak_bytes=result.peak_bytes,
                       method=result.method, status=result.status, added_cost_s=result.total_cost - problem.base_cost,
                       seconds=round(time.perf_counter() - now, 3))
+        reached = max(target, result.peak_bytes)   # above the target where the abstract had no answer
         if fits:
             if best is None or result.total_cost < best[0].total_cost:
                 best = (result, schedule, aliases, peak)
-            fits_at = target if fits_at is None else max(fits_at, target)
+            fits_at = reached if fits_at is None else max(fits_at, reached)
             if budget - peak <= CLOSE_ENOUGH * budget or result.total_cost <= problem.base_cost:
                 break   # as close as it gets, or nothing left to save
         else:
-            over_at = target if over_at is None else min(over_at, target)
+            over_at = reached if over_at is None else min(over_at, reached)
         # the abstract budget that the judge would see as `budget`, if the gap holds
         proposal = budget + (result.peak_bytes - peak)
         target = _next_target(proposal, fits_at, over_at)
-        if target is None:
-            break
+        if target is None or any(target == record["abstract_budget_bytes"] for record in rounds):
+            break       # the two sides have met, or nothing new to try
     return best, rounds
 
 
