@@ -35,11 +35,11 @@ the memory model (`memsched.memory`) judge every answer:
   cheapest plan the judge accepts wins.
 
 Which ops may be replayed (`replay_blocker`): forward ops only (what backward reads again),
-deterministic ones (not RandomNormal/RandomUniform(Like)/Bernoulli/Multinomial, and not a
-Dropout unless it is known to be the identity: training_mode absent or constant false, or
-ratio constant 0 -- autodiff keeps a training Dropout's random mask for the backward, and a
-replay would draw a new one), and none with an output that is a graph output (held to the
-end of the step anyway, so a replay frees nothing). Graph inputs are never replayed.
+deterministic ones (`memsched.executor.draws_random`: not RandomNormal/RandomUniform(Like)/
+Bernoulli/Multinomial, and no Dropout given a training_mode input -- autodiff keeps a training
+Dropout's random mask for the backward, and a replay would draw a new one; the executor
+refuses such replays too), and none with an output that is a graph output (held to the end
+of the step anyway, so a replay frees nothing). Graph inputs are never replayed.
 """
 from __future__ import annotations
 
@@ -48,12 +48,12 @@ import math
 import time
 
 import numpy as np
-from onnx import TensorProto, numpy_helper
 
 from memsched import hardware as hardware_mod
 from memsched.cost import op_time
 from memsched.errors import BudgetError, ScheduleError, UserError
-from memsched.ir import Graph, Op, tensor_value
+from memsched.executor import draws_random
+from memsched.ir import Graph, Op
 from memsched.memory import analyze, validate
 from memsched.schedule import Plan, Schedule, compute, order_schedule, recompute
 from memsched.simulate import simulate
@@ -62,8 +62,6 @@ from memsched.units import format_bytes
 from . import remat
 from .reuse import choose_aliases, compute_order, training_order
 
-RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-                        "Bernoulli", "Multinomial"})
 MAX_ROUNDS = 6
 GIVEN_ORDER_SHARE = 0.6     # of the time limit for the plan's own order when there are two
 FIRST_ROUND_SHARE = 0.4     # of the time limit; later rounds split what is left
@@ -167,37 +165,11 @@ def replay_blocker(graph: Graph, op: Op) -> str | None:
     """Why `op` may not be recomputed, or None if it may (see the module docstring)."""
     if op.phase != "forward":
         return f"a {op.phase} op"
-    if op.op_type in RANDOM_OPS:
-        return "draws random numbers"
-    if op.op_type == "Dropout" and not _dropout_is_identity(graph, op):
-        return "Dropout with a random mask"
+    if draws_random(op):
+        return "draws random numbers (a Dropout given a training_mode may draw a mask)"
     held = [t for t in op.present_outputs if t in graph.outputs]
     if held:
         return f"its output '{held[0]}' is a graph output"
-    return None
-
-
-def _dropout_is_identity(graph: Graph, op: Op) -> bool:
-    """Training mode absent or a constant false, or a constant ratio of 0."""
-    if len(op.inputs) < 3 or not op.inputs[2]:
-        return True
-    training = _constant(graph, op.inputs[2])
-    ratio = _constant(graph, op.inputs[1]) if len(op.inputs) > 1 and op.inputs[1] else None
-    return (training is not None and not bool(training.any())) or (ratio is not None and not bool(ratio.any()))
-
-
-def _constant(graph: Graph, name: str) -> np.ndarray | None:
-    """The value of an initializer or a Constant op's output, None when it is not known."""
-    tensor = graph.tensors.get(name)
-    if tensor is not None and tensor.is_static:
-        try:
-            return tensor_value(tensor, graph.base_dir)
-        except (ValueError, OSError):
-            return None
-    producer = graph.producer.get(name)
-    if producer is not None and producer.op_type == "Constant" and isinstance(producer.attributes.get("value"),
-                                                                                TensorProto):
-        return numpy_helper.to_array(producer.attributes["value"])
     return None
 
 
