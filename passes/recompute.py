@@ -365,7 +365,8 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
         if r and deadline - now < min(record["seconds"] for record in rounds):
             break   # a round takes at least about as long as the quickest one so far
         left = max(0.05, deadline - now)
-        share = left * FIRST_ROUND_SHARE if r == 0 else left / (MAX_ROUNDS - r)
+        retry = any(target == record["abstract_budget_bytes"] for record in rounds)
+        share = left if retry else left * FIRST_ROUND_SHARE if r == 0 else left / (MAX_ROUNDS - r)
         record = {"abstract_budget_bytes": target}
         rounds.append(record)
         try:
@@ -392,8 +393,10 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
         # the abstract budget that the judge would see as `budget`, if the gap holds
         proposal = budget + (result.peak_bytes - peak)
         target = _next_target(proposal, fits_at, over_at)
-        if target is None or any(target == record["abstract_budget_bytes"] for record in rounds):
-            break       # the two sides have met, or nothing new to try
+        tried = [record for record in rounds if record["abstract_budget_bytes"] == target]
+        if target is None or tried and (len(tried) > 1 or tried[0].get("abstract") != "infeasible"):
+            break       # the two sides have met, or nothing new to try (an abstract budget with no
+                        # answer is tried once more, with all the time left: the solver may have timed out)
     return best, rounds
 
 
