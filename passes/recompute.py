@@ -92,10 +92,12 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto") -
     hw = _hardware(plan)
     graph, budget = plan.graph, int(plan.budget)
     input_peak = analyze(graph, plan.schedule, plan.aliases, plan.on_host).peak_bytes
-    if input_peak <= budget:
-        notes = {"status": "optimal", "method": remat.CHECKPOINT_ALL, "recomputed_ops": [], "recomputations": 0,
-                 "added_compute_s": 0.0, "overhead": 0.0, "budget_bytes": budget, "peak_bytes": input_peak,
-                 "input_peak_bytes": input_peak, "rounds": [], "lower_bound_added_s": 0.0,
+    if input_peak <= budget:   # nothing to replay: the same keys as below
+        step_time = simulate(plan, hw).step_time
+        notes = {"status": "optimal", "method": remat.CHECKPOINT_ALL, "base_order": "given", "recomputed_ops": [],
+                 "recomputations": 0, "added_compute_s": 0.0, "step_time_before_s": step_time,
+                 "step_time_after_s": step_time, "overhead": 0.0, "budget_bytes": budget, "peak_bytes": input_peak,
+                 "input_peak_bytes": input_peak, "lower_bound_added_s": 0.0, "abstract": None, "rounds": [],
                  "seconds": round(time.perf_counter() - started, 3)}
         return dataclasses.replace(plan, notes={**plan.notes, "recompute": notes})
 
