@@ -307,7 +307,7 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime") -> _Program:
     for i, step in enumerate(schedule):
         if step.kind in ("compute", "recompute"):
             op = graph.op_by_name[step.target]
-            if step.kind == "recompute" and _is_random(op):
+            if step.kind == "recompute" and draws_random(op):
                 raise ScheduleError(f"op '{op.name}' ({op.op_type}) draws random numbers; recomputing it "
                                     f"would change its result")
             reads = [(t, *region(covering(t, i).key)) for t in op.inputs if t]
@@ -387,7 +387,8 @@ def _last_event(plan: Plan, tensor: str) -> str | None:
     return kinds[-1] if kinds else None
 
 
-def _is_random(op: Op) -> bool:
+def draws_random(op: Op) -> bool:
+    """A random op, or a Dropout given a training_mode (it may draw a mask): a replay could differ."""
     return op.op_type in RANDOM_OPS or (op.op_type == "Dropout" and len(op.inputs) > 2 and bool(op.inputs[2]))
 
 
@@ -584,7 +585,7 @@ class _Runtime:
         import onnxruntime as ort
 
         model = single_op_model(op, graph).SerializeToString()
-        key = model + (op.name.encode() if _is_random(op) else b"")   # random ops keep their own state
+        key = model + (op.name.encode() if draws_random(op) else b"")   # random ops keep their own state
         session = self.sessions.get(key)
         if session is None:
             try:

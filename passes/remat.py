@@ -60,13 +60,15 @@ class BudgetInfeasible(BudgetError):
     """No schedule within the budget was found (the CLI exits 3).
 
     `smallest_budget` is the lowest peak any solver reached (a budget known to work);
-    `lower_bound` is a proven floor (no schedule can peak below it).
+    `lower_bound` is a proven floor (no schedule can peak below it); `closest` (from `plan`)
+    the Result that reached `smallest_budget`.
     """
 
-    def __init__(self, budget_bytes: int, smallest_budget: int, lower_bound: int):
+    def __init__(self, budget_bytes: int, smallest_budget: int, lower_bound: int, closest=None):
         self.budget_bytes = budget_bytes
         self.smallest_budget = smallest_budget
         self.lower_bound = lower_bound
+        self.closest = closest
         super().__init__(
             f"budget {budget_bytes} bytes cannot be met; the smallest budget found is "
             f"{smallest_budget} bytes (no schedule can go below {lower_bound} bytes)", smallest_budget)
@@ -79,7 +81,11 @@ class RematProblem:
     """A DAG in its initial topological order; nodes are referred to by position 0..n-1.
 
     `ids[i]` is the user's id of the node at position i; `preds[i]` the positions of its
-    inputs (all < i). Build one with `make_problem` or `load_node_link`.
+    inputs (all < i). `fixed` holds positions that may be computed only once (a replay would
+    be wrong, e.g. a random op, or is not wanted); `deadline` (empty, or one entry per node)
+    the last stage at which a node may be recomputed, None for any (stage t: before the node
+    at position t; a caller's input is overwritten there, say). Every solver and `evaluate`
+    honour both. Build one with `make_problem` or `load_node_link`.
     """
 
     ids: tuple
@@ -87,6 +93,8 @@ class RematProblem:
     size: tuple[int, ...]
     preds: tuple[tuple[int, ...], ...]
     pinned_bytes: int = 0
+    fixed: frozenset = frozenset()
+    deadline: tuple = ()
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -99,6 +107,13 @@ class RematProblem:
     @property
     def n(self) -> int:
         return len(self.ids)
+
+    def may_replay(self, v: int, stage: int) -> bool:
+        """May node v be recomputed at `stage` (before the node at position `stage`)?"""
+        if v in self.fixed:
+            return False
+        last = self.deadline[v] if self.deadline else None
+        return last is None or stage <= last
 
     @property
     def base_cost(self) -> float:
@@ -224,7 +239,13 @@ def _liveness(problem: RematProblem, seq: list[int]) -> _Liveness:
     """The memory model's body: see the module docstring. `seq` holds positions."""
     out = _Liveness(None)
     latest = [-1] * problem.n
+    computed = 0   # nodes computed so far: a recomputation now is at this stage
     for k, v in enumerate(seq):
+        if latest[v] < 0:
+            computed += 1
+        elif not problem.may_replay(v, computed):
+            out.error = f"step {k}: {problem.ids[v]!r} may not be recomputed (here)"
+            return out
         for u in problem.preds[v]:
             i = latest[u]
             if i < 0:
@@ -384,8 +405,8 @@ def _sqrt_n_plan(problem: RematProblem, max_computations: int) -> list[list[int]
     keep_until: list[int | None] = [None] * n   # last stage served by the first copy; None: never dropped
     for v in range(n):
         marks = [v, *sorted(problem.succs[v])]
-        if (v + 1) % seg == 0 or len(marks) < 2:
-            continue   # a segment boundary, or a sink
+        if (v + 1) % seg == 0 or len(marks) < 2 or v in problem.fixed:
+            continue   # a segment boundary, a sink, or a node that may not be replayed
         gap, last = max((b - a, a) for a, b in zip(marks, marks[1:]))
         if gap > seg:   # idle for longer than a segment: worth a replay
             keep_until[v] = last
@@ -393,7 +414,7 @@ def _sqrt_n_plan(problem: RematProblem, max_computations: int) -> list[list[int]
         stack = list(problem.preds[t])
         while stack:
             u = stack.pop()
-            if keep_until[u] is not None and t > keep_until[u] and not plan[u]:
+            if keep_until[u] is not None and t > keep_until[u] and not plan[u] and problem.may_replay(u, t):
                 plan[u].append(t)
                 stack.extend(problem.preds[u])
     return plan
@@ -406,15 +427,17 @@ def solve_sqrt_n(problem: RematProblem, budget_bytes: int, max_computations: int
     return _result(problem, SQRT_N, seq, budget_bytes, "heuristic", started)
 
 
-def _greedy_plan(problem: RematProblem, budget: int, max_computations: int) -> list[list[int]]:
+def _greedy_plan(problem: RematProblem, budget: int, max_computations: int,
+                 start: list[list[int]] | None = None) -> list[list[int]]:
     """Evict at the peak step, cheapest time per byte first, until the budget holds.
 
     Each round finds the peak step k*, and for every output live but idle there, the cost of
     recomputing it at its next use (with the inputs that would otherwise be kept alive across
-    k*, recursively) against the bytes that frees at k*. Returns the lowest-peak plan seen.
+    k*, recursively) against the bytes that frees at k*. Starts from `start` (a plan) if
+    given, else from no recomputation. Returns the lowest-peak plan seen.
     """
     n = problem.n
-    plan: list[list[int]] = [[] for _ in range(n)]
+    plan: list[list[int]] = [sorted(s) for s in start] if start is not None else [[] for _ in range(n)]
     best_plan, best_peak = [list(s) for s in plan], None
     for _ in range(n * max(0, max_computations - 1) + 1):
         seq = schedule_from_plan(problem, plan)
@@ -468,8 +491,8 @@ def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computat
         if after and lv.uses[i][after - 1] == k_peak:
             continue  # an input of the peak step itself
         stage = stage_of[lv.uses[i][after]]
-        if new_step(stage, v) <= k_peak:
-            continue  # the recomputation would land before the peak step
+        if new_step(stage, v) <= k_peak or not problem.may_replay(v, stage):
+            continue  # the recomputation would land before the peak step, or may not be there
         chosen, extra, todo = {v}, 0, [v]
         while todo:
             w = todo.pop()
@@ -480,7 +503,7 @@ def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computat
                 j = serving(u, step)
                 if lv.start[j] > k_peak or lv.end[j] >= k_peak:
                     continue  # already live at k* (or computed after it): no new bytes there
-                if len(plan[u]) < max_computations - 1 and stage not in plan[u] and u not in chosen:
+                if len(plan[u]) < max_computations - 1 and stage not in plan[u] and problem.may_replay(u, stage):
                     chosen.add(u)
                     todo.append(u)
                 else:
@@ -494,12 +517,14 @@ def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computat
     return None if best is None else (best[1], best[2])
 
 
-def solve_greedy(problem: RematProblem, budget_bytes: int, max_computations: int = 2) -> Result:
+def solve_greedy(problem: RematProblem, budget_bytes: int, max_computations: int = 2,
+                 start: list[list[int]] | None = None, name: str = GREEDY) -> Result:
     """Greedy eviction: cheapest recomputation per byte of peak freed, until the budget holds
-    (or nothing more helps; the result then has the lowest peak it reached)."""
+    (or nothing more helps; the result then has the lowest peak it reached). `start`: a plan
+    to continue from (the result is then called `name`)."""
     started = time.perf_counter()
-    seq = schedule_from_plan(problem, _greedy_plan(problem, budget_bytes, max_computations))
-    return _result(problem, GREEDY, seq, budget_bytes, "heuristic", started)
+    seq = schedule_from_plan(problem, _greedy_plan(problem, budget_bytes, max_computations, start))
+    return _result(problem, name, seq, budget_bytes, "heuristic", started)
 
 
 # --------------------------------------------------------------------------- CP-SAT
@@ -510,9 +535,10 @@ def recompute_candidates(problem: RematProblem, min_gap: int = 2, forced=()) -> 
     Recomputing v can only help if some stage strictly between two of its reads (or between
     its computation and its first read) could go without it -- a gap of `min_gap` stages or
     more -- or if a consumer may itself be recomputed later (and then reads v again).
-    Nodes in `forced` (a warm start's recomputations) are always candidates.
+    Nodes in `forced` (a warm start's recomputations) are always candidates; nodes that may
+    not be recomputed at all (`problem.may_replay`) never are.
     """
-    forced = set(forced)
+    forced = {v for v in forced if problem.may_replay(v, v + 1)}
     candidates: set[int] = set()
     last_read: list[int | None] = [None] * problem.n
     for v in reversed(range(problem.n)):
@@ -522,7 +548,7 @@ def recompute_candidates(problem: RematProblem, min_gap: int = 2, forced=()) -> 
         last_read[v] = max(last_read[c] if c in candidates else c for c in readers)
         marks = [v, *sorted(readers)]
         gap = max(b - a for a, b in zip(marks, marks[1:]))
-        if v in forced or gap >= min_gap or any(c in candidates for c in readers):
+        if problem.may_replay(v, v + 1) and (v in forced or gap >= min_gap or any(c in candidates for c in readers)):
             candidates.add(v)
     return candidates, last_read
 
@@ -599,7 +625,8 @@ def build_model(problem: RematProblem, budget_bytes: int, candidates: set, last_
         node_copies = [_Copy(True, v, main(v), fin)]
         for j in range(1, max_computations if v in candidates else 1):
             present = model.new_bool_var(f"re_{v}_{j}")
-            stage = model.new_int_var(v + 1, last_read[v], f"stage_{v}_{j}")
+            last = problem.deadline[v] if problem.deadline and problem.deadline[v] is not None else last_read[v]
+            stage = model.new_int_var(v + 1, min(last_read[v], last), f"stage_{v}_{j}")
             start = stage * width + v
             fin = model.new_int_var((v + 1) * width + v + 1, hi, f"fin_{v}_{j}")
             length = model.new_int_var(1, hi - (v + 1) * width - v, f"len_{v}_{j}")
@@ -753,10 +780,12 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
 # --------------------------------------------------------------------------- entry point
 
 def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, method: str = "auto",
-         max_computations: int = 2) -> Result:
+         max_computations: int = 2, seeds: dict[str, list[list[int]]] | None = None) -> Result:
     """The cheapest schedule within `budget_bytes`: baselines first, then CP-SAT warm-started
     from the best of them. `method` = "auto" (all), or one of METHODS (CP-SAT still runs the
-    baselines for its warm start). Raises BudgetInfeasible naming the smallest budget reached.
+    baselines for its warm start). `seeds` (name -> plan, e.g. from a caller that knows the
+    graph's structure) are judged with the baselines and may be the warm start or the answer.
+    Raises BudgetInfeasible naming the smallest budget reached.
     """
     started = time.perf_counter()
     if method != "auto" and method not in METHODS:
@@ -774,6 +803,8 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
         runs[SQRT_N] = solve_sqrt_n(problem, budget_bytes, max_computations)
     if GREEDY in wanted:
         runs[GREEDY] = solve_greedy(problem, budget_bytes, max_computations)
+    for name, seed in (seeds or {}).items():
+        runs[name] = _result(problem, name, schedule_from_plan(problem, seed), budget_bytes, "heuristic", started)
     fitting = [r for r in runs.values() if r.fits]
     best = min(fitting, key=lambda r: r.total_cost, default=None)
     lower = memory_lower_bound(problem)
@@ -787,7 +818,8 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
             else:   # no cheaper than the warm start: keep its name, take CP-SAT's verdict
                 best = replace(best, status=found.status, lower_bound=found.lower_bound)
     if best is None:
-        raise BudgetInfeasible(budget_bytes, min(r.peak_bytes for r in runs.values()), lower)
+        closest = min(runs.values(), key=lambda r: (r.peak_bytes, r.total_cost))
+        raise BudgetInfeasible(budget_bytes, closest.peak_bytes, lower, closest)
     return replace(best, seconds=time.perf_counter() - started, runs=runs)
 
 

@@ -6,6 +6,7 @@ import bisect
 import json
 import random
 import time
+from dataclasses import replace
 
 import networkx as nx
 import pytest
@@ -257,6 +258,8 @@ def test_infeasible_budget_names_the_smallest_budget_found():
     err = info.value
     assert err.lower_bound == floor and err.smallest_budget >= floor
     assert str(err.smallest_budget) in str(err)
+    assert err.closest.peak_bytes == err.smallest_budget and not err.closest.fits
+    assert_fits(problem, err.closest, err.smallest_budget)
     reached = remat.plan(problem, err.smallest_budget, time_limit_s=2.0)   # really reachable
     assert_fits(problem, reached, err.smallest_budget)
 
@@ -469,3 +472,72 @@ def test_random_layered_sizes():
     for n in (100, 300, 1000):
         assert abs(graphs.random_layered(n).n - n) <= 1
     assert graphs.resnet().n > 300                   # ResNet-50 layout
+
+
+# --------------------------------------------------------------------------- fixed nodes, deadlines, seeds
+
+def _restricted(problem: remat.RematProblem) -> remat.RematProblem:
+    """`problem` with every third node fixed and every other remaining one given a deadline of
+    a few stages after itself (what passes/recompute sets for replays that must precede an update)."""
+    fixed = frozenset(range(0, problem.n, 3))
+    deadline = tuple(v + 4 if v % 3 == 1 else None for v in range(problem.n))
+    return remat.RematProblem(problem.ids, problem.cost, problem.size, problem.preds, problem.pinned_bytes,
+                              fixed, deadline)
+
+
+def _replay_stages(problem: remat.RematProblem, schedule) -> list[tuple[int, int]]:
+    """(node, stage) of every recomputation: stage = how many nodes were computed before it."""
+    index = {v: i for i, v in enumerate(problem.ids)}
+    seen, out = set(), []
+    for v in map(index.get, schedule):
+        if v in seen:
+            out.append((v, len(seen)))
+        seen.add(v)
+    return out
+
+
+@pytest.mark.parametrize("case", ["chain", "unet", "resnet"])
+def test_fixed_nodes_and_deadlines_are_honoured_by_every_method(case):
+    problem = _restricted(CASES[case]())
+    budget = remat.budget_from_fraction(problem, 0.8)
+    try:
+        result = remat.plan(problem, budget, time_limit_s=2.0)
+        runs = result.runs
+    except remat.BudgetInfeasible:
+        runs = {m: f(problem, budget) for m, f in (("sqrt_n", remat.solve_sqrt_n), ("greedy", remat.solve_greedy))}
+    replays = 0
+    for method, run in runs.items():
+        for v, stage in _replay_stages(problem, run.schedule):
+            replays += 1
+            assert v not in problem.fixed, method
+            assert problem.deadline[v] is None or stage <= problem.deadline[v], method
+    assert replays, "the restrictions left nothing to recompute: the test checks nothing"
+
+
+def test_evaluate_rejects_replays_of_fixed_nodes_and_late_replays():
+    problem = graphs.chain(4, seed=0)
+    free = remat.solve_sqrt_n(problem, 0)
+    (v, stage), *_ = _replay_stages(problem, free.schedule)
+    fixed = replace(problem, fixed=frozenset({v}))
+    assert remat.evaluate(problem, free.schedule)[0]
+    valid, _, _, details = remat.evaluate(fixed, free.schedule)
+    assert not valid and "may not be recomputed" in details["error"]
+    late = replace(problem, deadline=tuple(stage - 1 if u == v else None for u in range(problem.n)))
+    assert not remat.evaluate(late, free.schedule)[0]
+    on_time = replace(problem, deadline=tuple(stage if u == v else None for u in range(problem.n)))
+    assert remat.evaluate(on_time, free.schedule)[0]
+
+
+def test_seeds_are_judged_and_greedy_continues_from_a_start():
+    problem = graphs.unet(depth=3, seed=1)
+    budget = remat.budget_from_fraction(problem, 0.8)
+    seed = remat.plan_from_schedule(problem, remat.solve_sqrt_n(problem, budget).schedule)
+    result = remat.plan(problem, budget, time_limit_s=2.0, seeds={"mine": seed})
+    assert result.runs["mine"].schedule == remat.solve_sqrt_n(problem, budget).schedule
+    assert_fits(problem, result, budget)
+    continued = remat.solve_greedy(problem, budget, start=seed, name="from-seed")
+    assert continued.method == "from-seed"
+    assert continued.peak_bytes <= remat.solve_sqrt_n(problem, budget).peak_bytes
+    # every recomputation the start had is still there (the greedy only adds)
+    kept = remat.plan_from_schedule(problem, continued.schedule)
+    assert all(set(seed[v]) <= set(kept[v]) for v in range(problem.n))

@@ -1,0 +1,422 @@
+"""Recompute on memsched's training plans: drop activations after the forward, replay their
+producers right before the backward reads them again, at the least added compute time.
+
+`recompute_pass(plan, time_limit)` plans on the abstract problem of `passes.remat` and lets
+the memory model (`memsched.memory`) judge every answer:
+
+- Mapping (`to_problem`): one node per op in the plan's order; cost = the op's time on the
+  plan's hardware (`memsched.cost.op_time`); size = the bytes of its outputs, less those that
+  overwrite a static tensor in place (an optimizer update taking its parameter's storage);
+  pinned = the initializer-backed tensors, resident the whole step. An op with several
+  outputs gets a zero-cost node per read output right after it, so each output dies at its
+  own last reader. Graph inputs are zero-cost sources (live until their last reader, as the
+  judge has them); one zero-cost sink at the end reads every graph output (held to the end
+  of the step). An op reading a parameter that an update overwrites in place may be
+  replayed only before that update (a deadline). Without in-place aliases the abstract
+  bytes equal the judge's at every step when nothing is replayed, and are never below them
+  when something is (a replayed multi-output op is counted twice at its replay step).
+- Solving (`solve`): training-aware starting plans (`seed_plans`: keep the outputs that are
+  dear to recompute per byte, replay the rest at their first backward reader, as MONeT and
+  Checkmate find for BN/ReLU outputs), then `remat.plan` (checkpoint-all, sqrt(n), greedy,
+  CP-SAT warm-started from the best), then `prune` (drop replays the budget does not need).
+- Judging (`search`): the answer is mapped back (first occurrence `compute`, repeats
+  `recompute`), given fresh in-place aliases if the plan had any (`passes.reuse.choose_aliases`;
+  replayed tensors are never aliased) and analysed. In-place aliases are what the abstract
+  model cannot say. Unless the judged peak is within CLOSE_ENOUGH under the budget, the next
+  abstract budget is the budget plus the gap just seen between the abstract and the judged
+  peak (lower when the judge counted more; higher when it counted less: a cheaper plan may
+  fit, or, where the abstract problem had no answer, one may fit all the same); bisection
+  once an abstract budget that fits and one that overshoots are known; at most MAX_ROUNDS
+  rounds within the time limit. Every round's answer is judged, so a BudgetError names
+  the smallest peak the judge saw.
+- Base orders (`base_orders`): the plan's own, and the graph's stored order with updates in
+  the backward (`passes.reuse.training_order`); the order pass minimises the peak without
+  replays and can leave a late layer's update at the end, where no replay helps. The
+  cheapest plan the judge accepts wins.
+
+Which ops may be replayed (`replay_blocker`): forward ops only (what backward reads again),
+deterministic ones (`memsched.executor.draws_random`: not RandomNormal/RandomUniform(Like)/
+Bernoulli/Multinomial, and no Dropout given a training_mode input -- autodiff keeps a training
+Dropout's random mask for the backward, and a replay would draw a new one; the executor
+refuses such replays too), and none with an output that is a graph output (held to the end
+of the step anyway, so a replay frees nothing). Graph inputs are never replayed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from memsched import hardware as hardware_mod
+from memsched.cost import op_time
+from memsched.errors import BudgetError, ScheduleError, UserError
+from memsched.executor import draws_random
+from memsched.ir import Graph, Op
+from memsched.memory import analyze, validate
+from memsched.schedule import Plan, Schedule, compute, order_schedule, recompute
+from memsched.simulate import simulate
+from memsched.units import format_bytes
+
+from . import remat
+from .reuse import choose_aliases, compute_order, training_order
+
+MAX_ROUNDS = 6
+GIVEN_ORDER_SHARE = 0.6     # of the time limit for the plan's own order when there are two
+FIRST_ROUND_SHARE = 0.4     # of the time limit; later rounds split what is left
+CLOSE_ENOUGH = 0.005        # stop raising the abstract budget once the judged peak is this near
+SEED_SHARE = 0.3           # of a round's time for the seeds, at most
+PRUNE_SHARE = 0.15          # of a round's time kept for pruning the answer
+SEED_FAMILY = 33           # members of the keep-costly family (quantiles of time per byte)
+SEED_CONTINUED = 3          # of them continued by the greedy
+END = ("end",)              # id of the sink that holds graph outputs to the end of the step
+
+
+def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto") -> Plan:
+    """`plan` with recompute steps so that its judged peak is within `plan.budget`, at the least
+    added compute time found within `time_limit` seconds; notes["recompute"] says how.
+
+    Needs a budget, a hardware profile (op times) and a schedule of compute steps only (run
+    it after order/reuse, before swap and placement). `method`: "auto" (all solvers and the
+    seeds), or one of `remat.METHODS` alone (for benchmarks; "cpsat" keeps the seeds).
+    Raises BudgetError naming the smallest peak reached when no plan fits.
+    """
+    started = time.perf_counter()
+    deadline = started + max(0.0, float(time_limit))
+    if plan.budget is None:
+        raise UserError("the recompute pass needs a memory budget")
+    order = compute_order(plan.schedule)
+    if order is None:
+        raise ScheduleError("the recompute pass needs a schedule of compute steps only; run it before swap")
+    hw = _hardware(plan)
+    graph, budget = plan.graph, int(plan.budget)
+    input_peak = analyze(graph, plan.schedule, plan.aliases, plan.on_host).peak_bytes
+    if input_peak <= budget:   # nothing to replay: the same keys as below
+        step_time = simulate(plan, hw).step_time
+        notes = {"status": "optimal", "method": remat.CHECKPOINT_ALL, "base_order": "given", "recomputed_ops": [],
+                 "recomputations": 0, "added_compute_s": 0.0, "step_time_before_s": step_time,
+                 "step_time_after_s": step_time, "overhead": 0.0, "budget_bytes": budget, "peak_bytes": input_peak,
+                 "input_peak_bytes": input_peak, "lower_bound_added_s": 0.0, "abstract": None, "rounds": [],
+                 "seconds": round(time.perf_counter() - started, 3)}
+        return dataclasses.replace(plan, notes={**plan.notes, "recompute": notes})
+
+    best, rounds, base_name, problem = None, [], None, None
+    bases = base_orders(graph, order)
+    for i, (name, base) in enumerate(bases.items()):
+        share = GIVEN_ORDER_SHARE if i == 0 and len(bases) > 1 else 1.0
+        base_plan = _with_order(plan, base)
+        base_problem = to_problem(base_plan)
+        found, base_rounds = search(base_problem, base_plan, budget,
+                                    time.perf_counter() + share * max(0.0, deadline - time.perf_counter()), method)
+        rounds += [{"base_order": name, **r} for r in base_rounds]
+        if found is not None and (best is None or found[0].total_cost < best[0].total_cost):
+            best, base_name, problem = found, name, base_problem
+    if best is None:
+        reached = min([r["judged_peak_bytes"] for r in rounds] + [input_peak])
+        raise BudgetError(f"recompute cannot fit the budget of {format_bytes(budget)} ({budget:,} B): the smallest "
+                          f"peak reached is {format_bytes(reached)} ({reached:,} B)", reached)
+
+    result, schedule, aliases, peak = best
+    new_plan = dataclasses.replace(plan, schedule=schedule, aliases=aliases, offsets=None)
+    validate(new_plan)   # the judge has the last word (raises if anything is off)
+    before, after = simulate(plan, hw).step_time, simulate(new_plan, hw).step_time
+    replays = [step.target for step in schedule if step.kind == "recompute"]
+    lower = result.lower_bound
+    notes = {
+        "status": result.status, "method": result.method, "base_order": base_name,
+        "recomputed_ops": sorted(set(replays)), "recomputations": len(replays),
+        "added_compute_s": sum(op_time(graph.op_by_name[name], graph, hw) for name in replays),
+        "step_time_before_s": before, "step_time_after_s": after,
+        "overhead": after / before - 1 if before else 0.0,
+        "budget_bytes": budget, "peak_bytes": peak, "input_peak_bytes": input_peak,
+        "lower_bound_added_s": None if lower is None else max(0.0, lower - problem.base_cost),
+        "abstract": {"nodes": problem.n, "fixed": len(problem.fixed), "pinned_bytes": problem.pinned_bytes},
+        "rounds": rounds, "seconds": round(time.perf_counter() - started, 3),
+    }
+    return dataclasses.replace(new_plan, notes={**plan.notes, "recompute": notes})
+
+
+def base_orders(graph: Graph, order: list[str]) -> dict[str, list[str]]:
+    """Op orders to plan replays on: the plan's own ("given"), and the graph's stored order
+    with updates in the backward and the dW/dX rule ("training", `passes.reuse.training_order`)
+    when that differs. The order pass minimises the peak *without* replays and may leave work
+    where replays cannot help (a late layer's weight update at the end of the step, say)."""
+    bases = {"given": order}
+    training = training_order(graph, [op.name for op in graph.ops])
+    if training != order:
+        bases["training"] = training
+    return bases
+
+
+def _with_order(plan: Plan, order: list[str]) -> Plan:
+    """`plan` with its compute steps in `order` and in-place aliases chosen for it."""
+    if compute_order(plan.schedule) == order:
+        return plan
+    schedule = order_schedule(order)
+    return dataclasses.replace(plan, schedule=schedule, aliases=_aliases_for(plan, schedule))
+
+
+def _aliases_for(plan: Plan, schedule: Schedule) -> dict[str, str]:
+    """Fresh in-place aliases for `schedule`, where `plan` had some (reuse ran), else none."""
+    return choose_aliases(plan.graph, schedule, plan.aliases) if plan.aliases else {}
+
+
+# ---- which ops may be replayed ---------------------------------------------------------------
+def replay_blocker(graph: Graph, op: Op) -> str | None:
+    """Why `op` may not be recomputed, or None if it may (see the module docstring)."""
+    if op.phase != "forward":
+        return f"a {op.phase} op"
+    if draws_random(op):
+        return "draws random numbers (a Dropout given a training_mode may draw a mask)"
+    held = [t for t in op.present_outputs if t in graph.outputs]
+    if held:
+        return f"its output '{held[0]}' is a graph output"
+    return None
+
+
+# ---- the mapping -----------------------------------------------------------------------------
+def to_problem(plan: Plan) -> remat.RematProblem:
+    """The plan's compute schedule as a RematProblem (see the module docstring).
+
+    Ids: op names for ops; ("input", name) for graph inputs; ("output", name) for the outputs
+    of an op with several, each a zero-cost node right after its op that readers of that
+    output read (so each output dies at its own last reader, as the judge has it; the op's
+    node holds all its outputs only at its own step); END for the sink. An op reading a
+    static tensor that an update overwrites in place (`plan.aliases`) may be replayed only
+    before that update (its deadline): after it, the judge would keep the old value too."""
+    graph, hw = plan.graph, _hardware(plan)
+    order = compute_order(plan.schedule)
+    if order is None:
+        raise ScheduleError("the recompute pass needs a schedule of compute steps only")
+    static = {t.name for t in graph.initializers()}
+    ids, cost, size, preds, fixed = [], [], [], [], set()
+    node_of: dict[str, int] = {}
+
+    def add(node_id, seconds: float, nbytes: int, inputs, frozen: bool) -> int:
+        if frozen:
+            fixed.add(len(ids))
+        ids.append(node_id)
+        cost.append(seconds)
+        size.append(nbytes)
+        preds.append(tuple(sorted(set(inputs))))
+        return len(ids) - 1
+
+    for name in dict.fromkeys(graph.inputs):
+        if name not in static:
+            node_of[name] = add(("input", name), 0.0, graph.tensors[name].nbytes, (), True)
+    for name in order:
+        op = graph.op_by_name[name]
+        outputs = [t for t in op.present_outputs if plan.aliases.get(t) not in static]
+        frozen = replay_blocker(graph, op) is not None
+        v = add(name, op_time(op, graph, hw), sum(graph.tensors[t].nbytes for t in outputs),
+                [node_of[t] for t in op.present_inputs if t in node_of], frozen)
+        if len(op.present_outputs) == 1:
+            node_of.update(dict.fromkeys(op.present_outputs, v))
+            continue
+        for t in outputs:
+            if graph.consumers.get(t) or t in graph.outputs:
+                node_of[t] = add(("output", t), 0.0, graph.tensors[t].nbytes, (v,), frozen)
+    add(END, 0.0, 0, [node_of[t] for t in graph.outputs if t in node_of], True)
+
+    position = {node_id: v for v, node_id in enumerate(ids)}
+    overwritten: dict[str, int] = {}   # static tensor -> abstract position of the op overwriting it
+    for out, source in plan.aliases.items():
+        if source in static and out in graph.producer:
+            at = position[graph.producer[out].name]
+            overwritten[source] = min(overwritten.get(source, at), at)
+    deadline = tuple(min((overwritten[t] for t in graph.op_by_name[node_id].present_inputs if t in overwritten),
+                         default=None) if isinstance(node_id, str) else None for node_id in ids)
+    pinned = sum(graph.tensors[t].nbytes for t in static if t not in plan.on_host)
+    return remat.RematProblem(tuple(ids), tuple(cost), tuple(size), tuple(preds), pinned, frozenset(fixed),
+                              deadline if any(d is not None for d in deadline) else ())
+
+
+def to_schedule(ids) -> Schedule:
+    """An abstract schedule back as steps: an op's first occurrence computes it, repeats recompute."""
+    seen: set[str] = set()
+    steps = []
+    for v in ids:
+        if isinstance(v, str):
+            steps.append(recompute(v) if v in seen else compute(v))
+            seen.add(v)
+    return steps
+
+
+# ---- starting plans that know the training step ------------------------------------------------
+def late_readers(problem: remat.RematProblem, graph: Graph) -> list[bool]:
+    """Per node: does it run after the forward (loss, backward, update, or the end sink)?"""
+    return [v == END or (isinstance(v, str) and graph.op_by_name[v].phase != "forward") for v in problem.ids]
+
+
+def drop_plan(problem: remat.RematProblem, late: list[bool], keep: set[int]) -> list[list[int]]:
+    """A plan that keeps the first computation of `keep` (and of fixed nodes) for all its
+    readers, and replays every other node once, at its first late reader -- or earlier, where a
+    replayed reader needs it: Chen et al.'s checkpoints, with the checkpoints chosen freely."""
+    stage: list[int | None] = [None] * problem.n
+    for v in reversed(range(problem.n)):
+        if v in problem.fixed or v in keep:
+            continue
+        wanted = [c for c in problem.succs[v] if late[c]] + [stage[c] for c in problem.succs[v] if stage[c] is not None]
+        if wanted and problem.may_replay(v, min(wanted)):
+            stage[v] = min(wanted)
+    return [[t] if t is not None else [] for t in stage]
+
+
+def plan_cost_peak(problem: remat.RematProblem, plan: list[list[int]]) -> tuple[float, int]:
+    """(added cost, abstract peak) of a plan, by remat's judge."""
+    _, peak, total, _ = remat.evaluate(problem, [problem.ids[v] for v in remat.schedule_from_plan(problem, plan)])
+    return total - problem.base_cost, peak
+
+
+def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, deadline: float) -> list[list[int]]:
+    """Drop replays that the budget does not need, the dearest per byte first."""
+    plan = [list(stages) for stages in plan]
+    for v in sorted((v for v in range(problem.n) if plan[v]), key=lambda v: -problem.cost[v] / max(1, problem.size[v])):
+        if time.perf_counter() > deadline:
+            break
+        stages, plan[v] = plan[v], []
+        if plan_cost_peak(problem, plan)[1] > budget:
+            plan[v] = stages
+    return plan
+
+
+def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, deadline: float,
+               family: int = SEED_FAMILY, continued: int = SEED_CONTINUED) -> dict[str, list[list[int]]]:
+    """Starting plans for `remat.plan` at `budget`, from a family of `drop_plan`s.
+
+    Member q keeps the nodes that cost the most time per byte (above the q-quantile of the
+    ratio; MONeT's and Checkmate's cheap-to-recompute activations, BN and ReLU outputs, go
+    first). "keep-costly": the cheapest member that fits, its needless replays pruned.
+    "keep-costly+greedy": remat's greedy continued from the `continued` lowest-peak members
+    among those that do not fit and are cheaper than any that does, pruned if it then fits;
+    the best of them. Without a fitting plan, the lowest-peak ones are returned all the same
+    (CP-SAT starts from them).
+    """
+    n = problem.n
+    droppable = [v for v in range(n) if v not in problem.fixed and problem.size[v] > 0]
+    if not droppable:
+        return {}
+    ratio = [problem.cost[v] / max(1, problem.size[v]) for v in range(n)]
+    levels = sorted({ratio[v] for v in droppable})
+    members = []
+    for q in np.linspace(0.0, 1.0, family):
+        cut = levels[min(len(levels) - 1, int(q * (len(levels) - 1)))]
+        plan = drop_plan(problem, late, {v for v in range(n) if problem.size[v] == 0 or ratio[v] > cut})
+        members.append((*plan_cost_peak(problem, plan), plan))
+    members.sort(key=lambda m: (m[0], m[1]))
+    fitting = [m for m in members if m[1] <= budget]
+    seeds = {}
+    if fitting:
+        seeds["keep-costly"] = prune(problem, fitting[0][2], budget, deadline)
+    cheaper = sorted((m for m in members if m[1] > budget and (not fitting or m[0] < fitting[0][0])),
+                     key=lambda m: m[1])
+    best = None
+    for _, _, start in cheaper[:continued]:
+        if time.perf_counter() > deadline:
+            break
+        found = remat.solve_greedy(problem, budget, 2, start=start)
+        plan = remat.plan_from_schedule(problem, found.schedule)
+        if found.fits:
+            plan = prune(problem, plan, budget, deadline)
+        cost, peak = plan_cost_peak(problem, plan)
+        if best is None or (peak <= budget, -cost, -peak) > (best[1] <= budget, -best[0], -best[1]):
+            best = (cost, peak, plan)
+    if best is not None:
+        seeds["keep-costly+greedy"] = best[2]
+    return seeds
+
+
+# ---- the search over abstract budgets ----------------------------------------------------------
+def solve(problem: remat.RematProblem, late: list[bool], budget: int, seconds: float,
+          method: str = "auto") -> remat.Result:
+    """One abstract solve at `budget` within about `seconds`: the training-aware seeds (auto and
+    cpsat only), `remat.plan` (baselines, then CP-SAT from the best), then `prune` of the
+    answer (its status drops to feasible/heuristic if that made it cheaper)."""
+    started = time.perf_counter()
+    seeds = seed_plans(problem, late, budget, started + SEED_SHARE * seconds) \
+        if method in ("auto", remat.CPSAT) else {}
+    left = started + (1 - PRUNE_SHARE) * seconds - time.perf_counter()
+    result = remat.plan(problem, budget, max(0.05, left), method, seeds=seeds)
+    if result.status == "optimal":
+        return result
+    plan = prune(problem, remat.plan_from_schedule(problem, result.schedule), budget, started + seconds)
+    added, peak = plan_cost_peak(problem, plan)
+    total = problem.base_cost + added
+    if total >= result.total_cost:
+        return result
+    schedule = tuple(problem.ids[v] for v in remat.schedule_from_plan(problem, plan))
+    status = "feasible" if result.lower_bound is not None else "heuristic"
+    return dataclasses.replace(result, method=f"{result.method}+prune", schedule=schedule, peak_bytes=peak,
+                               total_cost=total, overhead=total / problem.base_cost - 1 if problem.base_cost else 0.0,
+                               status=status, seconds=time.perf_counter() - started)
+
+
+def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float, method: str = "auto"):
+    """Solve the abstract problem at abstract budgets steered by the judge (module docstring).
+
+    Returns (best, rounds): best = (remat Result, schedule, aliases, judged peak) of the
+    cheapest plan within `budget` by the judge, or None; rounds = what each round did."""
+    graph = plan.graph
+    late = late_readers(problem, graph)
+    target = budget
+    fits_at, over_at = None, None     # highest abstract budget whose plan fit, lowest whose plan overshot
+    best, rounds = None, []
+    for r in range(MAX_ROUNDS):
+        now = time.perf_counter()
+        if r and deadline - now < min(record["seconds"] for record in rounds):
+            break   # a round takes at least about as long as the quickest one so far
+        left = max(0.05, deadline - now)
+        retry = any(target == record["abstract_budget_bytes"] for record in rounds)
+        share = left if retry else left * FIRST_ROUND_SHARE if r == 0 else left / (MAX_ROUNDS - r)
+        record = {"abstract_budget_bytes": target}
+        rounds.append(record)
+        try:
+            result = solve(problem, late, target, share, method)
+        except remat.BudgetInfeasible as exc:   # judge the closest all the same: the judge may differ
+            result = exc.closest
+            record["abstract"] = "infeasible"
+        schedule = to_schedule(result.schedule)
+        aliases = _aliases_for(plan, schedule)
+        peak = analyze(graph, schedule, aliases, plan.on_host).peak_bytes
+        fits = peak <= budget
+        record.update(fits=fits, judged_peak_bytes=peak, abstract_peak_bytes=result.peak_bytes,
+                      method=result.method, status=result.status, added_cost_s=result.total_cost - problem.base_cost,
+                      seconds=round(time.perf_counter() - now, 3))
+        reached = max(target, result.peak_bytes)   # above the target where the abstract had no answer
+        if fits:
+            if best is None or result.total_cost < best[0].total_cost:
+                best = (result, schedule, aliases, peak)
+            fits_at = reached if fits_at is None else max(fits_at, reached)
+            if budget - peak <= CLOSE_ENOUGH * budget or result.total_cost <= problem.base_cost:
+                break   # as close as it gets, or nothing left to save
+        else:
+            over_at = reached if over_at is None else min(over_at, reached)
+        # the abstract budget that the judge would see as `budget`, if the gap holds
+        proposal = budget + (result.peak_bytes - peak)
+        target = _next_target(proposal, fits_at, over_at)
+        tried = [record for record in rounds if record["abstract_budget_bytes"] == target]
+        if target is None or tried and (len(tried) > 1 or tried[0].get("abstract") != "infeasible"):
+            break       # the two sides have met, or nothing new to try (an abstract budget with no
+                        # answer is tried once more, with all the time left: the solver may have timed out)
+    return best, rounds
+
+
+def _next_target(proposal: int, fits_at: int | None, over_at: int | None) -> int | None:
+    """The proposal if it lies strictly between what fit and what overshot, else their middle;
+    None when the two have met."""
+    lo = fits_at if fits_at is not None else -math.inf
+    hi = over_at if over_at is not None else math.inf
+    if hi - lo <= 1:
+        return None
+    if lo < proposal < hi:
+        return int(proposal)
+    if math.isinf(lo) or math.isinf(hi):
+        return None
+    return int((lo + hi) // 2)
+
+
+def _hardware(plan: Plan):
+    if plan.hardware is None:
+        raise UserError("the recompute pass needs a hardware profile to price the replays")
+    return hardware_mod.load(plan.hardware)
