@@ -19,6 +19,7 @@ Rules, stated once:
    counted at the aliasing step, and the input's residency ends there.
 5. Device bytes at a step = the sum of the bytes of the residencies covering it;
    peak = the maximum over steps; arena size = a placement's highest end, never below peak.
+   A budget bounds the peak and, once the plan is placed, the arena too (the real footprint).
 
 Anything that breaks these rules (a read of a tensor that is not resident, an op computed
 twice without `recompute`, a free before a use) raises ScheduleError naming the tensor.
@@ -230,7 +231,10 @@ def validate(plan: Plan) -> MemoryProfile:
         raise ScheduleError(f"the plan needs {profile.peak_bytes} bytes at step {step} "
                             f"({profile.step_names[step]}), over its budget of {plan.budget}")
     if plan.offsets is not None:
-        check_placement(profile, plan.offsets)
+        arena = check_placement(profile, plan.offsets)
+        if plan.budget is not None and arena > plan.budget:
+            raise ScheduleError(f"the plan's arena needs {arena} bytes, over its budget of {plan.budget} "
+                                f"(its live bytes peak at {profile.peak_bytes})")
     return profile
 
 

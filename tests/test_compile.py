@@ -114,3 +114,16 @@ def test_report_reads_a_scheduled_plan_back(mlp_path, tmp_path):
     assert after["strategies"] == ["order", "reuse"] and (tmp_path / "r.html").read_text().count("<svg") >= 2
     not_a_plan = run_cli("report", mlp_path)
     assert not_a_plan.returncode == 1 and "holds no memsched plan" in not_a_plan.stderr
+
+
+def test_a_compiled_plan_fits_its_budget_with_its_arena():
+    """The budget holds the real footprint: where placement's fragmentation overshoots, compile
+    plans again against a lower target (notes['fit'] says how many rounds it took)."""
+    graph = __import__("memsched.frontend", fromlist=["lower"]).lower(models.build("resnet18", batch=2, size=32,
+                                                                                   weights=False))
+    result = compile_plan(graph, train=True, hardware="v100-16gb", budget="50%",
+                          strategies=("order", "reuse", "recompute", "swap"), time_limit=5)
+    plan = result.report["plan"]
+    assert plan["peak_bytes"] <= plan["arena_bytes"] <= result.report["budget_bytes"]
+    assert result.plan.notes["fit"]["rounds"] >= 1
+    assert result.report["solver"]["lower_bound_bytes"] is None  # order's bound does not hold after recompute/swap
