@@ -49,7 +49,7 @@ def training_graph(name: str, batch: int, model=None):
 
 def synthetic_graph(layers: int = 700):
     """A training chain of `layers` weighted layers (7 ops each) from the test graphs."""
-    from tests.plan_graphs import training_chain
+    from tests.graphs import training_chain
 
     sizes = [((i % 3 + 1) * 2**20, (i % 5 + 1) * 2**18) for i in range(layers)]
     return training_chain(sizes, 2**20, name=f"synthetic-chain-{layers}")

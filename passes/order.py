@@ -54,6 +54,7 @@ WINDOW_PLACES = (0.5, 0.25, 0.75)   # where in a window its peak step sits, trie
 STRUCTURAL_BOUND_OPS = 12000   # bitset reachability beyond this costs too much memory
 HEURISTIC_SHARE = 0.5          # of the time limit, at most, for the heuristic starts
 BOUND_SHARE = 0.15             # of the time limit, for min-cut lower bounds before the search
+WRAP_UP_SHARE = 0.02           # of the time limit, kept back at the end of the search
 
 
 def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None) -> Plan:
@@ -76,7 +77,8 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     bounds.cuts(bounds.candidates)
     lower = bounds.value
 
-    search = Search(problem, judge, best, deadline, lower)
+    # the search stops a little early: the wrap-up (a judge call, the notes) fits in the limit
+    search = Search(problem, judge, best, deadline - WRAP_UP_SHARE * budget, lower)
     if peaks[first] <= lower:
         search.ended = "the start meets the lower bound"
     elif len(order) <= WHOLE_GRAPH_OPS:

@@ -14,7 +14,7 @@ from passes.order import order_pass
 from passes.placement import place_pass
 from passes.reuse import reuse_pass
 
-from .plan_graphs import GraphBuilder
+from .graphs import GraphBuilder
 
 OP_TYPES = ["Relu", "Add", "Mul", "Sub", "MatMul", "Conv", "Concat", "Reshape"]
 

@@ -16,7 +16,7 @@ from passes.order import (Problem, Search, Judge, cut_bound, hoist, order_pass, 
 from passes.placement import place_pass
 from passes.reuse import choose_aliases, reuse_pass
 
-from .plan_graphs import GraphBuilder, random_dag, training_chain
+from .graphs import GraphBuilder, random_dag, training_chain
 
 
 def brute_force_peak(graph, inplace: bool) -> int:

@@ -11,7 +11,7 @@ from memsched.schedule import Plan
 from passes.placement import (ALIGNMENT, aligned_peak, best_greedy, cpsat_offsets, greedy_offsets,
                               place_buffers, place_pass)
 
-from .plan_graphs import GraphBuilder
+from .graphs import GraphBuilder
 
 
 def chain_plan() -> Plan:

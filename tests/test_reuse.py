@@ -12,7 +12,7 @@ from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule, swap_in, swap_out
 from passes.reuse import GRAD_ROLES_KEY, choose_aliases, layer_groups, reuse_pass, training_order
 
-from .plan_graphs import GraphBuilder, training_chain
+from .graphs import GraphBuilder, training_chain
 
 
 def names(plan: Plan) -> list[str]:
