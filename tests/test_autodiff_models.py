@@ -65,7 +65,7 @@ def _batch(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
     return feeds
 
 
-@pytest.mark.parametrize("name, case", _cases())
+@pytest.mark.parametrize("name, case", list(_cases()))
 def test_zoo_model_trains_and_its_gradients_match(name, case):
     model = models.build(name, **case["options"])
     feeds = _batch(model)
