@@ -29,10 +29,12 @@ the memory model (`memsched.memory`) judge every answer:
   once an abstract budget that fits and one that overshoots are known; at most MAX_ROUNDS
   rounds within the time limit. Every round's answer is judged, so a BudgetError names
   the smallest peak the judge saw.
-- Base orders (`base_orders`): the plan's own, and the graph's stored order with updates in
-  the backward (`passes.reuse.training_order`); the order pass minimises the peak without
-  replays and can leave a late layer's update at the end, where no replay helps. The
-  cheapest plan the judge accepts wins.
+- Base orders (`base_orders`): the plan's own; the same with each in-place parameter update
+  moved after the backward readers of what the forward derived from that parameter (else a
+  weight transpose is pinned from the forward to dX); and the graph's stored order with
+  updates in the backward (`passes.reuse.training_order`), since the order pass minimises
+  the peak without replays and can leave a late layer's update at the end, where no replay
+  helps. The cheapest plan the judge accepts wins.
 
 Which ops may be replayed (`replay_blocker`): forward ops only (what backward reads again),
 deterministic ones (`memsched.executor.draws_random`: not RandomNormal/RandomUniform(Like)/
@@ -60,10 +62,9 @@ from memsched.simulate import simulate
 from memsched.units import format_bytes
 
 from . import remat
-from .reuse import choose_aliases, compute_order, training_order
+from .reuse import choose_aliases, compute_order, priority_order, training_order
 
 MAX_ROUNDS = 6
-GIVEN_ORDER_SHARE = 0.6     # of the time limit for the plan's own order when there are two
 FIRST_ROUND_SHARE = 0.4     # of the time limit; later rounds split what is left
 CLOSE_ENOUGH = 0.005        # stop raising the abstract budget once the judged peak is this near
 SEED_SHARE = 0.3           # of a round's time for the seeds, at most
@@ -102,9 +103,9 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto") -
         return dataclasses.replace(plan, notes={**plan.notes, "recompute": notes})
 
     best, rounds, base_name, problem = None, [], None, None
-    bases = base_orders(graph, order)
+    bases = base_orders(plan, order)
     for i, (name, base) in enumerate(bases.items()):
-        share = GIVEN_ORDER_SHARE if i == 0 and len(bases) > 1 else 1.0
+        share = 1.0 / (len(bases) - i)   # of the time left; a base that ends early leaves it to the next
         base_plan = _with_order(plan, base)
         base_problem = to_problem(base_plan)
         found, base_rounds = search(base_problem, base_plan, budget,
@@ -137,16 +138,47 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto") -
     return dataclasses.replace(new_plan, notes={**plan.notes, "recompute": notes})
 
 
-def base_orders(graph: Graph, order: list[str]) -> dict[str, list[str]]:
-    """Op orders to plan replays on: the plan's own ("given"), and the graph's stored order
-    with updates in the backward and the dW/dX rule ("training", `passes.reuse.training_order`)
-    when that differs. The order pass minimises the peak *without* replays and may leave work
-    where replays cannot help (a late layer's weight update at the end of the step, say)."""
-    bases = {"given": order}
-    training = training_order(graph, [op.name for op in graph.ops])
-    if training != order:
-        bases["training"] = training
+def base_orders(plan: Plan, order: list[str]) -> dict[str, list[str]]:
+    """Op orders to plan replays on, each new one only where it differs from those before:
+    - "given": the plan's own;
+    - "late-updates": the given order with each in-place update of a parameter moved after the
+      backward readers of forward ops that read the parameter (a weight transpose W^T read by
+      dX, say): replays must precede the update (the deadlines of `to_problem`), so an early
+      update pins such outputs from the forward to the backward;
+    - "training": the graph's stored order with updates in the backward and the dW/dX rule
+      (`passes.reuse.training_order`): the order pass minimises the peak *without* replays and
+      may leave work where replays cannot help (a late layer's update at the end, say)."""
+    graph = plan.graph
+    candidates = {"given": order}
+    edges = _late_update_edges(plan)
+    if edges:
+        try:
+            candidates["late-updates"] = priority_order(graph, {name: i for i, name in enumerate(order)}, edges)
+        except ScheduleError:
+            pass   # the precedences close a cycle: no such order
+    candidates["training"] = training_order(graph, [op.name for op in graph.ops])
+    bases: dict[str, list[str]] = {}
+    for name, candidate in candidates.items():
+        if candidate not in bases.values():
+            bases[name] = candidate
     return bases
+
+
+def _late_update_edges(plan: Plan) -> list[tuple[str, str]]:
+    """(reader, update) pairs: an update that overwrites a parameter in place waits for every
+    non-forward reader of a replayable forward op that reads the parameter."""
+    graph = plan.graph
+    edges = []
+    for out, source in plan.aliases.items():
+        if not graph.tensors[source].is_static or out not in graph.producer:
+            continue
+        update = graph.producer[out].name
+        for op in graph.consumers.get(source, []):
+            if op.phase != "forward" or replay_blocker(graph, op) is not None:
+                continue
+            edges.extend((reader.name, update) for t in op.present_outputs for reader in graph.consumers.get(t, [])
+                         if reader.phase != "forward" and reader.name != update)
+    return edges
 
 
 def _with_order(plan: Plan, order: list[str]) -> Plan:

@@ -23,13 +23,13 @@ from memsched.frontend import lower
 from memsched.hardware import load as load_hardware
 from memsched.memory import analyze, analyze_plan, check_placement, validate
 from memsched.onnx_utils import make_model
-from memsched.schedule import Plan, swap_in, swap_out
+from memsched.schedule import Plan, order_schedule, swap_in, swap_out
 from memsched.simulate import simulate
 from passes import remat
 from passes.autodiff import build_training_step
 from passes.order import order_pass
 from passes.placement import place_pass
-from passes.recompute import END, recompute_pass, replay_blocker, to_problem, to_schedule
+from passes.recompute import END, base_orders, recompute_pass, replay_blocker, to_problem, to_schedule
 from passes.reuse import reuse_pass
 
 from .conftest import run_cli
@@ -83,7 +83,7 @@ def assert_recompute_plan(before: Plan, after: Plan) -> None:
     ratio = simulate(after, hw).step_time / simulate(before, hw).step_time - 1
     assert notes["overhead"] == pytest.approx(ratio)
     assert notes["status"] in ("optimal", "feasible", "heuristic")
-    assert notes["rounds"] and all(r["base_order"] in ("given", "training") for r in notes["rounds"])
+    assert notes["rounds"] and all(r["base_order"] in ("given", "late-updates", "training") for r in notes["rounds"])
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
@@ -153,6 +153,33 @@ def test_mapping_of_inputs_outputs_and_fixed_ops(graphs):
     assert updates and all(problem.size[problem.ids.index(name)] == 0 for name in updates)
     # a replay of an op reading such a parameter must come before the update
     assert problem.deadline and any(d is not None for d in problem.deadline)
+
+
+def test_late_updates_order_puts_each_update_after_what_its_replays_feed(graphs):
+    """BERT's linear layers read W through a forward Transpose that dX reads again: the
+    late-updates base keeps W until then, so the transpose can be replayed before dX."""
+    plan = reused(graphs("bert-base"))
+    order = [s.target for s in plan.schedule]
+    bases = base_orders(plan, order)
+    assert list(bases)[0] == "given" and bases["given"] == order and "late-updates" in bases
+    late = bases["late-updates"]
+    assert sorted(late) == sorted(order) and plan.graph.is_topological(late)
+    position = {name: i for i, name in enumerate(late)}
+    graph, moved = plan.graph, 0
+    for out, source in plan.aliases.items():
+        if not graph.tensors[source].is_static:
+            continue
+        update = graph.producer[out]
+        for op in graph.consumers[source]:
+            if op.phase == "forward":
+                readers = [r for t in op.outputs for r in graph.consumers.get(t, []) if r.phase != "forward"]
+                assert all(position[r.name] < position[update.name] for r in readers)
+                moved += bool(readers)
+    assert moved
+    # in that order no replay of a forward op reading a parameter is cut off by its update
+    problem = to_problem(dataclasses.replace(plan, schedule=order_schedule(late)))
+    limited = [v for v in range(problem.n) if v not in problem.fixed and problem.deadline[v] is not None]
+    assert limited and all(c <= problem.deadline[v] for v in limited for c in problem.succs[v])
 
 
 def _dropout_training_graph(mode: bool | None):
