@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memsched.cost import op_time
+from memsched.executor import draws_random
 from memsched.hardware import Hardware
 from memsched.memory import MemoryProfile, Residency
 from memsched.schedule import Plan
@@ -255,7 +256,7 @@ def _replay_chain(problem: Problem, g: Gap, residencies, computed_at) -> tuple[l
         op = graph.op_by_name[name]
         step = computed_at.get(name)
         if step is None or step >= q or len(op.present_outputs) != 1 or op.phase == "update" \
-                or len(ops) >= MAX_REPLAY:
+                or draws_random(op) or len(ops) >= MAX_REPLAY:
             return False
         ops[name] = step
         for x in dict.fromkeys(op.present_inputs):
