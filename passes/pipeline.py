@@ -184,32 +184,15 @@ def _peak(plan: Plan) -> int:
 
 
 def _passes() -> dict[str, Callable]:
-    """Strategy name -> pass. Imported here so a missing optional pass never breaks the others."""
+    """Strategy name -> pass; imported on use so loading the pipeline stays cheap."""
     from .order import order_pass
     from .placement import place_pass
+    from .recompute import recompute_pass
     from .reuse import reuse_pass
+    from .swap import swap_pass
 
-    table = {"order": order_pass, "reuse": lambda plan, limit: reuse_pass(plan), "placement": place_pass}
-    table.update(_optional_passes())
-    return table
-
-
-def _optional_passes() -> dict[str, Callable]:
-    """recompute and swap, where they are installed; otherwise a pass that says so clearly."""
-    found: dict[str, Callable] = {}
-    for name, module, function in (("recompute", "recompute", "recompute_pass"), ("swap", "swap", "swap_pass")):
-        try:
-            imported = __import__(f"passes.{module}", fromlist=[function])
-            found[name] = getattr(imported, function)
-        except (ImportError, AttributeError):
-            found[name] = _unavailable(name)
-    return found
-
-
-def _unavailable(name: str) -> Callable:
-    def refuse(plan, limit):
-        raise UserError(f"the {name} strategy is not available in this build of memsched")
-    return refuse
+    return {"order": order_pass, "reuse": lambda plan, limit: reuse_pass(plan), "recompute": recompute_pass,
+            "swap": swap_pass, "placement": place_pass}
 
 
 # ---- the report ----------------------------------------------------------------------------
