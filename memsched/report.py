@@ -14,7 +14,7 @@ from .host_pipeline import InputPipeline, check_on
 from .ir import Graph
 from .onnx_utils import write_text_atomic
 from .schedule import Plan
-from .units import format_bytes
+from .units import format_bytes, format_seconds
 
 # The ImageNet JPEG pipeline measured in the NVDIMM host-memory study (decode, resize, cast):
 # memory accesses per call, bytes per access, and 5 calls per thread for a batch of 64.
@@ -79,12 +79,6 @@ def _table(headers: list[str], rows: list[list], numeric: set[int] = frozenset()
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _seconds(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x * 1e3:.3f} ms" if x < 1 else f"{x:.3f} s"
-
-
 def render_html(report: dict, baseline_sim: dict, plan_sim: dict) -> str:
     """The whole page. `*_sim` are Simulation.to_dict() with timelines."""
     plan, base = report["plan"], report["baseline"]
@@ -97,9 +91,9 @@ def render_html(report: dict, baseline_sim: dict, plan_sim: dict) -> str:
     summary = _table(["", "baseline", "plan"], [
         ["peak device memory", format_bytes(base["peak_bytes"]), format_bytes(plan["peak_bytes"])],
         ["arena", "-", format_bytes(plan["arena_bytes"])],
-        ["predicted step time", _seconds(base["step_time_s"]), _seconds(plan["step_time_s"])],
+        ["predicted step time", format_seconds(base["step_time_s"]), format_seconds(plan["step_time_s"])],
         ["overhead", "-", f"{plan['overhead'] * 100:+.2f}%"],
-        ["stall on transfers", "-", _seconds(plan["stall_s"])],
+        ["stall on transfers", "-", format_seconds(plan["stall_s"])],
         ["recomputed ops", "-", len(plan["recomputed_ops"])],
         ["in-place outputs", "-", plan["aliases"]],
     ])
@@ -128,16 +122,16 @@ def render_html(report: dict, baseline_sim: dict, plan_sim: dict) -> str:
     if report.get("input_pipeline"):
         p = report["input_pipeline"]
         sections += ["<h2>Input pipeline</h2>",
-                     f"<p>storage {_seconds(p['storage_s'])} + CPU {_seconds(p['cpu_s'])} + link "
-                     f"{_seconds(p['link_s'])} = {_seconds(p['total_s'])} against a device step of "
-                     f"{_seconds(p['gpu_step_s'])}: <b>{'hidden' if p['hidden'] else 'NOT hidden'}</b> "
-                     f"(slack {_seconds(p['slack_s'])}). Assumes {_esc(p['assumes'])}.</p>"]
+                     f"<p>storage {format_seconds(p['storage_s'])} + CPU {format_seconds(p['cpu_s'])} + link "
+                     f"{format_seconds(p['link_s'])} = {format_seconds(p['total_s'])} against a device step of "
+                     f"{format_seconds(p['gpu_step_s'])}: <b>{'hidden' if p['hidden'] else 'NOT hidden'}</b> "
+                     f"(slack {format_seconds(p['slack_s'])}). Assumes {_esc(p['assumes'])}.</p>"]
     if report.get("data_parallel"):
         d = report["data_parallel"]
         sections += ["<h2>Data parallel</h2>",
-                     f"<p>{d['workers']} workers: step {_seconds(d['step_no_overlap_s'])} without overlap, "
-                     f"{_seconds(d['step_overlap_s'])} with all-reduce overlapped with the backward pass "
-                     f"({_seconds(d['exposed_comm_s'])} of communication left exposed).</p>"]
+                     f"<p>{d['workers']} workers: step {format_seconds(d['step_no_overlap_s'])} without overlap, "
+                     f"{format_seconds(d['step_overlap_s'])} with all-reduce overlapped with the backward pass "
+                     f"({format_seconds(d['exposed_comm_s'])} of communication left exposed).</p>"]
     style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}"
              "table{border-collapse:collapse;margin:.5em 0}td,th{border-bottom:1px solid #ddd;padding:.25em .8em;"
              "text-align:left}td.num{text-align:right}.verdict{font-size:1.3em;font-weight:600}"

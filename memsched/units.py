@@ -30,3 +30,13 @@ def format_bytes(n: int | float | None) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_seconds(x: float | None) -> str:
+    """0.04584 -> '45.84 ms' (four significant digits, s/ms/us/ns); None -> '-'."""
+    if x is None:
+        return "-"
+    for factor, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if abs(x) >= factor:
+            return f"{x / factor:.4g} {unit}"
+    return f"{x / 1e-9:.4g} ns"

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .units import format_bytes
+from .units import format_bytes, format_seconds
 
 
 def console() -> Console:
@@ -58,13 +58,6 @@ def _rate(x: float, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
-def _seconds(x: float) -> str:
-    for factor, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
-        if abs(x) >= factor:
-            return f"{x / factor:.4g} {unit}"
-    return f"{x / 1e-9:.4g} ns"
-
-
 def _table(title: str, *columns: str) -> Table:
     """A left-titled table; a column named 'x>' is right-justified."""
     table = Table(title=title, title_justify="left")
@@ -89,14 +82,14 @@ def print_hardware(p: dict) -> None:
     out = console()
     out.print(f"[bold]{p['name']}[/bold]: {p['description']}")
     out.print(f"device memory {format_bytes(p['device_memory'])}, bandwidth {_rate(p['memory_bandwidth'], 'B/s')}, "
-              f"launch overhead {_seconds(p['launch_overhead'])}")
+              f"launch overhead {format_seconds(p['launch_overhead'])}")
     out.print("peak: " + ", ".join(f"{k} {_rate(v, 'FLOP/s')}" for k, v in p["peak_flops"].items()))
     out.print(f"host link: h2d {_rate(p['link_h2d'], 'B/s')}, d2h {_rate(p['link_d2h'], 'B/s')}, "
-              f"latency {_seconds(p['link_latency'])}")
+              f"latency {format_seconds(p['link_latency'])}")
     tiers = _table("host tiers", "tier", "capacity>", "read>", "write>", "latency>")
     for name, t in p["tiers"].items():
         tiers.add_row(name, format_bytes(t["capacity"]), _rate(t["read_bw"], "B/s"), _rate(t["write_bw"], "B/s"),
-                      _seconds(t["latency"]))
+                      format_seconds(t["latency"]))
     out.print(tiers)
     if p.get("op_class_flops") or p.get("op_class_bandwidth"):
         classes = _table("calibrated op classes", "class", "FLOP/s>", "bandwidth>")
@@ -109,19 +102,19 @@ def print_hardware(p: dict) -> None:
 def print_cost_table(summary: dict) -> None:
     out = console()
     out.print(f"[bold]{summary['graph']}[/bold]: {summary['ops']} ops timed on {summary['provider']} "
-              f"({summary['timed_ops']} distinct), sum of op times {_seconds(summary['total_s'])}; "
+              f"({summary['timed_ops']} distinct), sum of op times {format_seconds(summary['total_s'])}; "
               f"written to {summary['path']}")
     table = _table("slowest ops", "op", "type", "time>")
     for row in summary["slowest"]:
-        table.add_row(row["op"], row["op_type"], _seconds(row["seconds"]))
+        table.add_row(row["op"], row["op_type"], format_seconds(row["seconds"]))
     out.print(table)
 
 
 def print_simulation(d: dict) -> None:
     out = console()
-    out.print(f"step time [bold]{_seconds(d['step_time_s'])}[/bold] on {d['hardware'] or '-'} "
-              f"({d['cost_source']} op times): compute {_seconds(d['compute_busy_s'])}, "
-              f"stalled on transfers {_seconds(d['stall_s'])}")
+    out.print(f"step time [bold]{format_seconds(d['step_time_s'])}[/bold] on {d['hardware'] or '-'} "
+              f"({d['cost_source']} op times): compute {format_seconds(d['compute_busy_s'])}, "
+              f"stalled on transfers {format_seconds(d['stall_s'])}")
     out.print(f"peak device memory {format_bytes(d['peak_bytes'])} ({d['peak_bytes']:,} B)")
     for tier, flow in d["traffic_bytes"].items():
         out.print(f"{tier}: out {format_bytes(flow['out'])}, in {format_bytes(flow['in'])}, "
@@ -139,10 +132,6 @@ def progress():
         yield lambda message: status.update(message)
 
 
-def _seconds_or_dash(x) -> str:
-    return "-" if x is None else _seconds(x)
-
-
 def print_compile(report: dict) -> None:
     """Baseline vs plan, the solver's word, and the one-line verdict."""
     out = console()
@@ -157,7 +146,7 @@ def print_compile(report: dict) -> None:
         table.add_column(col, justify=justify)
     table.add_row("peak device memory", format_bytes(base["peak_bytes"]), format_bytes(plan["peak_bytes"]))
     table.add_row("arena", "-", format_bytes(plan["arena_bytes"]))
-    table.add_row("predicted step time", _seconds_or_dash(base["step_time_s"]), _seconds_or_dash(plan["step_time_s"]))
+    table.add_row("predicted step time", format_seconds(base["step_time_s"]), format_seconds(plan["step_time_s"]))
     table.add_row("overhead", "", f"{plan['overhead'] * 100:+.2f}%")
     table.add_row("recomputed ops", "", str(len(plan["recomputed_ops"])))
     for tier, nbytes in plan["swapped_bytes"].items():
@@ -213,19 +202,19 @@ def print_tune(result: dict) -> None:
     for name, largest in result["largest_batch"].items():
         best = result["best"].get(name)
         table.add_row(name, "-" if largest is None else str(largest), str(best["batch"]) if best else "-",
-                      _seconds_or_dash(best["time_per_sample_s"]) if best else "-",
+                      format_seconds(best["time_per_sample_s"]) if best else "-",
                       format_bytes(best["peak_bytes"]) if best else "-")
     out.print(table)
     for name, best in result["best"].items():
         if best and best.get("measured"):
             m = best["measured"]
             out.print(f"measured {name} at batch {best['batch']} on {m['provider']}: "
-                      f"{_seconds(m['time_per_sample_s'])} per sample (predicted {_seconds(best['time_per_sample_s'])}), "
+                      f"{format_seconds(m['time_per_sample_s'])} per sample (predicted {format_seconds(best['time_per_sample_s'])}), "
                       f"peak {format_bytes(m['peak_bytes'])} (planned {format_bytes(m['planned_peak_bytes'])})")
     overall = result["best_overall"]
     if overall:
         out.print(f"[bold]best predicted throughput: batch {overall['batch']} with {overall['strategy']} "
-                  f"({_seconds(overall['time_per_sample_s'])} per sample)[/bold]")
+                  f"({format_seconds(overall['time_per_sample_s'])} per sample)[/bold]")
     else:
         out.print("[bold]no batch size fits[/bold]")
     if result.get("plot"):
@@ -246,8 +235,8 @@ def print_run(summary: dict) -> None:
     for key, label in (("peak_bytes", "peak live bytes"), ("arena_bytes", "arena bytes")):
         table.add_row(label, f"{format_bytes(measured[key])} ({measured[key]:,} B)",
                       f"{format_bytes(predicted[key])} ({predicted[key]:,} B)")
-    table.add_row("step time", _seconds(measured["step_time_s"]),
-                  _seconds_or_dash(predicted["step_time_s"])
+    table.add_row("step time", format_seconds(measured["step_time_s"]),
+                  format_seconds(predicted["step_time_s"])
                   + (f" ({predicted['hardware']} profile)" if predicted["hardware"] else ""))
     out.print(table)
     for tier, nbytes in summary["swapped_bytes"].items():
