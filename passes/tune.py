@@ -96,6 +96,7 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
     sets = strategy_sets or STRATEGY_SETS
     rows: list[dict] = []
     cache: dict[int, Graph] = {}
+    options = dict(train=train, loss=loss, optimizer=optimizer, time_limit=time_limit)
 
     def evaluate(name: str, strategies: tuple[str, ...], batch: int) -> dict:
         say(f"{name}: batch {batch}")
@@ -105,9 +106,7 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
         graph = cache[batch]
         row = {"strategy": name, "batch": batch}
         try:
-            result = compile_plan(graph, train=train, loss=loss, optimizer=optimizer, hardware=hw,
-                                  budget=capacity if {"recompute", "swap"} & set(strategies) else None,
-                                  strategies=strategies, time_limit=time_limit)
+            result = compile_batch(graph, strategies, hw, capacity, **options)
         except BudgetError as exc:
             row.update(fits=False, peak_bytes=exc.smallest_feasible_bytes, step_time_s=None, time_per_sample_s=None)
         else:
@@ -137,20 +136,24 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
         for name, row in best.items():
             if row is not None:
                 say(f"{name}: measuring batch {row['batch']} on {measure}")
-                row.update(measure_row(measure_build or build, row["batch"], sets[name], hw, capacity, train, loss,
-                                       optimizer, time_limit, measure, measure_steps))
+                row.update(measure_row(measure_build or build, row["batch"], sets[name], hw, capacity, measure,
+                                       measure_steps, options))
     overall = _fastest(rows)
     return TuneResult(rows, largest, best, overall, capacity)
 
 
+def compile_batch(graph: Graph, strategies: tuple[str, ...], hw, capacity: int, **options):
+    """Compile one batch's graph; strategies that trade time for memory are held to `capacity`."""
+    return compile_plan(graph, hardware=hw, budget=capacity if {"recompute", "swap"} & set(strategies) else None,
+                        strategies=strategies, **options)
+
+
 def measure_row(build: Callable[[int], Graph], batch: int, strategies: tuple[str, ...], hw, capacity: int,
-                train: bool, loss: str, optimizer: str, time_limit: float, device: str, steps: int) -> dict:
+                device: str, steps: int, options: dict) -> dict:
     """Compile `batch` again with real weights and run it with the executor: measured figures."""
     from memsched.executor import run_plan
 
-    result = compile_plan(build(batch), train=train, loss=loss, optimizer=optimizer, hardware=hw,
-                          budget=capacity if {"recompute", "swap"} & set(strategies) else None,
-                          strategies=strategies, time_limit=time_limit)
+    result = compile_batch(build(batch), strategies, hw, capacity, **options)
     run = run_plan(result.plan, steps=steps, device=device)
     return {"measured": {"provider": run.provider, "step_time_s": run.step_time_s,
                          "time_per_sample_s": run.step_time_s / batch, "peak_bytes": run.peak_bytes,
