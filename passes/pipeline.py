@@ -106,14 +106,15 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     baseline_profile = validate(baseline)
     budget_bytes = parse_budget(budget, baseline_profile.peak_bytes)
     plan = dataclasses.replace(baseline, budget=None)
+    peak = baseline_profile.peak_bytes   # the judged peak of `plan`, kept up to date by run()
     timings: dict[str, float] = {}
 
     def run(name: str, apply) -> None:
-        nonlocal plan
+        nonlocal plan, peak
         say(f"{name}: planning ({len(plan.schedule)} steps)")
         started = time.perf_counter()
         plan = apply(plan)
-        validate(dataclasses.replace(plan, budget=None))  # every pass is judged
+        peak = validate(dataclasses.replace(plan, budget=None)).peak_bytes  # every pass is judged
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
 
     passes = _passes()
@@ -122,19 +123,19 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
             run(name, lambda p, f=passes[name]: f(p, time_limit))
     # Fit the budget, then place; where the arena's fragmentation pushes the real footprint over
     # the budget, plan again against a target lowered by the overshoot.
-    zero_overhead, target = plan, budget_bytes
+    zero_overhead, zero_overhead_peak, target = plan, peak, budget_bytes
     for attempt in range(1, FIT_ROUNDS + 1):
-        plan = zero_overhead
+        plan, peak = zero_overhead, zero_overhead_peak
         for name in ("recompute", "swap"):
-            if name in strategies and target is not None and _peak(plan) > target:
+            if name in strategies and target is not None and peak > target:
                 try:
                     run(name, lambda p, f=passes[name]: f(dataclasses.replace(p, budget=target), time_limit))
                 except BudgetError:
                     if name == "recompute" and "swap" in strategies:
                         continue   # swap (which replays too) may still meet it from the plan before recompute
                     raise
-        if target is not None and _peak(plan) > target:
-            reached = _peak(plan)
+        if target is not None and peak > target:
+            reached = peak
             hint = "" if {"recompute", "swap"} <= set(strategies) else \
                 "; add recompute or swap to --strategies to go lower"
             raise BudgetError(f"the budget of {format_bytes(budget_bytes)} ({budget_bytes:,} B) cannot be met with "
@@ -177,10 +178,6 @@ def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], mo
 def strategies_of(plan: Plan) -> tuple[str, ...]:
     """The strategies a plan was made with, from the notes its passes left."""
     return tuple(s for s in STRATEGIES if s in plan.notes)
-
-
-def _peak(plan: Plan) -> int:
-    return validate(dataclasses.replace(plan, budget=None, offsets=None)).peak_bytes
 
 
 def _passes() -> dict[str, Callable]:
