@@ -15,7 +15,7 @@ Rules, stated once:
    at the same step).
 4. In-place: an output may alias an input (share its storage) only where that input's last
    use is this op, both have the same byte size, and the op allows it (elementwise ops,
-   shape-only views, optimizer updates). The pair is one buffer: the output's bytes are not
+   shape-only views, a scatter over its data input, optimizer updates). The pair is one buffer: the output's bytes are not
    counted at the aliasing step, and the input's residency ends there.
 5. Device bytes at a step = the sum of the bytes of the residencies covering it;
    peak = the maximum over steps; arena size = a placement's highest end, never below peak.
@@ -40,7 +40,11 @@ INPLACE_OPS = frozenset({
     "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "HardSigmoid", "Softplus", "Erf",
     "Abs", "Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Clip", "Add", "Sub", "Mul", "Div", "Pow",
     "Identity", "Dropout", "Where", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast",
+    "ScatterND", "ScatterElements",
 })
+# In-place ops whose output may take only the storage of their first input (the data they
+# scatter into; ONNX Runtime's kernels copy it to the output unless the two are one buffer).
+INPLACE_DATA_ONLY = frozenset({"ScatterND", "ScatterElements"})
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,9 @@ def _check_alias(graph: Graph, op, output: str, source: str) -> None:
         raise ScheduleError(f"'{output}' may not alias '{source}': their sizes differ")
     if op.op_type not in INPLACE_OPS and op.phase != "update":
         raise ScheduleError(f"'{output}' may not alias '{source}': {op.op_type} does not run in place")
+    if op.op_type in INPLACE_DATA_ONLY and source != op.inputs[0]:
+        raise ScheduleError(f"'{output}' may not alias '{source}': {op.op_type} writes in place only over "
+                            f"its first input")
     if source in graph.outputs or source in graph.inputs:
         raise ScheduleError(f"'{output}' may not alias '{source}': it is a graph input or output")
 

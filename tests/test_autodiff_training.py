@@ -381,3 +381,34 @@ def test_read_running_statistics_follow_onnx_training_mode():
     without, = session(build_training_step(lower(make_model(graph)), loss="output").to_onnx()).run(["w.grad"], feeds)
     assert np.abs(grad).max() > 1e-3
     np.testing.assert_allclose(grad, without, rtol=1e-5)
+
+
+def test_linear_behind_a_transpose_takes_dx_from_the_weight_itself():
+    """MatMul(x, Transpose(W)) (a Linear in a training export): dX = dy @ W, so the transposed
+    copy of W is read only by the forward MatMul and dies there; gradients match FD."""
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["h"], name="mm"),
+             helper.make_node("Relu", ["h"], ["a"], name="relu"),
+             helper.make_node("Transpose", ["w2"], ["w2t"], name="t2"),
+             helper.make_node("MatMul", ["a", "w2t"], ["logits"], name="mm2")]
+    graph = helper.make_graph(nodes, "linear_t", [helper.make_tensor_value_info("x", DOUBLE, [2, 3, 4])],
+                              [helper.make_tensor_value_info("logits", DOUBLE, [2, 3, 5])],
+                              [_init("w", rng.standard_normal((6, 4))), _init("w2", rng.standard_normal((5, 6)))])
+    feeds = {"x": rng.standard_normal((2, 3, 4)), "labels": np.array([[0, 4, 2], [1, 3, 0]], dtype=np.int64)}
+    train = check_gradients(make_model(graph), feeds, loss="cross_entropy")
+    assert [op.name for op in train.consumers["wt"]] == ["mm"]
+    assert [op.name for op in train.consumers["w2t"]] == ["mm2"]
+
+
+def test_conv_weight_gradient_at_batch_one_moves_no_data():
+    """At batch 1, [N, C, ...] -> [C, N, ...] is a Reshape (a view), not a Transpose copy: the
+    only Transposes left in a conv's backward are of weight-sized tensors (dW's own layout)."""
+    def transposed_bytes(batch):
+        train = build_training_step(lower(small_cnn(batch=batch)), optimizer="sgd")
+        return {train.tensors[op.inputs[0]].nbytes for op in train.ops
+                if op.phase == "backward" and op.op_type == "Transpose" and op.name.startswith("conv")}
+
+    weights = {6 * 3 * 3 * 3 * 4, 6 * 1 * 3 * 3 * 4}
+    assert transposed_bytes(1) <= weights
+    assert not transposed_bytes(2) <= weights

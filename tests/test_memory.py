@@ -95,6 +95,21 @@ def test_alias_rejected_when_source_still_used():
         analyze(g, default_schedule(g), aliases={"q": "p"})
 
 
+def test_scatter_runs_in_place_over_its_data_input_only():
+    """ScatterND/ScatterElements write over their data (input 0), as ONNX Runtime's kernels
+    may; never over their updates, even where the sizes agree."""
+    g = Graph([Op("z", "Relu", ["x"], ["data"]), Op("u", "Relu", ["x"], ["upd"]),
+               Op("s", "ScatterElements", ["data", "idx", "upd"], ["y"], {"axis": 0})],
+              {"x": t("x", 10, "input"), "data": t("data", 10), "upd": t("upd", 10),
+               "idx": Tensor("idx", (10,), TensorProto.INT64, "input"), "y": t("y", 10, "output")},
+              ["x", "idx"], ["y"])
+    plain = analyze(g, default_schedule(g))
+    assert plain.live_bytes.tolist() == [160, 200, 200]  # x 40 until u; idx 80 throughout
+    assert analyze(g, default_schedule(g), aliases={"y": "data"}).live_bytes.tolist() == [160, 200, 160]
+    with pytest.raises(ScheduleError, match="only over its first input"):
+        analyze(g, default_schedule(g), aliases={"y": "upd"})
+
+
 def test_update_overwrites_parameter_in_place():
     g = Graph([Op("upd", "Sub", ["w", "g"], ["w.updated"], phase="update")],
               {"w": t("w", 100, "parameter", True), "g": t("g", 100, "input"),

@@ -243,8 +243,15 @@ class Emitter:
         return x if self.shape(x) == shape else self.op("Reshape", [x, self.ints(shape)])
 
     def transpose(self, x: str, perm) -> str:
+        """Transpose x; a Reshape (a view, no copy) where only size-1 axes move, as in a
+        conv weight gradient's [N, C, ...] -> [C, N, ...] at batch 1."""
         perm = [int(p) for p in perm]
-        return x if perm == sorted(perm) else self.op("Transpose", [x], perm=perm)
+        if perm == sorted(perm):
+            return x
+        shape = self.shape(x)
+        if [a for a in perm if shape[a] != 1] == [a for a in range(len(perm)) if shape[a] != 1]:
+            return self.reshape(x, [shape[a] for a in perm])
+        return self.op("Transpose", [x], perm=perm)
 
     def sum_to(self, g: str, shape) -> str:
         """Sum the gradient `g` of a broadcast result back to an input of shape `shape`."""

@@ -157,6 +157,18 @@ def _swap_last(em, x):
     return em.transpose(x, list(range(rank - 2)) + [rank - 1, rank - 2])
 
 
+def _untransposed(em, b):
+    """W where the forward made the 2-D operand b as Transpose(W) (a Linear in a training
+    export: MatMul(x, Transpose(W))), else None. dX = dy @ b^T = dy @ W reads W, which is
+    resident anyway, so the transposed copy dies in the forward instead of living until dX."""
+    producer = em.source.producer.get(b)
+    if producer is None or producer.op_type != "Transpose" or len(em.shape(b)) != 2:
+        return None
+    if list(producer.attributes.get("perm", [1, 0])) != [1, 0]:
+        return None
+    return producer.inputs[0]
+
+
 @rule("MatMul")
 def matmul(em, op, dys, wants):
     """Batched, broadcasting MatMul (1-D operands promoted as numpy does). A 2-D right
@@ -172,7 +184,10 @@ def matmul(em, op, dys, wants):
         rows = int(np.prod(a2[:-1], dtype=np.int64))
         if wants[0]:  # each gradient flattens dy itself: dX and dW stay separate groups
             dy_rows = em.reshape(dy, (rows, b2[-1]))
-            grads[0] = em.reshape(em.op("Gemm", [dy_rows, em.reshape(b, b2)], transB=1), shape_a)
+            untransposed = _untransposed(em, b)
+            product = (em.op("Gemm", [dy_rows, untransposed]) if untransposed is not None
+                       else em.op("Gemm", [dy_rows, em.reshape(b, b2)], transB=1))
+            grads[0] = em.reshape(product, shape_a)
         if wants[1]:
             dy_rows = em.reshape(dy, (rows, b2[-1]))
             a_rows = em.reshape(a, (rows, a2[-1]))
