@@ -47,6 +47,7 @@ from memsched.schedule import Plan, order_schedule
 from .reuse import alias_table, choose_aliases, compute_order, training_order
 from .solver import solve
 
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})   # in place at a last read
 WHOLE_GRAPH_OPS = 120      # one CP-SAT model up to this many ops, windows beyond
 WINDOW_OPS = 60            # first window size; doubled when every peak step was tried
 MAX_WINDOW_OPS = 240
@@ -297,22 +298,30 @@ def sink(problem: Problem, order: list[str]) -> list[str]:
     of an input it does not free. Between its old and new step the outputs are not yet there
     and the freed inputs still are, which lowers those steps; the moved op's own step may
     hold more (what ran meanwhile), so the result is a candidate for the judge, not a sure
-    gain. Fixes the list scheduler's habit of running backward prologues (a Reshape of a
-    forward activation) early."""
+    gain. An op that frees what a moved op defined, and defines as much, moves with it (a
+    chain X - mean -> * invstd of a norm's backward). Fixes the list scheduler's habit of
+    running backward prologues (a Reshape of a forward activation) early. With in-place, a
+    view (Reshape, ...) goes to its first reader even past its input's last reader: it then
+    takes the input's storage instead of copying it."""
     index = problem.index
     graph = problem.graph
     position = {index[name]: k for k, name in enumerate(order)}
     last_read, freeable, nbytes = _last_reads(problem, order)
     triggers: dict[int, list[int]] = {}
     deferred: set[int] = set()
+    producer = problem.graph.producer
     for k, name in enumerate(order):
         op = graph.op_by_name[name]
         freed, freed_bytes, defined = _balance(problem, op, k, last_read, freeable, nbytes)
-        if defined <= freed_bytes:
+        carries = defined == freed_bytes > 0 and any(
+            t in producer and index[producer[t].name] in deferred for t in freed)
+        if defined <= freed_bytes and not carries:
             continue
         i = index[name]
         deadline = {r for t in op.present_outputs for r in (index[c.name] for c in graph.consumers.get(t, []))}
-        deadline |= {index[order[last_read[t]]] for t in op.present_inputs if t in freeable and t not in freed}
+        if not (problem.inplace and op.op_type in VIEW_OPS):   # a view moved past its input's
+            deadline |= {index[order[last_read[t]]]              # last reader takes its storage
+                         for t in op.present_inputs if t in freeable and t not in freed}
         deadline.discard(i)
         deferred.add(i)
         for w in deadline:
@@ -320,14 +329,17 @@ def sink(problem: Problem, order: list[str]) -> list[str]:
     result: list[str] = []
     emitted: set[int] = set()
 
+    views_last = {i: (problem.inplace and graph.op_by_name[problem.names[i]].op_type in VIEW_OPS, k)
+                  for i, k in position.items()}   # after the other readers of their input
+
     def emit(first: int) -> None:
         """Emit `first` after the deferred ops it triggers (their triggers first, and so on)."""
-        stack = [(first, iter(sorted(triggers.get(first, ()), key=position.get)))]
+        stack = [(first, iter(sorted(triggers.get(first, ()), key=views_last.get)))]
         while stack:
             node, pending = stack[-1]
             for v in pending:
                 if v not in emitted:
-                    stack.append((v, iter(sorted(triggers.get(v, ()), key=position.get))))
+                    stack.append((v, iter(sorted(triggers.get(v, ()), key=views_last.get))))
                     break
             else:
                 stack.pop()

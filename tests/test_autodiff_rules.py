@@ -110,6 +110,8 @@ FLOAT_CASES = {
                    {"group": 2, "strides": [2, 2], "pads": [1, 1, 1, 1]}),
     "Conv-depthwise": ("Conv", [f32(2, 3, 6, 6), f32(6, 1, 3, 3)],
                        {"group": 3, "pads": [1, 1, 1, 1], "strides": [2, 1]}),
+    "Conv-depthwise-batch-1": ("Conv", [f32(1, 4, 6, 6), f32(4, 1, 3, 3)], {"group": 4, "pads": [1, 1, 1, 1]}),
+    "Conv-group-batch-1": ("Conv", [f32(1, 4, 5, 5), f32(6, 2, 3, 3), f32(6)], {"group": 2}),
     "Conv-same-upper": ("Conv", [f32(1, 2, 7, 7), f32(3, 2, 3, 3)], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}),
     "Conv-same-lower": ("Conv", [f32(1, 2, 6, 6), f32(3, 2, 4, 4)], {"auto_pad": "SAME_LOWER", "strides": [2, 2]}),
     "Conv-1d": ("Conv", [f32(2, 3, 9), f32(4, 3, 3), f32(4)], {"strides": [2], "pads": [1, 1]}),

@@ -412,3 +412,4 @@ def test_conv_weight_gradient_at_batch_one_moves_no_data():
     weights = {6 * 3 * 3 * 3 * 4, 6 * 1 * 3 * 3 * 4}
     assert transposed_bytes(1) <= weights
     assert not transposed_bytes(2) <= weights
+

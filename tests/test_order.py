@@ -99,6 +99,45 @@ def test_sink_runs_a_prologue_where_it_is_needed():
     assert list(analyze(graph, order_schedule(moved)).live_bytes) == [208, 216, 116, 124]
 
 
+def test_sink_moves_an_op_that_only_passes_on_what_a_sunk_op_defined():
+    """S = x - mean defines bytes; M = S * invstd frees S and defines as much: the two move
+    together past the big temporary O (a norm's backward prologue run in the forward)."""
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("sub", "Conv", ["x"], [("S", 100)])
+    g.op("mul", "Conv", ["S"], [("M", 100)])
+    g.op("other", "Conv", ["x"], [("O", 200)])
+    g.op("red", "ReduceSum", ["O"], [("R", 4)])
+    g.op("use", "Concat", ["M", "R", "x"], [("out", 8)])
+    g.output("out")
+    graph = g.graph()
+    order = [op.name for op in graph.ops]
+    moved = sink(Problem.build(graph, False), order)
+    assert moved == ["other", "red", "sub", "mul", "use"]
+    assert analyze(graph, order_schedule(order)).peak_bytes == 312
+    assert analyze(graph, order_schedule(moved)).peak_bytes == 212
+
+
+def test_sink_takes_a_view_past_its_inputs_last_reader_with_inplace():
+    """With in-place, a Reshape run after the last other reader of its input takes the
+    input's storage instead of copying it."""
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("a", "Relu", ["x"], [("A", 100)])
+    g.op("view", "Reshape", ["A"], [("V", 100)])
+    g.op("use_a", "Conv", ["A"], [("B", 100)])
+    g.op("use_v", "Concat", ["V", "B"], [("out", 8)])
+    g.output("out")
+    graph = g.graph()
+    order = [op.name for op in graph.ops]
+    assert sink(Problem.build(graph, False), order) == order
+    moved = sink(Problem.build(graph, True), order)
+    assert moved == ["a", "use_a", "view", "use_v"]
+    plan = Plan.initial(graph)
+    assert Judge(plan, True).peak(order) == 300
+    assert Judge(plan, True).peak(moved) == 208
+
+
 def test_hoist_runs_a_reduction_as_soon_as_it_can():
     g = GraphBuilder()
     g.input("x", 8)

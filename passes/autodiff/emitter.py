@@ -249,9 +249,16 @@ class Emitter:
         if perm == sorted(perm):
             return x
         shape = self.shape(x)
-        if [a for a in perm if shape[a] != 1] == [a for a in range(len(perm)) if shape[a] != 1]:
+        if moves_only_unit_axes(shape, perm):
             return self.reshape(x, [shape[a] for a in perm])
         return self.op("Transpose", [x], perm=perm)
+
+    def regroup(self, x: str, split, perm, merged) -> str:
+        """Reshape x to `split`, transpose by `perm`, reshape to `merged`: one Reshape where the
+        transpose moves only size-1 axes (a chain of copies the planner could not undo)."""
+        if moves_only_unit_axes(split, perm):
+            return self.reshape(x, merged)
+        return self.reshape(self.transpose(self.reshape(x, split), perm), merged)
 
     def sum_to(self, g: str, shape) -> str:
         """Sum the gradient `g` of a broadcast result back to an input of shape `shape`."""
@@ -275,6 +282,12 @@ class Emitter:
 
     def emitted_since(self, index: int) -> list[Op]:
         return self.ops[index:]
+
+
+def moves_only_unit_axes(shape, perm) -> bool:
+    """Whether transposing `shape` by `perm` keeps the order of its axes longer than 1 (then
+    the transpose is a reshape: no element moves in memory)."""
+    return [a for a in perm if shape[a] != 1] == [a for a in range(len(perm)) if shape[a] != 1]
 
 
 def _constant_value(op: Op) -> np.ndarray | None:

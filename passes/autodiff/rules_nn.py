@@ -67,10 +67,8 @@ def _weight_grad(em, inp, ker, group, geo, kernel):
         k = em.transpose(ker, [1, 0] + list(range(2, 2 + n)))
     else:
         cig, ckg = ci // group, ck // group
-        a = em.reshape(em.transpose(em.reshape(inp, [n_batch, group, cig] + spatial), [2, 1, 0] + rest),
-                       [cig, group * n_batch] + spatial)
-        k = em.reshape(em.transpose(em.reshape(ker, [n_batch, group, ckg] + spatial_k), [1, 2, 0] + rest),
-                       [ck, n_batch] + spatial_k)
+        a = em.regroup(inp, [n_batch, group, cig] + spatial, [2, 1, 0] + rest, [cig, group * n_batch] + spatial)
+        k = em.regroup(ker, [n_batch, group, ckg] + spatial_k, [1, 2, 0] + rest, [ck, n_batch] + spatial_k)
     out = em.op("Conv", [a, k], group=group, kernel_shape=spatial_k, strides=geo["dilations"],
                 dilations=geo["strides"], pads=geo["pads"])
     if list(em.shape(out)[2:]) != list(kernel):
@@ -160,7 +158,8 @@ def _swap_last(em, x):
 def _untransposed(em, b):
     """W where the forward made the 2-D operand b as Transpose(W) (a Linear in a training
     export: MatMul(x, Transpose(W))), else None. dX = dy @ b^T = dy @ W reads W, which is
-    resident anyway, so the transposed copy dies in the forward instead of living until dX."""
+    resident anyway, so the transposed copy dies in the forward instead of living until dX;
+    and it reads dy unflattened, so dW's flattening can take dy's storage once dX has run."""
     producer = em.source.producer.get(b)
     if producer is None or producer.op_type != "Transpose" or len(em.shape(b)) != 2:
         return None
@@ -183,10 +182,9 @@ def matmul(em, op, dys, wants):
     if len(b2) == 2:  # batch == a2[:-2]: the rows of A meet one weight matrix
         rows = int(np.prod(a2[:-1], dtype=np.int64))
         if wants[0]:  # each gradient flattens dy itself: dX and dW stay separate groups
-            dy_rows = em.reshape(dy, (rows, b2[-1]))
             untransposed = _untransposed(em, b)
-            product = (em.op("Gemm", [dy_rows, untransposed]) if untransposed is not None
-                       else em.op("Gemm", [dy_rows, em.reshape(b, b2)], transB=1))
+            product = (em.op("MatMul", [dy, untransposed]) if untransposed is not None   # dy as it is
+                       else em.op("Gemm", [em.reshape(dy, (rows, b2[-1])), em.reshape(b, b2)], transB=1))
             grads[0] = em.reshape(product, shape_a)
         if wants[1]:
             dy_rows = em.reshape(dy, (rows, b2[-1]))
