@@ -34,13 +34,14 @@ from .errors import ScheduleError
 from .ir import Graph
 from .schedule import Plan, Schedule
 
+# Shape-only views: they change no element, so at their input's last read they take its storage.
+VIEW_OPS = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 # Ops whose output may take the storage of an input of the same size (ONNX Runtime's
 # allocation planner allows the same for these).
-INPLACE_OPS = frozenset({
+INPLACE_OPS = VIEW_OPS | frozenset({
     "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "HardSigmoid", "Softplus", "Erf",
     "Abs", "Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Clip", "Add", "Sub", "Mul", "Div", "Pow",
-    "Identity", "Dropout", "Where", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast",
-    "ScatterND", "ScatterElements",
+    "Dropout", "Where", "Cast", "ScatterND", "ScatterElements",
 })
 # In-place ops whose output may take only the storage of their first input (the data they
 # scatter into; ONNX Runtime's kernels copy it to the output unless the two are one buffer).

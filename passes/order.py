@@ -41,13 +41,12 @@ from ortools.sat.python import cp_model
 
 from memsched.errors import ScheduleError
 from memsched.ir import Graph
-from memsched.memory import analyze
+from memsched.memory import VIEW_OPS, analyze
 from memsched.schedule import Plan, order_schedule
 
 from .reuse import alias_table, choose_aliases, compute_order, training_order
 from .solver import solve
 
-VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})   # in place at a last read
 WHOLE_GRAPH_OPS = 120      # one CP-SAT model up to this many ops, windows beyond
 WINDOW_OPS = 60            # first window size; doubled when every peak step was tried
 MAX_WINDOW_OPS = 240
@@ -309,7 +308,7 @@ def sink(problem: Problem, order: list[str]) -> list[str]:
     last_read, freeable, nbytes = _last_reads(problem, order)
     triggers: dict[int, list[int]] = {}
     deferred: set[int] = set()
-    producer = problem.graph.producer
+    producer = graph.producer
     for k, name in enumerate(order):
         op = graph.op_by_name[name]
         freed, freed_bytes, defined = _balance(problem, op, k, last_read, freeable, nbytes)
