@@ -78,14 +78,20 @@ def test_zoo_model_trains_and_its_gradients_match(name, case):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_zoo_training_step_tags_dw_and_dx_per_layer(name):
-    """Every trainable parameter has its dW ops and its update, no op is shared by dW and
-    dX, and weights seen through views (MatMul(x, Transpose(W)) in training exports) count
+    """Every trainable parameter has its dW ops and its update, the only ops shared by dW and
+    dX are a norm's xhat (Sub, Mul), and weights seen through views (MatMul(x, Transpose(W)) in training exports) count
     for the layer they feed. Built without weight data: structure only."""
     model = models.build(name, weights=False, **CASES[name]["options"])
-    train = build_training_step(lower(model), loss="cross_entropy", optimizer="adam")
+    source = lower(model)
+    train = build_training_step(source, loss="cross_entropy", optimizer="adam")
     roles = json.loads(train.metadata[GRAD_ROLES_KEY])
     params = json.loads(train.metadata[TRAINING_KEY])["parameters"]
-    assert {r["role"] for r in roles.values()} == {"dW", "dX", "update"}
+    assert {r["role"] for r in roles.values()} <= {"dW", "dX", "shared", "update"}
+    assert {r["role"] for r in roles.values()} >= {"dW", "dX", "update"}
+    shared = [op for op in train.ops if roles.get(op.name, {}).get("role") == "shared"]
+    assert {op.op_type for op in shared} <= {"Sub", "Mul"}
+    assert {source.op_by_name[roles[op.name]["layer"]].op_type for op in shared} <= {
+        "BatchNormalization", "LayerNormalization"}
     by_role = {role: {r["param"] for r in roles.values() if r["role"] == role} for role in ("dW", "update")}
     assert by_role["dW"] == by_role["update"] == set(params)
     for param in params:

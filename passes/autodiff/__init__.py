@@ -24,7 +24,8 @@ Metadata (graph.metadata, kept in ONNX metadata_props):
   op name, "param": parameter name}} for the backward ops of every forward op with a
   trainable parameter input: dW ops feed only that parameter's gradient, dX ops only the
   layer's input gradients ("param" is then the layer's first trainable parameter), shared
-  ops both (no rule here emits one). Update ops: {"role": "update", "param": name}.
+  ops both (a norm's xhat, which its scale and input gradients share). Update ops:
+  {"role": "update", "param": name}.
 - `memsched.training`: JSON {"loss", "optimizer", "lr", "momentum", "betas", "eps",
   "parameters": [trainable parameters in output order], "inputs": [extra inputs]}.
 

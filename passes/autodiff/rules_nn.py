@@ -326,12 +326,13 @@ def _running_statistics(em, op, batch_stats):
 
 
 def _normalized(em, x, mean, inv_std):
+    """xhat, computed once per backward: the input and the scale gradients share it, so
+    at most one input-sized tensor of a norm's backward can be kept from the forward."""
     return em.op("Mul", [em.op("Sub", [x, mean]), inv_std])
 
 
-def _norm_input_grad(em, dy, scale, x, mean, inv_std, axes):
+def _norm_input_grad(em, dy, scale, xhat, inv_std, axes):
     """dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)), g = dy * scale."""
-    xhat = _normalized(em, x, mean, inv_std)
     g = em.op("Mul", [dy, scale])
     mean_g = em.reduce("ReduceMean", g, axes, keepdims=True)
     mean_gx = em.reduce("ReduceMean", em.op("Mul", [g, xhat]), axes, keepdims=True)
@@ -346,10 +347,11 @@ def batch_norm(em, op, dys, wants):
     saved = em.saved[op.name]
     axes = [0] + list(range(2, em.rank(x)))
     grads = [None] * len(op.inputs)
-    if wants[0]:
-        grads[0] = _norm_input_grad(em, dy, saved["scale"], x, saved["mean"], saved["inv_std"], axes)
-    if wants[1]:
+    if wants[0] or wants[1]:
         xhat = _normalized(em, x, saved["mean"], saved["inv_std"])
+    if wants[0]:
+        grads[0] = _norm_input_grad(em, dy, saved["scale"], xhat, saved["inv_std"], axes)
+    if wants[1]:
         grads[1] = em.reduce("ReduceSum", em.op("Mul", [dy, xhat]), axes, keepdims=False)
     if wants[2]:
         grads[2] = em.reduce("ReduceSum", dy, axes, keepdims=False)
@@ -390,10 +392,12 @@ def layer_norm(em, op, dys, wants):
     norm_axes = list(range(axis, rank))
     grads = [None] * len(op.inputs)
     mean, inv_std = em.saved[op.name]["mean"], em.saved[op.name]["inv_std"]
+    if wants[0] or wants[1]:
+        xhat = _normalized(em, x, mean, inv_std)
     if wants[0]:
-        grads[0] = _norm_input_grad(em, dy, scale, x, mean, inv_std, norm_axes)
+        grads[0] = _norm_input_grad(em, dy, scale, xhat, inv_std, norm_axes)
     if wants[1]:
-        grads[1] = em.sum_to(em.op("Mul", [dy, _normalized(em, x, mean, inv_std)]), em.shape(scale))
+        grads[1] = em.sum_to(em.op("Mul", [dy, xhat]), em.shape(scale))
     if len(wants) > 2 and wants[2]:
         grads[2] = em.sum_to(dy, em.shape(op.inputs[2]))
     return grads
