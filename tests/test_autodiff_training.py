@@ -112,6 +112,26 @@ def test_cross_entropy_over_sequences_means_over_every_token():
     assert loss.shape == () and np.isclose(loss, expected, rtol=1e-12)
 
 
+def test_cross_entropy_keeps_only_the_logits_for_the_backward():
+    """log softmax = logits - logsumexp: no second logits-sized tensor is defined before the
+    backward, and the loss is exact where the logits are large (the logsumexp is stable)."""
+    model = sequence_model()
+    train = build_training_step(lower(model), loss="cross_entropy", optimizer="sgd")
+    logits = lower(model).outputs[0]
+    size = train.tensors[logits].nbytes
+    before_backward = [t for op in train.ops if op.phase in ("forward", "loss") for t in op.present_outputs]
+    assert [t for t in before_backward if train.tensors[t].nbytes == size] == [logits]
+    assert "LogSoftmax" not in {op.op_type for op in train.ops}
+    graph = helper.make_graph([helper.make_node("Add", ["x", "b"], ["logits"])], "bias",
+                              [helper.make_tensor_value_info("x", DOUBLE, [1, 3])],
+                              [helper.make_tensor_value_info("logits", DOUBLE, [1, 3])],
+                              [_init("b", np.zeros(3))])
+    big = {"x": np.array([[1000.0, 1001.0, 999.0]]), "labels": np.array([1])}
+    loss, = session(build_training_step(lower(make_model(graph)), loss="cross_entropy",
+                                        optimizer="none").to_onnx()).run(["loss"], big)
+    assert np.isclose(loss, np.log(np.exp([-1.0, 0.0, -2.0]).sum()), rtol=1e-12)
+
+
 def test_mse_gradients_and_value():
     feeds = {"x": MLP_FEEDS["x"], "targets": rng.standard_normal((4, 3))}
     train = check_gradients(mlp(), feeds, loss="mse")

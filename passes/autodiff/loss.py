@@ -49,17 +49,20 @@ def _cross_entropy(em, logits):
     axis = class_axis(shape)
     label_shape = shape[:axis] + shape[axis + 1:]
     labels = em.add_input("labels", label_shape, TensorProto.INT64)
-    log_probs = em.op("LogSoftmax", [logits], axis=axis)
+    # log softmax = logits - logsumexp(logits): only the logits are kept for the backward, never
+    # a second logits-sized tensor (a language model's logits are its largest activation)
+    lse = em.reduce("ReduceLogSumExp", logits, [axis], keepdims=True)
     where = em.op("Unsqueeze", [labels, em.ints([axis])])
-    picked = em.op("GatherElements", [log_probs, where], axis=axis)
+    picked = em.op("Sub", [em.op("GatherElements", [logits, where], axis=axis), lse])
     mean = em.reduce("ReduceMean", picked, range(len(shape)), keepdims=False)
     em.op("Neg", [mean], outputs=[LOSS_NAME], kind="output")
     count = int(np.prod(label_shape))
 
     def backward() -> str:
-        """(softmax - onehot(labels)) / count."""
+        """(softmax - onehot(labels)) / count, softmax = exp(logits - logsumexp)."""
         with em.scope("loss/grad"):
-            probs = em.op("Mul", [em.op("Exp", [log_probs]), em.scalar(1 / count, logits)])
+            probs = em.op("Exp", [em.op("Sub", [logits, lse])])
+            probs = em.op("Mul", [probs, em.scalar(1 / count, logits)])
             minus = em.op("Expand", [em.scalar(-1 / count, logits), em.ints(em.shape(where))])
             return em.op("ScatterElements", [probs, where, minus], axis=axis, reduction="add")
 
