@@ -239,7 +239,7 @@ class _Copy:
 @dataclass
 class _Program:
     actions: list          # one per schedule step; None for a free
-    releases: list         # per step: [(key, lo, hi, transferred)]
+    releases: list         # per step: [(key, lo, hi, kept: another residency still holds the bytes)]
     initial: list          # [(key, lo, hi)] loaded before step 0 (inputs, device-resident statics)
     host_initial: dict     # static tensor -> store view it starts in (plan.on_host)
     finals: dict           # output -> ('arena', lo, hi) | ('store', view)
@@ -279,11 +279,14 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime") -> _Program:
                 return r
         raise ScheduleError(f"tensor '{tensor}' gets no residency at step {step}")
 
-    shared_from = {r.shares_with for r in profile.residencies if r.shares_with is not None}
+    sharers = defaultdict(list)            # buffer -> its residencies (in-place chains, views)
+    for r in profile.residencies:
+        sharers[roots[r.key]].append(r)
     releases: list[list] = [[] for _ in range(n)]
     for r in profile.residencies:
         if 0 <= r.end < n:
-            releases[r.end].append((r.key, *region(r.key), r.key in shared_from))
+            kept = any(m.key != r.key and m.start <= r.end < m.end for m in sharers[roots[r.key]])
+            releases[r.end].append((r.key, *region(r.key), kept))
 
     host_initial_tier = _first_swap_in_tiers(plan)
     stores = rt.stores(_store_sizes(plan, host_initial_tier))
@@ -401,13 +404,17 @@ def _rehearse(program: _Program, profile: MemoryProfile) -> tuple[np.ndarray, in
     live: dict[tuple[str, int], tuple[int, int]] = {}
     high_water = 0
 
+    ends = {r.key: r.end for r in profile.residencies}
+
     def allocate(key, lo, hi, shares, step):
         nonlocal high_water
         if shares is not None:
             if live.get(shares) != (lo, hi):
                 raise ScheduleError(f"tensor '{key[0]}' takes the storage of '{shares[0]}' at step {step}, "
                                     f"which is not where that tensor is")
-            live[key] = live.pop(shares)
+            live[key] = live[shares]
+            if ends[shares] == step:      # written over; a view shares with a source read later
+                del live[shares]
         else:
             if hi > lo:
                 for other, (a, b) in live.items():
@@ -437,10 +444,9 @@ def _rehearse(program: _Program, profile: MemoryProfile) -> tuple[np.ndarray, in
                 read(action.key[0], action.lo, action.hi, i)
             else:
                 allocate(action.key, action.lo, action.hi, None, i)
-        measured[i] = sum(hi - lo for lo, hi in live.values())
-        for key, lo, hi, transferred in program.releases[i]:
-            if not transferred:
-                live.pop(key, None)
+        measured[i] = sum(hi - lo for lo, hi in set(live.values()))
+        for key, lo, hi, kept in program.releases[i]:
+            live.pop(key, None)
     planned = profile.live_bytes
     if not np.array_equal(measured, planned):
         step = int(np.argmax(measured != planned))
@@ -477,8 +483,8 @@ def _execute(program: _Program, rt: "_Runtime", poison: bool) -> None:
             else:
                 rt.copy_in(action.lo, action.hi, action.store, action.event)
         if poison and i < last:
-            for _, lo, hi, transferred in releases:
-                if not transferred and hi > lo:
+            for _, lo, hi, kept in releases:
+                if not kept and hi > lo:
                     rt.wait_all()
                     rt.fill(lo, hi, POISON)
 

@@ -13,10 +13,14 @@ Rules, stated once:
    swapped out or freed. A residency with no use lives only at its own step.
 3. During a step, its inputs and its outputs are all resident (inputs end at, outputs start
    at the same step).
-4. In-place: an output may alias an input (share its storage) only where that input's last
-   use is this op, both have the same byte size, and the op allows it (elementwise ops,
-   shape-only views, a scatter over its data input, optimizer updates). The pair is one buffer: the output's bytes are not
-   counted at the aliasing step, and the input's residency ends there.
+4. In-place: an output may alias an input (share its storage) where both have the same byte
+   size and the op allows it. A shape-only view (Reshape, Flatten, Squeeze, Unsqueeze,
+   Identity) shares its input's storage whether or not the input is read later, as ONNX
+   Runtime's aliasing kernels do: the two are one buffer, live while either is. Any other
+   op (elementwise ops, a scatter over its data input, optimizer updates) writes over the
+   input, so that input's last use must be this op and no other tensor may still read the
+   storage (a view of it); the input's residency ends there. The bytes of a buffer count
+   once, at every step some residency in it covers.
 5. Device bytes at a step = the sum of the bytes of the residencies covering it;
    peak = the maximum over steps; arena size = a placement's highest end, never below peak.
    A budget bounds the peak and, once the plan is placed, the arena too (the real footprint).
@@ -26,6 +30,7 @@ twice without `recompute`, a free before a use) raises ScheduleError naming the 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +39,7 @@ from .errors import ScheduleError
 from .ir import Graph
 from .schedule import Plan, Schedule
 
-# Shape-only views: they change no element, so at their input's last read they take its storage.
+# Shape-only views: they change no element, so they share their input's storage (rule 4).
 VIEW_OPS = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 # Ops whose output may take the storage of an input of the same size (ONNX Runtime's
 # allocation planner allows the same for these).
@@ -59,6 +64,7 @@ class Residency:
     nbytes: int
     kind: str         # the tensor's kind
     shares_with: tuple[str, int] | None = None  # (tensor, index) whose storage it takes
+    counted_from: int | None = None   # first step its bytes count (rule 4: a buffer counts once)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -101,7 +107,7 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
     counts: dict[str, int] = {}
     computed: set[str] = set()
     ever_produced: set[str] = set()
-    alias_events: list[tuple[str, str, int, int]] = []   # output, source, source index, step
+    alias_events: list[tuple] = []   # (output, index), (source, index), step, is a view
 
     def start(name: str, step: int) -> None:
         index = counts.get(name, 0)
@@ -153,7 +159,8 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
                 if source is not None:
                     _check_alias(graph, op, name, source)
                     open_[name]["shares_with"] = (source, counts[source] - 1)
-                    alias_events.append((name, source, counts[source] - 1, i))
+                    alias_events.append(((name, counts[name] - 1), (source, counts[source] - 1), i,
+                                         op.op_type in VIEW_OPS))
         elif step.kind == "swap_out":
             use(step.target, i, "a swap-out")
             close(step.target, i, "swap_out")
@@ -177,20 +184,22 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
         else:
             close(name, open_[name]["last_use"], "last use")
 
-    # in-place: the source must die at the aliasing op; its residency ends there
+    # in-place: a writer's source must die at the aliasing op; its residency ends there
     by_key = {(r["tensor"], r["index"]): r for r in closed}
-    for output, source, index, step in alias_events:
+    for (output, _), (source, index), step, view in alias_events:
         src = by_key[(source, index)]
+        if view:
+            continue
         if src["last_use"] != step or src["closed_by"] in ("swap_out", "free"):
             raise ScheduleError(f"'{output}' may not alias '{source}': '{source}' is still used after "
                                 f"step {step}")
         src["end"] = step
 
-    residencies = []
-    for r in closed:
-        t = tensors[r["tensor"]]
-        residencies.append(Residency(r["tensor"], r["index"], r["start"], r["end"], t.nbytes, t.kind,
-                                     r["shares_with"]))
+    raw = [Residency(r["tensor"], r["index"], r["start"], r["end"], tensors[r["tensor"]].nbytes,
+                     tensors[r["tensor"]].kind, r["shares_with"]) for r in closed]
+    _check_writers_own_buffers(raw, alias_events)
+    first = _counted_from(raw)
+    residencies = [dataclasses.replace(r, counted_from=first[r.key]) for r in raw]
 
     live, by_kind = _timeline(residencies, n)
     names = [str(s) for s in schedule]
@@ -212,11 +221,54 @@ def _check_alias(graph: Graph, op, output: str, source: str) -> None:
         raise ScheduleError(f"'{output}' may not alias '{source}': it is a graph input or output")
 
 
+def _groups(residencies: list[Residency]) -> dict[tuple[str, int], list[Residency]]:
+    """Storage buffer (its root residency's key) -> the residencies in it, in-place chains
+    and views followed."""
+    by_key = {r.key: r for r in residencies}
+    groups: dict[tuple[str, int], list[Residency]] = {}
+    for r in residencies:
+        key = r.key
+        while by_key[key].shares_with is not None:
+            key = by_key[key].shares_with
+        groups.setdefault(key, []).append(r)
+    return groups
+
+
+def _counted_from(residencies: list[Residency]) -> dict[tuple[str, int], int]:
+    """Residency key -> the first step its bytes count: a buffer's bytes count once, by the
+    residency that started first among those covering a step."""
+    first: dict[tuple[str, int], int] = {}
+    for members in _groups(residencies).values():
+        covered = -1
+        for r in sorted(members, key=lambda r: (r.start, r.shares_with is not None)):
+            first[r.key] = max(r.start + (r.shares_with is not None), covered + 1)
+            covered = max(covered, r.end)
+    return first
+
+
+def _check_writers_own_buffers(residencies: list[Residency], alias_events) -> None:
+    """Rule 4's last clause: an op that writes over its input's storage needs every other
+    residency in that buffer (a view still read later) over by its step."""
+    writers = {output: (source[0], step) for output, source, step, view in alias_events if not view}
+    if not writers:
+        return
+    for members in _groups(residencies).values():
+        for r in members:
+            if r.key not in writers or r.start != writers[r.key][1]:
+                continue
+            step = r.start
+            for other in members:
+                if other.key != r.key and other.start <= step < other.end:
+                    raise ScheduleError(f"'{r.tensor}' may not overwrite '{writers[r.key][0]}' in place at "
+                                        f"step {step}: '{other.tensor}' shares that storage and is read later")
+
+
 def _timeline(residencies: list[Residency], n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Difference arrays: +bytes at start, -bytes after end, per kind, then a prefix sum."""
+    """Difference arrays: +bytes from the first counted step to the end, per kind, then a
+    prefix sum."""
     diffs: dict[str, np.ndarray] = {}
     for r in residencies:
-        start = r.start + 1 if r.shares_with is not None else r.start
+        start = r.counted_from
         if start > r.end or n == 0:
             continue
         d = diffs.setdefault(r.kind, np.zeros(n + 1, dtype=np.int64))

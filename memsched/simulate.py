@@ -277,10 +277,10 @@ def _memory_timeline(profile: MemoryProfile, plan: Plan, start_t, end_t, compute
     schedule, graph, n = plan.schedule, plan.graph, len(plan.schedule)
     deltas: list[tuple[float, int, str, int]] = []     # (time, 0 release / 1 alloc, kind, bytes)
     for r in profile.residencies:
-        if r.nbytes == 0 or n == 0:
+        if r.nbytes == 0 or n == 0 or r.counted_from > r.end:
             continue
-        if r.shares_with is not None:
-            alloc = end_t[r.start]
+        if r.shares_with is not None:      # its bytes count once the buffer's earlier holders end
+            alloc = end_t[r.counted_from - 1]
         elif _made_by(schedule[r.start], graph, r.tensor):
             alloc = start_t[r.start]
         else:

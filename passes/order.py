@@ -18,7 +18,9 @@ is left to improve or the time is up.
 With `inplace` (the default when the plan already has aliases, i.e. after `reuse`), orders
 are judged with greedy in-place aliases (`passes.reuse.choose_aliases`), and in the model
 each eligible (output, input) pair is a choice: taken, every other reader of the input
-runs first and the output takes no bytes of its own (the memory model's rule 4).
+runs first and the output takes no bytes of its own (the memory model's rule 4). A view
+always shares its input's storage: the model keeps one tensor per buffer, read by the
+readers of every view of it (`Problem.buffer`).
 
 Lower bounds (`LowerBound`), valid for every order (with any in-place aliases): the
 structural one -- at each op, the tensors produced by an ancestor and read by a descendant
@@ -128,6 +130,8 @@ class Problem:
     takes_static: list[bool]       # ... the storage of a parameter (an in-place update)
     static_bytes: int
     inplace: bool
+    buffer: dict[str, int]         # tensor -> its modelled tensor: itself, or (with in-place)
+                                   # the tensor whose storage a view of it shares
 
     @classmethod
     def build(cls, graph: Graph, inplace: bool) -> "Problem":
@@ -138,13 +142,16 @@ class Problem:
         tensors, nbytes, producer, readers, held, may_alias, takes_static = [], [], [], [], [], [], []
         static = 0
         table = alias_table(graph)
+        shares = _shared_views(graph, table) if inplace else {}
+        buffer: dict[str, int] = {}
         for name, t in graph.tensors.items():
             if t.is_static:
                 static += t.nbytes
                 continue
             op = graph.producer.get(name)
-            if (op is None and name not in graph.inputs) or t.nbytes == 0:
+            if (op is None and name not in graph.inputs) or t.nbytes == 0 or name in shares:
                 continue
+            buffer[name] = len(tensors)
             tensors.append(name)
             nbytes.append(t.nbytes)
             producer.append(index[op.name] if op is not None else -1)
@@ -153,8 +160,30 @@ class Problem:
             sources = table[name] if inplace and op is not None else []
             may_alias.append(bool(sources))
             takes_static.append(any(graph.tensors[x].is_static for x in sources))
+        for name, root in shares.items():       # a view: its readers and holding go to its buffer
+            k = buffer[name] = buffer[root]
+            readers[k] = sorted(set(readers[k]) | {index[c.name] for c in graph.consumers.get(name, [])})
+            held[k] = held[k] or name in graph.outputs
         return cls(graph, names, index, preds, succs, tensors, nbytes, producer, readers, held,
-                   may_alias, takes_static, static, inplace)
+                   may_alias, takes_static, static, inplace, buffer)
+
+
+def _shared_views(graph: Graph, table: dict[str, list[str]]) -> dict[str, str]:
+    """View output -> the tensor whose storage it shares (rule 4: always, in place), views
+    of views followed to the first tensor of the buffer. Views of parameters, graph inputs
+    and the like copy (they are not alias sources)."""
+    shares: dict[str, str] = {}
+    for op in graph.ops:
+        if op.op_type not in VIEW_OPS:
+            continue
+        for out in op.present_outputs:
+            sources = [x for x in table[out] if not graph.tensors[x].is_static]
+            if sources and graph.tensors[out].nbytes:
+                shares[out] = sources[0]
+    for out in shares:
+        while shares[out] in shares:
+            shares[out] = shares[shares[out]]
+    return shares
 
 
 class Judge:
@@ -273,21 +302,27 @@ def dfs_schedule(problem: Problem, order: list[str]) -> list[str]:
 
 
 def _last_reads(problem: Problem, order: list[str]) -> tuple[dict[str, int], set[str], dict[str, int]]:
-    """Per tensor the step of its last reader in `order`, the tensors whose storage goes
-    after that read (not static, not graph outputs), and their sizes."""
+    """Per modelled tensor (a storage buffer: views of it included) the step of its last
+    reader in `order`, the tensors whose storage goes after that read (not graph outputs),
+    and their sizes."""
     graph = problem.graph
     last_read: dict[str, int] = {}
     for k, name in enumerate(order):
-        for t in graph.op_by_name[name].present_inputs:
+        for t in _buffers(problem, graph.op_by_name[name].present_inputs):
             last_read[t] = k
     nbytes = dict(zip(problem.tensors, problem.nbytes))
-    freeable = {t for t in problem.tensors if t not in graph.outputs}
+    freeable = {t for t, held in zip(problem.tensors, problem.held) if not held}
     return last_read, freeable, nbytes
 
 
+def _buffers(problem: Problem, names: list[str]) -> list[str]:
+    """The modelled tensors (storage buffers) behind `names`, once each, statics left out."""
+    return list(dict.fromkeys(problem.tensors[problem.buffer[t]] for t in names if t in problem.buffer))
+
+
 def _balance(problem: Problem, op, k: int, last_read, freeable, nbytes) -> tuple[list[str], int, int]:
-    """(inputs the op at step k frees, bytes freed, bytes defined)."""
-    freed = [t for t in dict.fromkeys(op.present_inputs) if last_read.get(t) == k and t in freeable]
+    """(buffers the op at step k frees, bytes freed, bytes defined: a view defines none)."""
+    freed = [t for t in _buffers(problem, op.present_inputs) if last_read.get(t) == k and t in freeable]
     return freed, sum(nbytes[t] for t in freed), sum(nbytes.get(t, 0) for t in op.present_outputs)
 
 
@@ -299,9 +334,7 @@ def sink(problem: Problem, order: list[str]) -> list[str]:
     hold more (what ran meanwhile), so the result is a candidate for the judge, not a sure
     gain. An op that frees what a moved op defined, and defines as much, moves with it (a
     chain X - mean -> * invstd of a norm's backward). Fixes the list scheduler's habit of
-    running backward prologues (a Reshape of a forward activation) early. With in-place, a
-    view (Reshape, ...) goes to its first reader even past its input's last reader: it then
-    takes the input's storage instead of copying it."""
+    running backward prologues (a Reshape of a forward activation) early."""
     index = problem.index
     graph = problem.graph
     position = {index[name]: k for k, name in enumerate(order)}
@@ -318,9 +351,8 @@ def sink(problem: Problem, order: list[str]) -> list[str]:
             continue
         i = index[name]
         deadline = {r for t in op.present_outputs for r in (index[c.name] for c in graph.consumers.get(t, []))}
-        if not (problem.inplace and op.op_type in VIEW_OPS):   # a view moved past its input's
-            deadline |= {index[order[last_read[t]]]              # last reader takes its storage
-                         for t in op.present_inputs if t in freeable and t not in freed}
+        deadline |= {index[order[last_read[t]]] for t in _buffers(problem, op.present_inputs)
+                     if t in freeable and t not in freed}
         deadline.discard(i)
         deferred.add(i)
         for w in deadline:
@@ -328,17 +360,14 @@ def sink(problem: Problem, order: list[str]) -> list[str]:
     result: list[str] = []
     emitted: set[int] = set()
 
-    views_last = {i: (problem.inplace and graph.op_by_name[problem.names[i]].op_type in VIEW_OPS, k)
-                  for i, k in position.items()}   # after the other readers of their input
-
     def emit(first: int) -> None:
         """Emit `first` after the deferred ops it triggers (their triggers first, and so on)."""
-        stack = [(first, iter(sorted(triggers.get(first, ()), key=views_last.get)))]
+        stack = [(first, iter(sorted(triggers.get(first, ()), key=position.get)))]
         while stack:
             node, pending = stack[-1]
             for v in pending:
                 if v not in emitted:
-                    stack.append((v, iter(sorted(triggers.get(v, ()), key=views_last.get))))
+                    stack.append((v, iter(sorted(triggers.get(v, ()), key=position.get))))
                     break
             else:
                 stack.pop()
@@ -372,7 +401,7 @@ def hoist(problem: Problem, order: list[str]) -> list[str]:
             continue
         i = index[name]
         waits = set(problem.preds[i])
-        waits |= {index[c.name] for t in freed for c in graph.consumers.get(t, [])}
+        waits |= {r for t in freed for r in problem.readers[problem.buffer[t]]}
         waits.discard(i)
         remaining[i] = len(waits)
         for w in waits:
@@ -490,7 +519,8 @@ def cut_bound(problem: Problem, u: int, reach: tuple[list[int], list[int]]) -> i
     network.add_edges_from((source, a) for a in _members(anc[u]))
     network.add_edges_from((d, sink_) for d in _members(desc[u] & ~(1 << u)))
     op = graph.op_by_name[problem.names[u]]
-    around = set(op.present_inputs) | set(op.present_outputs)
+    around = {problem.tensors[problem.buffer[t]] for t in op.present_inputs + op.present_outputs
+              if t in problem.buffer}
     constant = _static_residency(problem)[0]
     for k, nbytes in enumerate(problem.nbytes):
         name, producer = problem.tensors[k], problem.producer[k]
@@ -872,7 +902,9 @@ def _alias_choices(problem: Problem, model: cp_model.CpModel, pos: dict, positio
             if out not in modelled:
                 continue
             for src in table[out]:
-                others = [index[c.name] for c in graph.consumers.get(src, []) if index[c.name] != i]
+                readers = (problem.readers[problem.buffer[src]] if src in problem.buffer
+                           else [index[c.name] for c in graph.consumers.get(src, [])])
+                others = [r for r in readers if r != i]
                 if any(position[r] >= we for r in others):
                     continue              # a reader after the window: the source cannot die here
                 var = model.NewBoolVar(f"a_{out}_{src}")

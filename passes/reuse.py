@@ -30,7 +30,7 @@ from typing import Iterable
 
 from memsched.errors import ScheduleError
 from memsched.ir import Graph, Op
-from memsched.memory import INPLACE_OPS, analyze
+from memsched.memory import INPLACE_OPS, VIEW_OPS, analyze
 from memsched.schedule import Plan, Schedule, order_schedule
 
 # where passes.autodiff records each backward op's role (dW, dX, update; see its package doc)
@@ -122,9 +122,10 @@ def alias_table(graph: Graph) -> dict[str, list[str]]:
 
 
 def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | None = None) -> dict[str, str]:
-    """Greedy in-place aliases for `schedule`: each output takes an eligible input that is
-    last read at its op (a pair in `prefer` first). Tensors that are swapped, freed or
-    recomputed are left alone. `memsched.memory.analyze` is the judge of the result."""
+    """Greedy in-place aliases for `schedule`: each view shares its input's storage; each
+    other output takes an eligible input whose storage nothing reads after its op (a pair
+    in `prefer` first). Tensors that are swapped, freed or recomputed are left alone.
+    `memsched.memory.analyze` is the judge of the result."""
     prefer = prefer or {}
     last_read: dict[str, int] = {}
     blocked: set[str] = set()
@@ -144,19 +145,26 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
     table = alias_table(graph)
     aliases: dict[str, str] = {}
     taken: set[str] = set()
+    root: dict[str, str] = {}                # tensor -> the first tensor of its storage buffer
+    buffer_last: dict[str, int] = {}         # buffer root -> the last read of any tensor in it
     for i, step in enumerate(schedule):
         if step.kind != "compute" or step.target in replayed:
             continue
         op = graph.op_by_name[step.target]
+        view = op.op_type in VIEW_OPS
         # preferred pairs first, so another output of the op cannot take their source
         for out in sorted(op.present_outputs, key=lambda out: out not in prefer):
             if out in blocked:
                 continue
-            sources = [x for x in table[out] if last_read.get(x) == i and x not in blocked and x not in taken]
+            sources = [x for x in table[out] if x not in blocked and x not in taken
+                       and (view or buffer_last.get(root.get(x, x), last_read.get(x)) == i == last_read.get(x))]
             if sources:
                 source = prefer.get(out) if prefer.get(out) in sources else sources[0]
                 aliases[out] = source
-                taken.add(source)
+                if not view:
+                    taken.add(source)
+                base = root[out] = root.get(source, source)
+                buffer_last[base] = max(buffer_last.get(base, last_read.get(source, i)), last_read.get(out, i))
     return aliases
 
 

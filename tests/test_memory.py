@@ -95,6 +95,26 @@ def test_alias_rejected_when_source_still_used():
         analyze(g, default_schedule(g), aliases={"q": "p"})
 
 
+def test_a_view_shares_its_inputs_storage_while_both_are_read():
+    """Rule 4: a Reshape shares its input's buffer even where the input is read later (as
+    ONNX Runtime's aliasing kernels do); the buffer counts once, until its last reader."""
+    g = Graph([Op("a", "Relu", ["x"], ["p"]), Op("v", "Reshape", ["p", "shape"], ["r"]),
+               Op("b", "Relu", ["p"], ["q"]), Op("c", "Add", ["r", "q"], ["y"])],
+              {"x": t("x", 10, "input"), "shape": Tensor("shape", (1,), TensorProto.INT64, "input"),
+               "p": t("p", 10), "r": t("r", 10), "q": t("q", 10), "y": t("y", 10, "output")},
+              ["x", "shape"], ["y"])
+    copied = analyze(g, default_schedule(g))
+    assert copied.live_bytes.tolist() == [88, 88, 120, 120]
+    shared = analyze(g, default_schedule(g), aliases={"r": "p"})
+    assert shared.live_bytes.tolist() == [88, 48, 80, 120]      # p and r: one 40-byte buffer
+    first = {r.tensor: r.counted_from for r in shared.residencies}
+    assert (first["p"], first["r"]) == (0, 3)                   # r counts once p's reads are over
+    assert {k: (s, e) for k, s, e, _ in buffers(shared)}[("p", 0)] == (0, 3)
+    # an op that writes over p may not, while the view of it is still to be read
+    with pytest.raises(ScheduleError, match="'q' may not overwrite 'p' in place at step 2: 'r' shares"):
+        analyze(g, default_schedule(g), aliases={"r": "p", "q": "p"})
+
+
 def test_scatter_runs_in_place_over_its_data_input_only():
     """ScatterND/ScatterElements write over their data (input 0), as ONNX Runtime's kernels
     may; never over their updates, even where the sizes agree."""
