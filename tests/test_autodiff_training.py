@@ -437,3 +437,31 @@ def test_conv_weight_gradient_at_batch_one_moves_no_data():
     assert transposed_bytes(1) <= weights
     assert not transposed_bytes(2) <= weights
 
+
+
+@pytest.mark.parametrize("shape, weight, by_sample", [((2, 3, 8, 8), (4, 3, 3, 3), True),
+                                                      ((2, 16, 2, 2), (16, 16, 3, 3), False)])
+def test_conv_weight_gradient_by_sample_where_it_is_smaller(shape, weight, by_sample):
+    """Where batch x the weight is smaller than X and dY together, dW is one Conv grouped by
+    sample over views of X and dY, summed over the batch: no Transpose in the backward at all;
+    elsewhere X and dY are transposed. Gradients match finite differences either way."""
+    rng = np.random.default_rng(3)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1], strides=[1, 1])
+    out_shape = [shape[0], weight[0], shape[2], shape[3]]
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info("x", FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("y", FLOAT, out_shape)],
+                              [_init("w", (rng.standard_normal(weight) * 0.3).astype(np.float32))])
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32),
+             "targets": rng.standard_normal(out_shape).astype(np.float32)}
+    model = make_model(graph)
+    check_against_float64(model, feeds, loss="mse", sample=4)
+    train = build_training_step(lower(model), loss="mse", optimizer="sgd")
+    backward = [op for op in train.ops if op.phase == "backward"]
+    convs = [op for op in backward if op.op_type == "Conv"]
+    assert len(convs) == 1
+    if by_sample:
+        assert not any(op.op_type == "Transpose" for op in backward)
+        assert convs[0].attributes["group"] == shape[0] and len(train.tensors[convs[0].inputs[0]].shape) == 5
+    else:
+        transposed = {train.tensors[op.inputs[0]].shape for op in backward if op.op_type == "Transpose"}
+        assert tuple(shape) in transposed

@@ -5,7 +5,9 @@ The input gradient (dX) and each parameter gradient (dW, dB) of a layer come fro
 groups of ops, so the planner may run them apart. Conv dX is a ConvTranspose with the same
 geometry and the output_padding that restores X's size; Conv dW is a Conv whose input is X
 with batch and channels swapped and whose kernel is dY, with the stride and dilation roles
-swapped, then sliced to the kernel size (groups and depthwise through a reshape).
+swapped, then sliced to the kernel size (groups and depthwise through a reshape) -- or,
+where batch x the weight is smaller than X and dY, a Conv of one more axis grouped by sample
+over views of X and dY, summed over the batch (no activation-sized transpose).
 BatchNormalization trains on batch statistics, as PyTorch's train mode does: its forward
 is rewritten into primitive ops that keep the batch mean and 1/std for the backward pass.
 """
@@ -54,11 +56,16 @@ def _output_padding(in_size, out_size, kernel, geo) -> list[int]:
 
 
 def _weight_grad(em, inp, ker, group, geo, kernel):
-    """sum over the batch of inp (x) ker, as one Conv: [Ck, Ci/group, *kernel].
+    """sum over the batch of inp (x) ker: [Ck, Ci/group, *kernel].
 
-    For Conv dW, inp is X and ker is dY; for ConvTranspose dW, inp is dY and ker is X."""
+    For Conv dW, inp is X and ker is dY; for ConvTranspose dW, inp is dY and ker is X.
+    Without groups, where the per-sample products (batch x the weight) are smaller than
+    inp and ker together, `_weight_grad_by_sample`: no activation-sized copy at all."""
     n_batch, ci = em.shape(inp)[:2]
     ck = em.shape(ker)[1]
+    per_sample = n_batch * ck * ci * int(np.prod(kernel)) * em.np_dtype(inp).itemsize
+    if group == 1 and len(kernel) <= 2 and per_sample <= em.tensors[inp].nbytes + em.tensors[ker].nbytes:
+        return _weight_grad_by_sample(em, inp, ker, geo, kernel)
     spatial, spatial_k = list(em.shape(inp)[2:]), list(em.shape(ker)[2:])
     n = len(spatial)
     rest = list(range(3, 3 + n))
@@ -74,6 +81,27 @@ def _weight_grad(em, inp, ker, group, geo, kernel):
     if list(em.shape(out)[2:]) != list(kernel):
         out = em.op("Slice", [out, em.ints([0] * n), em.ints(kernel), em.ints(range(2, 2 + n))])
     return em.transpose(out, [1, 0] + list(range(2, 2 + n)))
+
+
+def _weight_grad_by_sample(em, inp, ker, geo, kernel):
+    """One Conv of one more spatial axis, grouped by sample, over views only: inp as
+    [1, N, Ci, *S] (the samples are the channels, Ci a spatial axis), ker as N groups of Ck
+    kernels [N*Ck, 1, 1, *Sk]; out[n*Ck + k, c] is sample n's product, summed over the
+    batch into [Ck, Ci, *kernel] with no transpose of X, dY or the result."""
+    n_batch, ci = em.shape(inp)[:2]
+    ck = em.shape(ker)[1]
+    spatial_k = list(em.shape(ker)[2:])
+    n = len(kernel)
+    a = em.reshape(inp, [1, n_batch, ci] + list(em.shape(inp)[2:]))
+    k = em.reshape(ker, [n_batch * ck, 1, 1] + spatial_k)
+    pads = geo["pads"]
+    out = em.op("Conv", [a, k], group=n_batch, kernel_shape=[1] + spatial_k, strides=[1] + geo["dilations"],
+                dilations=[1] + geo["strides"], pads=[0] + pads[:n] + [0] + pads[n:])
+    if list(em.shape(out)[3:]) != list(kernel):
+        out = em.op("Slice", [out, em.ints([0] * n), em.ints(kernel), em.ints(range(3, 3 + n))])
+    if n_batch == 1:
+        return em.reshape(out, [ck, ci] + list(kernel))
+    return em.reduce("ReduceSum", em.reshape(out, [n_batch, ck, ci] + list(kernel)), [0], keepdims=False)
 
 
 def _bias_grad(em, dy):
