@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +40,7 @@ import numpy as np
 from memsched.cost import op_time
 from memsched.executor import draws_random
 from memsched.hardware import Hardware
-from memsched.memory import MemoryProfile, Residency
+from memsched.memory import MemoryProfile, Residency, buffer_roots
 from memsched.schedule import Plan
 
 TICKS_PER_STEP_TIME = 2**20     # resolution of the time axis: the step is about 2^20 ticks long
@@ -122,10 +123,14 @@ def find_problem(plan: Plan, profile: MemoryProfile, hw: Hardware, source, budge
     over = problem.over()
     over_steps = np.flatnonzero(over)
     gaps: list[Gap] = []
+    sharers = _sharers(profile)
     for r in sorted(profile.residencies, key=lambda r: (r.tensor, r.index)):
         if r.nbytes == 0:
             continue
         for p, q, maker in _gap_bounds(plan, r, uses.get(r.tensor, []), n):
+            p = _after_sharers(sharers[r.key], p, q)
+            if p is None:
+                continue
             g = _new_gap(problem, r, p, q, maker, len(gaps))
             lo, hi = bisect_left(over_steps, p + 1), bisect_right(over_steps, q - 1)
             if lo < hi:
@@ -159,6 +164,27 @@ def _maker(plan: Plan, r: Residency) -> int:
     if step is not None and step.kind == "swap_in" and step.target == r.tensor:
         return r.start
     return -1
+
+
+def _sharers(profile: MemoryProfile) -> dict[tuple[str, int], list[Residency]]:
+    """Residency key -> the other residencies in its storage buffer (views, in-place chains)."""
+    roots = buffer_roots(profile)
+    members: dict[tuple[str, int], list[Residency]] = defaultdict(list)
+    for r in profile.residencies:
+        members[roots[r.key]].append(r)
+    return {r.key: [m for m in members[roots[r.key]] if m.key != r.key] for r in profile.residencies}
+
+
+def _after_sharers(sharers: list[Residency], p: int, q: int) -> int | None:
+    """Where a gap (p, q) of a residency may start when others share its storage (a view, or
+    the tensor it views): after the last of them that began before the gap ends, since moving
+    the bytes frees nothing while one still holds them; None when one begins inside the gap
+    or none leaves room (two steps)."""
+    during = [m for m in sharers if m.start < q and m.end > p]
+    if any(m.start > p for m in during):
+        return None
+    start = max([p] + [m.end for m in during])
+    return start if q - start >= 2 else None
 
 
 def _gap_bounds(plan: Plan, r: Residency, uses: list[int], n: int):

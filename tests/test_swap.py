@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from onnx import helper
 
 from memsched.errors import BudgetError, UserError
 from memsched.memory import analyze_plan, validate
@@ -11,7 +12,9 @@ from memsched.schedule import Plan
 from memsched.simulate import simulate
 from passes.swap import swap_pass
 
-from .simgraphs import hardware
+from passes.swap_gaps import find_problem
+
+from .simgraphs import hardware, lower
 from .swapgraphs import relu_chain, weight_chain, weights_only, with_tiers
 
 FAST = 2.0     # CP-SAT seconds; these models are tiny
@@ -188,3 +191,22 @@ def test_compile_with_swap_through_the_cli(tmp_path):
                      "--time-limit", "1")
     assert failed.returncode == 3
     assert "the smallest this plan reaches is" in failed.stderr and len(failed.stderr.strip().splitlines()) == 1
+
+
+def test_a_view_and_its_source_move_as_one_buffer():
+    """v = Identity(a) shares a's storage (rule 4): while a is still read (by B) moving v frees
+    nothing, so v's gap starts after B; v, idle across the peak at E, goes to the host then."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="A"), helper.make_node("Identity", ["a"], ["v"], name="V"),
+             helper.make_node("Relu", ["a"], ["b"], name="B"), helper.make_node("Relu", ["b"], ["c"], name="C"),
+             helper.make_node("Relu", ["c"], ["d"], name="D"), helper.make_node("Add", ["c", "d"], ["e"], name="E"),
+             helper.make_node("Relu", ["e"], ["f"], name="F"), helper.make_node("Add", ["v", "f"], ["out"], name="H")]
+    graph = lower(nodes, ["x"], ["out"])
+    plan = Plan.initial(graph, budget=3072, hardware=hardware())
+    plan = dataclasses.replace(plan, aliases={"v": "a"})
+    assert analyze_plan(plan).peak_bytes == 4096          # a/v (one buffer), c, d, e at E
+    problem = find_problem(plan, analyze_plan(plan), hardware(), hardware(), plan.budget)
+    assert [(g.tensor, g.p, g.q) for g in problem.gaps if g.tensor in ("a", "v")] == [("v", 2, 7)]
+    swapped = swap_pass(plan, time_limit=FAST)
+    validate(swapped)
+    assert analyze_plan(swapped).peak_bytes <= 3072
+    assert [s.target for s in swapped.schedule if s.kind == "swap_out"] == ["v"]
