@@ -40,7 +40,7 @@ from onnx import helper
 
 from .errors import ScheduleError, UserError
 from .ir import Graph, Op, _make_node, tensor_value
-from .memory import MemoryProfile, Residency, buffer_roots, check_placement, validate
+from .memory import MemoryProfile, Residency, buffer_groups, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
 from .schedule import Plan
 
@@ -279,9 +279,7 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime") -> _Program:
                 return r
         raise ScheduleError(f"tensor '{tensor}' gets no residency at step {step}")
 
-    sharers = defaultdict(list)            # buffer -> its residencies (in-place chains, views)
-    for r in profile.residencies:
-        sharers[roots[r.key]].append(r)
+    sharers = buffer_groups(profile)       # buffer -> its residencies (in-place chains, views)
     releases: list[list] = [[] for _ in range(n)]
     for r in profile.residencies:
         if 0 <= r.end < n:

@@ -298,16 +298,15 @@ def validate(plan: Plan) -> MemoryProfile:
     return profile
 
 
+def buffer_groups(profile: MemoryProfile) -> dict[tuple[str, int], list[Residency]]:
+    """Storage buffer (the key of its first residency) -> the residencies in it."""
+    return _groups(profile.residencies)
+
+
 def buffer_roots(profile: MemoryProfile) -> dict[tuple[str, int], tuple[str, int]]:
-    """Residency key -> the key of the storage buffer it lives in (in-place chains followed)."""
-    by_key = {r.key: r for r in profile.residencies}
-    roots: dict[tuple[str, int], tuple[str, int]] = {}
-    for r in profile.residencies:
-        key = r.key
-        while by_key[key].shares_with is not None:
-            key = by_key[key].shares_with
-        roots[r.key] = key
-    return roots
+    """Residency key -> the key of the storage buffer it lives in (in-place chains and views
+    followed)."""
+    return {r.key: root for root, members in buffer_groups(profile).items() for r in members}
 
 
 def buffers(profile: MemoryProfile) -> list[tuple[tuple[str, int], int, int, int]]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +39,7 @@ import numpy as np
 from memsched.cost import op_time
 from memsched.executor import draws_random
 from memsched.hardware import Hardware
-from memsched.memory import MemoryProfile, Residency, buffer_roots
+from memsched.memory import MemoryProfile, Residency, buffer_groups
 from memsched.schedule import Plan
 
 TICKS_PER_STEP_TIME = 2**20     # resolution of the time axis: the step is about 2^20 ticks long
@@ -168,11 +167,8 @@ def _maker(plan: Plan, r: Residency) -> int:
 
 def _sharers(profile: MemoryProfile) -> dict[tuple[str, int], list[Residency]]:
     """Residency key -> the other residencies in its storage buffer (views, in-place chains)."""
-    roots = buffer_roots(profile)
-    members: dict[tuple[str, int], list[Residency]] = defaultdict(list)
-    for r in profile.residencies:
-        members[roots[r.key]].append(r)
-    return {r.key: [m for m in members[roots[r.key]] if m.key != r.key] for r in profile.residencies}
+    return {r.key: [m for m in members if m.key != r.key]
+            for members in buffer_groups(profile).values() for r in members}
 
 
 def _after_sharers(sharers: list[Residency], p: int, q: int) -> int | None:
