@@ -197,8 +197,9 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
 
     raw = [Residency(r["tensor"], r["index"], r["start"], r["end"], tensors[r["tensor"]].nbytes,
                      tensors[r["tensor"]].kind, r["shares_with"]) for r in closed]
-    _check_writers_own_buffers(raw, alias_events)
-    first = _counted_from(raw)
+    groups = _groups(raw)
+    _check_writers_own_buffers(groups, alias_events)
+    first = _counted_from(groups)
     residencies = [dataclasses.replace(r, counted_from=first[r.key]) for r in raw]
 
     live, by_kind = _timeline(residencies, n)
@@ -234,11 +235,11 @@ def _groups(residencies: list[Residency]) -> dict[tuple[str, int], list[Residenc
     return groups
 
 
-def _counted_from(residencies: list[Residency]) -> dict[tuple[str, int], int]:
+def _counted_from(groups: dict[tuple[str, int], list[Residency]]) -> dict[tuple[str, int], int]:
     """Residency key -> the first step its bytes count: a buffer's bytes count once, by the
     residency that started first among those covering a step."""
     first: dict[tuple[str, int], int] = {}
-    for members in _groups(residencies).values():
+    for members in groups.values():
         covered = -1
         for r in sorted(members, key=lambda r: (r.start, r.shares_with is not None)):
             first[r.key] = max(r.start + (r.shares_with is not None), covered + 1)
@@ -246,13 +247,13 @@ def _counted_from(residencies: list[Residency]) -> dict[tuple[str, int], int]:
     return first
 
 
-def _check_writers_own_buffers(residencies: list[Residency], alias_events) -> None:
+def _check_writers_own_buffers(groups: dict[tuple[str, int], list[Residency]], alias_events) -> None:
     """Rule 4's last clause: an op that writes over its input's storage needs every other
     residency in that buffer (a view still read later) over by its step."""
     writers = {output: (source[0], step) for output, source, step, view in alias_events if not view}
     if not writers:
         return
-    for members in _groups(residencies).values():
+    for members in groups.values():
         for r in members:
             if r.key not in writers or r.start != writers[r.key][1]:
                 continue

@@ -79,8 +79,9 @@ def test_zoo_model_trains_and_its_gradients_match(name, case):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_zoo_training_step_tags_dw_and_dx_per_layer(name):
     """Every trainable parameter has its dW ops and its update, the only ops shared by dW and
-    dX are a norm's xhat (Sub, Mul), and weights seen through views (MatMul(x, Transpose(W)) in training exports) count
-    for the layer they feed. Built without weight data: structure only."""
+    dX are a norm's xhat (Sub, Mul), and weights seen through views (MatMul(x, Transpose(W))
+    in training exports) count for the layer they feed. Built without weight data: structure
+    only."""
     model = models.build(name, weights=False, **CASES[name]["options"])
     source = lower(model)
     train = build_training_step(source, loss="cross_entropy", optimizer="adam")

@@ -438,7 +438,6 @@ def test_conv_weight_gradient_at_batch_one_moves_no_data():
     assert not transposed_bytes(2) <= weights
 
 
-
 @pytest.mark.parametrize("shape, weight, by_sample", [((2, 3, 8, 8), (4, 3, 3, 3), True),
                                                       ((2, 16, 2, 2), (16, 16, 3, 3), False)])
 def test_conv_weight_gradient_by_sample_where_it_is_smaller(shape, weight, by_sample):

@@ -11,7 +11,6 @@ from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan
 from memsched.simulate import simulate
 from passes.swap import swap_pass
-
 from passes.swap_gaps import find_problem
 
 from .simgraphs import hardware, lower
