@@ -11,17 +11,23 @@ the memory model (`memsched.memory`) judge every answer:
   outputs gets a zero-cost node per read output right after it, so each output dies at its
   own last reader. Graph inputs are zero-cost sources (live until their last reader, as the
   judge has them); one zero-cost sink at the end reads every graph output (held to the end
-  of the step). An op reading a parameter that an update overwrites in place may be
+  of the step). A view that shares its source's storage (`shared_views`) has no bytes of its
+  own and its readers read the source's node (and the view's shape input, which a replay of
+  the view reads again): one buffer, live while either is read; when the source is
+  replayed, `to_schedule` replays the view (no bytes, next to no time) before its next
+  reader. Only that shape input is counted beyond the judge, while the view is read. An op reading a parameter that an update overwrites in place may be
   replayed only before that update (a deadline). Without in-place aliases the abstract
   bytes equal the judge's at every step when nothing is replayed, and are never below them
   when something is (a replayed multi-output op is counted twice at its replay step).
 - Solving (`solve`): training-aware starting plans (`seed_plans`: keep the outputs that are
   dear to recompute per byte, replay the rest at their first backward reader, as MONeT and
-  Checkmate find for BN/ReLU outputs), then `remat.plan` (checkpoint-all, sqrt(n), greedy,
-  CP-SAT warm-started from the best), then `prune` (drop replays the budget does not need).
+  Checkmate find for BN/ReLU outputs; and the greedy allowed DEEP_GREEDY computations per op,
+  where a U-Net's encoder is best replayed twice), then `remat.plan` (checkpoint-all, sqrt(n),
+  greedy, CP-SAT warm-started from the best, with room for the warm start's replays), then
+  `prune` (drop replays the budget does not need).
 - Judging (`search`): the answer is mapped back (first occurrence `compute`, repeats
   `recompute`), given fresh in-place aliases if the plan had any (`passes.reuse.choose_aliases`;
-  replayed tensors are never aliased) and analysed. In-place aliases are what the abstract
+  replayed tensors are never written over in place, replayed views share) and analysed. In-place aliases are what the abstract
   model cannot say. Unless the judged peak is within CLOSE_ENOUGH under the budget, the next
   abstract budget is the budget plus the gap just seen between the abstract and the judged
   peak (lower when the judge counted more; higher when it counted less: a cheaper plan may
@@ -36,8 +42,10 @@ the memory model (`memsched.memory`) judge every answer:
   the peak without replays and can leave a late layer's update at the end, where no replay
   helps. The cheapest plan the judge accepts wins.
 
-Which ops may be replayed (`replay_blocker`): forward ops only (what backward reads again),
-deterministic ones (`memsched.executor.draws_random`: not RandomNormal/RandomUniform(Like)/
+Which ops may be replayed (`replay_blocker`): forward, loss and backward ops (REPLAYABLE_PHASES:
+each is a pure function of the step's inputs and parameters; a backward op that the order
+pass ran early, in the forward -- a BatchNorm's x - mean, a ReLU's mask -- is an activation
+kept for the backward like any other), deterministic ones (`memsched.executor.draws_random`: not RandomNormal/RandomUniform(Like)/
 Bernoulli/Multinomial, and no Dropout given a training_mode input -- autodiff keeps a training
 Dropout's random mask for the backward, and a replay would draw a new one; the executor
 refuses such replays too), and none with an output that is a graph output (held to the end
@@ -56,7 +64,7 @@ from memsched.cost import op_time
 from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.executor import draws_random
 from memsched.ir import Graph, Op
-from memsched.memory import analyze, validate
+from memsched.memory import VIEW_OPS, analyze, validate
 from memsched.schedule import Plan, Schedule, compute, order_schedule, recompute
 from memsched.simulate import simulate
 from memsched.units import format_bytes
@@ -71,6 +79,8 @@ SEED_SHARE = 0.3           # of a round's time for the seeds, at most
 PRUNE_SHARE = 0.15          # of a round's time kept for pruning the answer
 SEED_FAMILY = 33           # members of the keep-costly family (quantiles of time per byte)
 SEED_CONTINUED = 3          # of them continued by the greedy
+DEEP_GREEDY = (3, 4)        # computations per op the extra greedy seeds may use (remat.plan's own: 2)
+REPLAYABLE_PHASES = frozenset({"forward", "loss", "backward"})   # not updates: they write the new parameters
 END = ("end",)              # id of the sink that holds graph outputs to the end of the step
 
 
@@ -197,7 +207,7 @@ def _aliases_for(plan: Plan, schedule: Schedule) -> dict[str, str]:
 # ---- which ops may be replayed ---------------------------------------------------------------
 def replay_blocker(graph: Graph, op: Op) -> str | None:
     """Why `op` may not be recomputed, or None if it may (see the module docstring)."""
-    if op.phase != "forward":
+    if op.phase not in REPLAYABLE_PHASES:
         return f"a {op.phase} op"
     if draws_random(op):
         return "draws random numbers (a Dropout given a training_mode may draw a mask)"
@@ -222,8 +232,9 @@ def to_problem(plan: Plan) -> remat.RematProblem:
     if order is None:
         raise ScheduleError("the recompute pass needs a schedule of compute steps only")
     static = {t.name for t in graph.initializers()}
+    shared = shared_views(plan)
     ids, cost, size, preds, fixed = [], [], [], [], set()
-    node_of: dict[str, int] = {}
+    node_of: dict[str, tuple[int, ...]] = {}   # tensor -> the nodes a reader of it reads
 
     def add(node_id, seconds: float, nbytes: int, inputs, frozen: bool) -> int:
         if frozen:
@@ -236,20 +247,26 @@ def to_problem(plan: Plan) -> remat.RematProblem:
 
     for name in dict.fromkeys(graph.inputs):
         if name not in static:
-            node_of[name] = add(("input", name), 0.0, graph.tensors[name].nbytes, (), True)
+            node_of[name] = (add(("input", name), 0.0, graph.tensors[name].nbytes, (), True),)
     for name in order:
         op = graph.op_by_name[name]
         outputs = [t for t in op.present_outputs if plan.aliases.get(t) not in static]
         frozen = replay_blocker(graph, op) is not None
+        if op.present_outputs and op.present_outputs[0] in shared:   # one buffer with its source
+            view = op.present_outputs[0]
+            reads = tuple(v for t in op.present_inputs if t in node_of for v in node_of[t])
+            add(name, op_time(op, graph, hw), 0, reads, frozen)
+            node_of[view] = reads   # its shape too: a replay of the view reads it again
+            continue
         v = add(name, op_time(op, graph, hw), sum(graph.tensors[t].nbytes for t in outputs),
-                [node_of[t] for t in op.present_inputs if t in node_of], frozen)
+                [v for t in op.present_inputs if t in node_of for v in node_of[t]], frozen)
         if len(op.present_outputs) == 1:
-            node_of.update(dict.fromkeys(op.present_outputs, v))
+            node_of.update(dict.fromkeys(op.present_outputs, (v,)))
             continue
         for t in outputs:
             if graph.consumers.get(t) or t in graph.outputs:
-                node_of[t] = add(("output", t), 0.0, graph.tensors[t].nbytes, (v,), frozen)
-    add(END, 0.0, 0, [node_of[t] for t in graph.outputs if t in node_of], True)
+                node_of[t] = (add(("output", t), 0.0, graph.tensors[t].nbytes, (v,), frozen),)
+    add(END, 0.0, 0, [v for t in graph.outputs if t in node_of for v in node_of[t]], True)
 
     position = {node_id: v for v, node_id in enumerate(ids)}
     overwritten: dict[str, int] = {}   # static tensor -> abstract position of the op overwriting it
@@ -264,14 +281,53 @@ def to_problem(plan: Plan) -> remat.RematProblem:
                               deadline if any(d is not None for d in deadline) else ())
 
 
-def to_schedule(ids) -> Schedule:
-    """An abstract schedule back as steps: an op's first occurrence computes it, repeats recompute."""
+def shared_views(plan: Plan) -> dict[str, str]:
+    """View -> its source, for the views that share their source's storage in `plan` (its
+    aliases): `to_problem` gives such a view no bytes of its own and lets its readers read
+    the source's node, so the one buffer lives while either is read (rule 4 of the memory
+    model), and `to_schedule` replays the view wherever its source was replayed."""
+    graph = plan.graph
+    return {out: source for out, source in plan.aliases.items()
+            if graph.producer[out].op_type in VIEW_OPS and not graph.tensors[source].is_static}
+
+
+def to_schedule(ids, graph: Graph | None = None, shared: dict[str, str] | None = None) -> Schedule:
+    """An abstract schedule back as steps: an op's first occurrence computes it, repeats
+    recompute. With `shared` (`shared_views`), a view is made again right before a read
+    when its source has been made again since the view was (its repeats in `ids` are
+    dropped: the abstract readers of a shared view read its source)."""
+    shared = shared or {}
     seen: set[str] = set()
     steps = []
+    made: dict[str, int] = {}      # tensor -> times its producer has run so far
+    made_from: dict[str, int] = {}  # shared view -> made[source] when the view was last made
+
+    def run(name: str) -> None:
+        steps.append(recompute(name) if name in seen else compute(name))
+        seen.add(name)
+        for t in graph.op_by_name[name].present_outputs if shared else ():
+            made[t] = made.get(t, 0) + 1
+            if t in shared:
+                made_from[t] = made.get(shared[t], 0)
+
+    def refresh(view: str) -> None:
+        source = shared[view]
+        if source in shared:
+            refresh(source)
+        if made_from[view] != made.get(source, 0):
+            run(graph.producer[view].name)
+
     for v in ids:
-        if isinstance(v, str):
-            steps.append(recompute(v) if v in seen else compute(v))
-            seen.add(v)
+        if not isinstance(v, str):
+            continue
+        if shared:
+            op = graph.op_by_name[v]
+            if v in seen and op.present_outputs and op.present_outputs[0] in shared:
+                continue
+            for t in op.present_inputs:
+                if t in shared:
+                    refresh(t)
+        run(v)
     return steps
 
 
@@ -368,6 +424,10 @@ def solve(problem: remat.RematProblem, late: list[bool], budget: int, seconds: f
     started = time.perf_counter()
     seeds = seed_plans(problem, late, budget, started + SEED_SHARE * seconds) \
         if method in ("auto", remat.CPSAT) else {}
+    if method == "auto":
+        for copies in DEEP_GREEDY:
+            found = remat.solve_greedy(problem, budget, copies, name=f"greedy-{copies}")
+            seeds[found.method] = remat.plan_from_schedule(problem, found.schedule)
     left = started + (1 - PRUNE_SHARE) * seconds - time.perf_counter()
     result = remat.plan(problem, budget, max(0.05, left), method, seeds=seeds)
     if result.status == "optimal":
@@ -391,6 +451,7 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
     cheapest plan within `budget` by the judge, or None; rounds = what each round did."""
     graph = plan.graph
     late = late_readers(problem, graph)
+    shared = shared_views(plan)
     target = budget
     fits_at, over_at = None, None     # highest abstract budget whose plan fit, lowest whose plan overshot
     best, rounds = None, []
@@ -408,7 +469,7 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
         except remat.BudgetInfeasible as exc:   # judge the closest all the same: the judge may differ
             result = exc.closest
             record["abstract"] = "infeasible"
-        schedule = to_schedule(result.schedule)
+        schedule = to_schedule(result.schedule, graph, shared)
         aliases = _aliases_for(plan, schedule)
         peak = analyze(graph, schedule, aliases, plan.on_host).peak_bytes
         fits = peak <= budget

@@ -749,6 +749,8 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
     started = time.perf_counter()
     hint = plan_from_schedule(problem, warm_start.schedule) if warm_start is not None else None
     forced = {v for v, stages in enumerate(hint) if stages} if hint else set()
+    if hint:   # room for the warm start's replays, so that it can be the hint
+        max_computations = max(max_computations, 1 + max(len(stages) for stages in hint))
     candidates, last_read = recompute_candidates(problem, min_gap, forced)
     rm = build_model(problem, budget_bytes, candidates, last_read, max_computations)
     if rm is None:

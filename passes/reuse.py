@@ -124,39 +124,43 @@ def alias_table(graph: Graph) -> dict[str, list[str]]:
 def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | None = None) -> dict[str, str]:
     """Greedy in-place aliases for `schedule`: each view shares its input's storage; each
     other output takes an eligible input whose storage nothing reads after its op (a pair
-    in `prefer` first). Tensors that are swapped, freed or recomputed are left alone.
+    in `prefer` first). Tensors that are swapped or freed are left alone, and so are the
+    outputs of replayed ops, but for views (a replayed view shares its source's storage).
     `memsched.memory.analyze` is the judge of the result."""
     prefer = prefer or {}
     last_read: dict[str, int] = {}
-    blocked: set[str] = set()
-    replayed: set[str] = set()
+    moved: set[str] = set()          # swapped or freed: each residency keeps storage of its own
+    replayed_ops: set[str] = set()
     for i, step in enumerate(schedule):
         if step.kind in ("compute", "recompute"):
             op = graph.op_by_name[step.target]
             for t in op.present_inputs:
                 last_read[t] = i
             if step.kind == "recompute":
-                replayed.add(op.name)
-                blocked.update(op.present_outputs)
+                replayed_ops.add(op.name)
         else:
-            blocked.add(step.target)
+            moved.add(step.target)
             if step.kind == "swap_out":
                 last_read[step.target] = i
+    # a writer's source must die at its op, which a tensor made more than once cannot promise;
+    # a view shares whichever residency of its source it reads, so replays do not bar views
+    replayed = {t for name in replayed_ops for t in graph.op_by_name[name].present_outputs}
     table = alias_table(graph)
     aliases: dict[str, str] = {}
     taken: set[str] = set()
     root: dict[str, str] = {}                # tensor -> the first tensor of its storage buffer
     buffer_last: dict[str, int] = {}         # buffer root -> the last read of any tensor in it
     for i, step in enumerate(schedule):
-        if step.kind != "compute" or step.target in replayed:
+        if step.kind != "compute":
             continue
         op = graph.op_by_name[step.target]
         view = op.op_type in VIEW_OPS
+        barred = moved if view else moved | replayed
         # preferred pairs first, so another output of the op cannot take their source
         for out in sorted(op.present_outputs, key=lambda out: out not in prefer):
-            if out in blocked:
+            if out in barred:
                 continue
-            sources = [x for x in table[out] if x not in blocked and x not in taken
+            sources = [x for x in table[out] if x not in barred and x not in taken
                        and (view or buffer_last.get(root.get(x, x), last_read.get(x)) == i == last_read.get(x))]
             if sources:
                 source = prefer.get(out) if prefer.get(out) in sources else sources[0]
