@@ -70,7 +70,7 @@ from memsched.simulate import simulate
 from memsched.units import format_bytes
 
 from . import remat
-from .reuse import choose_aliases, compute_order, priority_order, training_order
+from .reuse import alias_table, choose_aliases, compute_order, priority_order, training_order
 
 MAX_ROUNDS = 6
 FIRST_ROUND_SHARE = 0.4     # of the time limit; later rounds split what is left
@@ -151,10 +151,13 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto") -
 def base_orders(plan: Plan, order: list[str]) -> dict[str, list[str]]:
     """Op orders to plan replays on, each new one only where it differs from those before:
     - "given": the plan's own;
-    - "late-updates": the given order with each in-place update of a parameter moved after the
-      backward readers of forward ops that read the parameter (a weight transpose W^T read by
-      dX, say): replays must precede the update (the deadlines of `to_problem`), so an early
-      update pins such outputs from the forward to the backward;
+    - "late-updates": the given order with each update that may overwrite its parameter moved
+      after the parameter's other readers (so that it does: the order pass, blind to replays,
+      may run an FC layer's update before its dX and keep the new weights as a second copy to
+      the end of the step, where replays then leave the peak) and after the backward readers
+      of forward ops that read the parameter (a weight transpose W^T read by dX, say): replays
+      must precede the update (the deadlines of `to_problem`), so an early update pins such
+      outputs from the forward to the backward;
     - "training": the graph's stored order with updates in the backward and the dW/dX rule
       (`passes.reuse.training_order`): the order pass minimises the peak *without* replays and
       may leave work where replays cannot help (a late layer's update at the end, say)."""
@@ -175,19 +178,24 @@ def base_orders(plan: Plan, order: list[str]) -> dict[str, list[str]]:
 
 
 def _late_update_edges(plan: Plan) -> list[tuple[str, str]]:
-    """(reader, update) pairs: an update that overwrites a parameter in place waits for every
-    non-forward reader of a replayable forward op that reads the parameter."""
+    """(reader, update) pairs: an update that may overwrite a parameter in place waits for the
+    parameter's other readers (so it can: else the new value is a second copy held to the
+    end of the step) and for every non-forward reader of a replayable forward op that reads
+    the parameter."""
     graph = plan.graph
+    table = alias_table(graph)
     edges = []
-    for out, source in plan.aliases.items():
-        if not graph.tensors[source].is_static or out not in graph.producer:
+    for update in graph.ops:
+        if update.phase != "update":
             continue
-        update = graph.producer[out].name
-        for op in graph.consumers.get(source, []):
-            if op.phase != "forward" or replay_blocker(graph, op) is not None:
-                continue
-            edges.extend((reader.name, update) for t in op.present_outputs for reader in graph.consumers.get(t, [])
-                         if reader.phase != "forward" and reader.name != update)
+        for source in {s for out in update.present_outputs for s in table[out] if graph.tensors[s].is_static}:
+            for op in graph.consumers.get(source, []):
+                if op.phase != "update":
+                    edges.append((op.name, update.name))
+                if op.phase != "forward" or replay_blocker(graph, op) is not None:
+                    continue
+                edges.extend((reader.name, update.name) for t in op.present_outputs
+                             for reader in graph.consumers.get(t, []) if reader.phase not in ("forward", "update"))
     return edges
 
 

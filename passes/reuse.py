@@ -123,8 +123,8 @@ def alias_table(graph: Graph) -> dict[str, list[str]]:
 
 def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | None = None) -> dict[str, str]:
     """Greedy in-place aliases for `schedule`: each view shares its input's storage; each
-    other output takes an eligible input whose storage nothing reads after its op (a pair
-    in `prefer` first). Tensors that are swapped or freed are left alone, and so are the
+    other output takes an eligible input whose storage nothing reads after its op (a
+    parameter first, then a pair in `prefer`). Tensors that are swapped or freed are left alone, and so are the
     outputs of replayed ops, but for views (a replayed view shares its source's storage).
     `memsched.memory.analyze` is the judge of the result."""
     prefer = prefer or {}
@@ -163,7 +163,9 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
             sources = [x for x in table[out] if x not in barred and x not in taken
                        and (view or buffer_last.get(root.get(x, x), last_read.get(x)) == i == last_read.get(x))]
             if sources:
-                source = prefer.get(out) if prefer.get(out) in sources else sources[0]
+                # a parameter first (its storage is saved to the end of the step), then `prefer`
+                static = graph.tensors[sources[0]].is_static
+                source = prefer.get(out) if prefer.get(out) in sources and not static else sources[0]
                 aliases[out] = source
                 if not view:
                     taken.add(source)
