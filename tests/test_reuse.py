@@ -117,6 +117,20 @@ def test_layer_groups_from_autodiff_roles():
     assert order == ["conv", "loss", "seed", "dw_t", "dw", "scale", "dx_t", "sgd", "dx"]
 
 
+def test_an_update_takes_its_parameter_before_a_preferred_source():
+    """sgd1 may write over W1 or over s1 (lr * dW1, as large): W1 saves a copy of the weights
+    to the end of the step, so it wins over a preferred pair; where W1 is still read after
+    sgd1 (dX after the update), the preferred s1 is taken."""
+    g = training_chain([(50, 400), (50, 400)], 50, relu=False)
+    order = ["fwd0", "fwd1", "loss", "loss_grad", "dW_op1", "sgd_scale1", "dX_op1", "sgd1",
+             "dW_op0", "sgd_scale0", "sgd0"]
+    prefer = {"W1.updated": "s1"}
+    assert choose_aliases(g, order_schedule(order), prefer)["W1.updated"] == "W1"
+    late_dx = [name for name in order if name != "dX_op1"]
+    late_dx.insert(late_dx.index("sgd1") + 1, "dX_op1")
+    assert choose_aliases(g, order_schedule(late_dx), prefer)["W1.updated"] == "s1"
+
+
 def test_relu_runs_in_place():
     g = GraphBuilder()
     g.input("in", 10)
