@@ -15,10 +15,11 @@ the memory model (`memsched.memory`) judge every answer:
   own and its readers read the source's node (and the view's shape input, which a replay of
   the view reads again): one buffer, live while either is read; when the source is
   replayed, `to_schedule` replays the view (no bytes, next to no time) before its next
-  reader. Only that shape input is counted beyond the judge, while the view is read. An op reading a parameter that an update overwrites in place may be
-  replayed only before that update (a deadline). Without in-place aliases the abstract
-  bytes equal the judge's at every step when nothing is replayed, and are never below them
-  when something is (a replayed multi-output op is counted twice at its replay step).
+  reader. Only that shape input is counted beyond the judge, while the view is read. An op
+  reading a parameter that an update overwrites in place may be replayed only before that
+  update (a deadline). Without in-place aliases (views aside) the abstract bytes equal the
+  judge's at every step when nothing is replayed, and are never below them when something
+  is (a replayed multi-output op is counted twice at its replay step).
 - Solving (`solve`): training-aware starting plans (`seed_plans`: keep the outputs that are
   dear to recompute per byte, replay the rest at their first backward reader, as MONeT and
   Checkmate find for BN/ReLU outputs; and the greedy allowed DEEP_GREEDY computations per op,
@@ -27,29 +28,31 @@ the memory model (`memsched.memory`) judge every answer:
   `prune` (drop replays the budget does not need).
 - Judging (`search`): the answer is mapped back (first occurrence `compute`, repeats
   `recompute`), given fresh in-place aliases if the plan had any (`passes.reuse.choose_aliases`;
-  replayed tensors are never written over in place, replayed views share) and analysed. In-place aliases are what the abstract
-  model cannot say. Unless the judged peak is within CLOSE_ENOUGH under the budget, the next
-  abstract budget is the budget plus the gap just seen between the abstract and the judged
-  peak (lower when the judge counted more; higher when it counted less: a cheaper plan may
-  fit, or, where the abstract problem had no answer, one may fit all the same); bisection
-  once an abstract budget that fits and one that overshoots are known; at most MAX_ROUNDS
-  rounds within the time limit. Every round's answer is judged, so a BudgetError names
-  the smallest peak the judge saw.
-- Base orders (`base_orders`): the plan's own; the same with each in-place parameter update
-  moved after the backward readers of what the forward derived from that parameter (else a
-  weight transpose is pinned from the forward to dX); and the graph's stored order with
-  updates in the backward (`passes.reuse.training_order`), since the order pass minimises
-  the peak without replays and can leave a late layer's update at the end, where no replay
-  helps. The cheapest plan the judge accepts wins.
+  replayed tensors are never written over in place, replayed views share) and analysed.
+  In-place writes are what the abstract model cannot say. Unless the judged peak is within
+  CLOSE_ENOUGH under the budget, the next abstract budget is the budget plus the gap just
+  seen between the abstract and the judged peak (lower when the judge counted more; higher
+  when it counted less: a cheaper plan may fit, or, where the abstract problem had no
+  answer, one may fit all the same); bisection once an abstract budget that fits and one
+  that overshoots are known; at most MAX_ROUNDS rounds within the time limit. Every round's
+  answer is judged, so a BudgetError names the smallest peak the judge saw.
+- Base orders (`base_orders`): the plan's own; the same with each parameter update moved
+  after the parameter's other readers (so it overwrites the parameter) and after the
+  backward readers of what the forward derived from that parameter (else a weight transpose
+  is pinned from the forward to dX); and the graph's stored order with updates in the
+  backward (`passes.reuse.training_order`), since the order pass minimises the peak without
+  replays and can leave a late layer's update at the end, where no replay helps. The
+  cheapest plan the judge accepts wins.
 
-Which ops may be replayed (`replay_blocker`): forward, loss and backward ops (REPLAYABLE_PHASES:
-each is a pure function of the step's inputs and parameters; a backward op that the order
-pass ran early, in the forward -- a BatchNorm's x - mean, a ReLU's mask -- is an activation
-kept for the backward like any other), deterministic ones (`memsched.executor.draws_random`: not RandomNormal/RandomUniform(Like)/
-Bernoulli/Multinomial, and no Dropout given a training_mode input -- autodiff keeps a training
-Dropout's random mask for the backward, and a replay would draw a new one; the executor
-refuses such replays too), and none with an output that is a graph output (held to the end
-of the step anyway, so a replay frees nothing). Graph inputs are never replayed.
+Which ops may be replayed (`replay_blocker`): forward, loss and backward ops
+(REPLAYABLE_PHASES: each is a pure function of the step's inputs and parameters; a backward
+op that the order pass ran early, in the forward -- a BatchNorm's x - mean, a ReLU's mask --
+is an activation kept for the backward like any other), deterministic ones
+(`memsched.executor.draws_random`: not RandomNormal/RandomUniform(Like)/Bernoulli/Multinomial,
+and no Dropout given a training_mode input -- autodiff keeps a training Dropout's random mask
+for the backward, and a replay would draw a new one; the executor refuses such replays too),
+and none with an output that is a graph output (held to the end of the step anyway, so a
+replay frees nothing). Graph inputs are never replayed.
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ PRUNE_SHARE = 0.15          # of a round's time kept for pruning the answer
 SEED_FAMILY = 33           # members of the keep-costly family (quantiles of time per byte)
 SEED_CONTINUED = 3          # of them continued by the greedy
 DEEP_GREEDY = (3, 4)        # computations per op the extra greedy seeds may use (remat.plan's own: 2)
-REPLAYABLE_PHASES = frozenset({"forward", "loss", "backward"})   # not updates: they write the new parameters
+REPLAYABLE_PHASES = frozenset({"forward", "loss", "backward"})   # not updates: they write new parameters
 END = ("end",)              # id of the sink that holds graph outputs to the end of the step
 
 

@@ -124,9 +124,9 @@ def alias_table(graph: Graph) -> dict[str, list[str]]:
 def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | None = None) -> dict[str, str]:
     """Greedy in-place aliases for `schedule`: each view shares its input's storage; each
     other output takes an eligible input whose storage nothing reads after its op (a
-    parameter first, then a pair in `prefer`). Tensors that are swapped or freed are left alone, and so are the
-    outputs of replayed ops, but for views (a replayed view shares its source's storage).
-    `memsched.memory.analyze` is the judge of the result."""
+    parameter first, then a pair in `prefer`). Tensors that are swapped or freed are left
+    alone, and so are the outputs of replayed ops but views (a replayed view shares its
+    source's storage). `memsched.memory.analyze` is the judge of the result."""
     prefer = prefer or {}
     last_read: dict[str, int] = {}
     moved: set[str] = set()          # swapped or freed: each residency keeps storage of its own
