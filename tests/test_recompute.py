@@ -33,7 +33,7 @@ from passes.order import order_pass
 from passes.placement import place_pass
 from passes.recompute import (END, base_orders, recompute_pass, replay_blocker, shared_views, to_problem,
                               to_schedule)
-from passes.reuse import choose_aliases, reuse_pass
+from passes.reuse import choose_aliases, priority_order, reuse_pass
 
 from .conftest import run_cli
 
@@ -244,6 +244,28 @@ def test_late_updates_order_puts_each_update_after_what_its_replays_feed(graphs)
     limited = [v for v in range(problem.n) if v not in problem.fixed and problem.deadline[v] is not None
                and isinstance(problem.ids[v], str) and graph.op_by_name[problem.ids[v]].phase == "forward"]
     assert limited and all(c <= problem.deadline[v] for v in limited for c in problem.succs[v])
+
+
+def test_late_updates_base_lets_each_update_overwrite_its_parameter(graphs):
+    """A given order that runs an FC layer's update before its dX (as the order pass may, blind
+    to replays) keeps the new weights as a second copy; the late-updates base moves the update
+    after dX, and its aliases have the update write over the weight again."""
+    plan = reused(graphs("bert-base"))
+    graph = plan.graph
+    update = next(op for op in graph.ops if op.phase == "update" and any(
+        graph.tensors[t].kind == "parameter" and any(r.phase == "backward" for r in graph.consumers[t])
+        for t in op.present_inputs))
+    weight = next(t for t in update.present_inputs if graph.tensors[t].kind == "parameter")
+    dx = next(r for r in graph.consumers[weight] if r.phase == "backward")
+    order = [s.target for s in plan.schedule]
+    early = priority_order(graph, {name: i for i, name in enumerate(order)}, [(update.name, dx.name)])
+    given = dataclasses.replace(plan, schedule=order_schedule(early),
+                                aliases=choose_aliases(graph, order_schedule(early), plan.aliases))
+    out = update.present_outputs[0]
+    assert given.aliases.get(out) != weight
+    late = base_orders(given, early)["late-updates"]
+    assert late.index(dx.name) < late.index(update.name) and graph.is_topological(late)
+    assert choose_aliases(graph, order_schedule(late), given.aliases)[out] == weight
 
 
 def _dropout_training_graph(mode: bool | None):
