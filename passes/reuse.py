@@ -130,21 +130,20 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
     prefer = prefer or {}
     last_read: dict[str, int] = {}
     moved: set[str] = set()          # swapped or freed: each residency keeps storage of its own
-    replayed_ops: set[str] = set()
+    # a writer's source must die at its op, which a tensor made more than once cannot promise;
+    # a view shares whichever residency of its source it reads, so replays do not bar views
+    replayed: set[str] = set()
     for i, step in enumerate(schedule):
         if step.kind in ("compute", "recompute"):
             op = graph.op_by_name[step.target]
             for t in op.present_inputs:
                 last_read[t] = i
             if step.kind == "recompute":
-                replayed_ops.add(op.name)
+                replayed.update(op.present_outputs)
         else:
             moved.add(step.target)
             if step.kind == "swap_out":
                 last_read[step.target] = i
-    # a writer's source must die at its op, which a tensor made more than once cannot promise;
-    # a view shares whichever residency of its source it reads, so replays do not bar views
-    replayed = {t for name in replayed_ops for t in graph.op_by_name[name].present_outputs}
     table = alias_table(graph)
     aliases: dict[str, str] = {}
     taken: set[str] = set()
