@@ -193,12 +193,13 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
         if src["last_use"] != step or src["closed_by"] in ("swap_out", "free"):
             raise ScheduleError(f"'{output}' may not alias '{source}': '{source}' is still used after "
                                 f"step {step}")
-        src["end"] = step
+        src["end"], src["closed_by"] = step, "written over"
 
     raw = [Residency(r["tensor"], r["index"], r["start"], r["end"], tensors[r["tensor"]].nbytes,
                      tensors[r["tensor"]].kind, r["shares_with"]) for r in closed]
     groups = _groups(raw)
-    _check_writers_own_buffers(groups, alias_events)
+    held = {(r["tensor"], r["index"]) for r in closed if r["closed_by"] == "end of step"}
+    _check_writers_own_buffers(groups, alias_events, held)
     first = _counted_from(groups)
     residencies = [dataclasses.replace(r, counted_from=first[r.key]) for r in raw]
 
@@ -247,9 +248,11 @@ def _counted_from(groups: dict[tuple[str, int], list[Residency]]) -> dict[tuple[
     return first
 
 
-def _check_writers_own_buffers(groups: dict[tuple[str, int], list[Residency]], alias_events) -> None:
+def _check_writers_own_buffers(groups: dict[tuple[str, int], list[Residency]], alias_events,
+                               held: set[tuple[str, int]]) -> None:
     """Rule 4's last clause: an op that writes over its input's storage needs every other
-    residency in that buffer (a view still read later) over by its step."""
+    residency in that buffer (a view still read later, or held past the last step: `held`)
+    over by its step."""
     writers = {output: (source[0], step) for output, source, step, view in alias_events if not view}
     if not writers:
         return
@@ -259,7 +262,7 @@ def _check_writers_own_buffers(groups: dict[tuple[str, int], list[Residency]], a
                 continue
             step = r.start
             for other in members:
-                if other.key != r.key and other.start <= step < other.end:
+                if other.key != r.key and other.start <= step < other.end + (other.key in held):
                     raise ScheduleError(f"'{r.tensor}' may not overwrite '{writers[r.key][0]}' in place at "
                                         f"step {step}: '{other.tensor}' shares that storage and is read later")
 

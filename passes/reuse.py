@@ -144,6 +144,8 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
             moved.add(step.target)
             if step.kind == "swap_out":
                 last_read[step.target] = i
+    for t in graph.outputs:
+        last_read[t] = len(schedule)         # held to the end of the step (memory rule 2)
     table = alias_table(graph)
     aliases: dict[str, str] = {}
     taken: set[str] = set()

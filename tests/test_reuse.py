@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
+from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule, swap_in, swap_out
 from passes.reuse import GRAD_ROLES_KEY, choose_aliases, layer_groups, reuse_pass, training_order
@@ -188,3 +191,22 @@ def test_never_above_the_given_order():
     assert validate(plan).peak_bytes == min(peaks.values()) <= analyze_plan(base).peak_bytes
     assert g.is_topological(names(plan))
     assert order_schedule(names(plan)) == plan.schedule
+
+
+def test_no_writer_takes_a_source_whose_view_is_a_graph_output():
+    """v = Reshape(a) is a graph output, held to the end in a's storage (memory rules 2 and
+    4), so c = Relu(a), a's last reader, may not write over a (found by the fuzz test)."""
+    b = GraphBuilder("view-out")
+    x = b.input("x", 64)
+    a, = b.op("A", "Relu", [x], [("a", 64)])
+    v, = b.op("V", "Reshape", [a], [("v", 64)])
+    c, = b.op("C", "Relu", [a], [("c", 64)])
+    b.output(v)
+    b.output(c)
+    g = b.graph()
+    schedule = order_schedule(["A", "V", "C"])
+    aliases = choose_aliases(g, schedule)
+    assert aliases == {"v": "a"}
+    assert analyze(g, schedule, aliases).peak_bytes == 128   # x + a, then a (= v) + c
+    with pytest.raises(ScheduleError, match="shares that storage"):
+        analyze(g, schedule, {"v": "a", "c": "a"})
