@@ -189,7 +189,8 @@ def test_compile_with_swap_through_the_cli(tmp_path):
     failed = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "1%",
                      "--time-limit", "1")
     assert failed.returncode == 3
-    assert "the smallest this plan reaches is" in failed.stderr and len(failed.stderr.strip().splitlines()) == 1
+    assert "the smallest peak reached is" in failed.stderr and len(failed.stderr.strip().splitlines()) == 1
+    assert "add recompute to --strategies" in failed.stderr
 
 
 def test_a_view_and_its_source_move_as_one_buffer():
