@@ -186,6 +186,11 @@ def test_compile_with_swap_through_the_cli(tmp_path):
     assert report["plan"]["peak_bytes"] <= report["budget_bytes"] < report["baseline"]["peak_bytes"]
     assert report["plan"]["swapped_bytes"]["dram"] > 0
     assert report["passes"]["swap"]["status"] in ("optimal", "feasible", "heuristic")
+    tried = report["passes"]["fit"]["tried"]
+    assert [t["candidate"] for t in tried if t.get("chosen")] == ["swap"]
+    printed = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "65%",
+                      "--time-limit", "1")
+    assert printed.returncode == 0 and "swap: +" in printed.stdout and "(chosen)" in printed.stdout
     failed = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "1%",
                      "--time-limit", "1")
     assert failed.returncode == 3
