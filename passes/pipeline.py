@@ -166,14 +166,14 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
     too); recompute to each of JOINT_RELAXATIONS x target, then swap the rest. The fastest
     by the simulator wins (timed before placement, whose offsets can only narrow the waits for
     swap-outs); `tried` lists each candidate's step time, or the lowest peak it reached. Where
-    none fits, the plan returned is the one that came lowest (the caller raises)."""
+    none fits: (start, the lowest peak any candidate reached, tried); the caller raises."""
     passes = _passes()
-    candidates: list[tuple[str, Plan, int]] = []
     tried: list[dict] = []
-    lowest = (start, start_peak)
+    best: tuple[float, Plan, int, int] | None = None   # step time, plan, peak, its record
+    lowest = start_peak
 
-    def attempt(name: str, steps) -> None:
-        nonlocal lowest
+    def attempt(name: str, steps) -> Plan | None:
+        nonlocal best, lowest
         plan, peak = start, start_peak
         try:
             for pass_name, budget in steps:
@@ -181,17 +181,18 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
                     plan, peak = run(pass_name, lambda p, f=passes[pass_name], b=budget:
                                      f(dataclasses.replace(p, budget=b), time_limit), plan)
         except BudgetError as err:
-            tried.append({"candidate": name, "fits": False, "smallest_peak_bytes": err.smallest_feasible_bytes})
-            if err.smallest_feasible_bytes is not None and err.smallest_feasible_bytes < lowest[1]:
-                lowest = (plan, err.smallest_feasible_bytes)
-            return
-        candidates.append((name, plan, peak))
-        if peak < lowest[1]:
-            lowest = (plan, peak)
+            reached = err.smallest_feasible_bytes
+            tried.append({"candidate": name, "fits": False, "smallest_peak_bytes": reached})
+            lowest = min(lowest, reached) if reached is not None else lowest
+            return None
+        step_time = simulate(dataclasses.replace(plan, budget=None), start.hardware, costs).step_time
+        tried.append({"candidate": name, "fits": True, "peak_bytes": peak, "step_time_s": step_time})
+        if best is None or step_time < best[0]:
+            best = (step_time, plan, peak, len(tried) - 1)
+        return plan
 
-    if "recompute" in strategies:
-        attempt("recompute", [("recompute", target)])
-    free = candidates and candidates[0][1].notes["recompute"].get("overhead", 1.0) <= 0.0
+    alone = attempt("recompute", [("recompute", target)]) if "recompute" in strategies else None
+    free = alone is not None and alone.notes["recompute"].get("overhead", 1.0) <= 0.0
     if "swap" in strategies and not free:
         attempt("swap", [("swap", target)])
         if "recompute" in strategies:
@@ -199,18 +200,11 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
                 if start_peak > int(relax * target):
                     attempt(f"recompute to {relax:g}x, then swap", [("recompute", int(relax * target)),
                                                                     ("swap", target)])
-    if not candidates:
-        return lowest[0], lowest[1], tried
-    hw = start.hardware
-    best = None
-    for name, plan, peak in candidates:
-        step_time = simulate(dataclasses.replace(plan, budget=None), hw, costs).step_time
-        tried.append({"candidate": name, "fits": True, "peak_bytes": peak, "step_time_s": step_time})
-        if best is None or step_time < best[0]:
-            best = (step_time, name, plan, peak)
-    _, name, plan, peak = best
-    for record in tried:
-        record["chosen"] = record["candidate"] == name
+    if best is None:
+        return start, lowest, tried
+    _, plan, peak, chosen = best
+    for k, record in enumerate(tried):
+        record["chosen"] = k == chosen
     return plan, peak, tried
 
 
