@@ -133,26 +133,51 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     # Fit the budget, then place; where the arena's fragmentation pushes the real footprint over
     # the budget, plan again against a target lowered by the overshoot.
     zero_overhead, zero_overhead_peak, target = plan, peak, budget_bytes
+
+    def place_fastest(ranked, tried) -> tuple[tuple | None, int | None]:
+        """Place the candidates, fastest first, until one's arena holds the budget. Returns
+        ((placed plan, its step time, its rank), None), or (None, overshoot) when none does;
+        the overshoot is the fastest candidate's (how far to lower the target for it)."""
+        overshoot = None
+        for rank, (candidate, _, record, step_time) in enumerate(ranked):
+            placed, _ = run("placement", lambda p: passes["placement"](p, min(time_limit, 10.0)), candidate)
+            arena = placed.notes["placement"]["arena_bytes"]
+            if record is not None:
+                tried[record]["arena_bytes"] = arena
+            if budget_bytes is None or arena <= budget_bytes:
+                return (placed, step_time, rank), overshoot
+            overshoot = arena - budget_bytes if overshoot is None else overshoot
+        return None, overshoot
+
+    # Each round: fit the target, then place the fastest candidate whose arena holds the budget.
+    # Where a faster one's arena overshot, fit again against a target lowered by its overshoot;
+    # the fastest placed plan of all rounds wins.
+    best = None      # (step time, placed plan, attempt, target, tried, record)
     for attempt in range(1, FIT_ROUNDS + 1):
-        plan, peak, tried = zero_overhead, zero_overhead_peak, []
-        if target is not None and peak > target:
-            plan, peak, tried = fit(zero_overhead, peak, target, strategies, time_limit, run, costs)
-        if target is not None and peak > target:
-            reached = peak
-            missing = [s for s in ("recompute", "swap") if s not in strategies]
-            hint = f"; add {' or '.join(missing)} to --strategies to go lower" if missing else ""
-            raise BudgetError(f"the budget of {format_bytes(budget_bytes)} ({budget_bytes:,} B) cannot be met with "
-                              f"{','.join(strategies) or 'no strategies'}: the smallest peak reached is "
-                              f"{format_bytes(reached)} ({reached:,} B){hint}", reached)
-        plan, peak = run("placement", lambda p: passes["placement"](p, min(time_limit, 10.0)), plan)
-        arena = plan.notes["placement"]["arena_bytes"]
-        if budget_bytes is None or arena <= budget_bytes:
-            break
-        target -= arena - budget_bytes
-    else:
+        ranked, tried = [(zero_overhead, zero_overhead_peak, None, 0.0)], []
+        if target is not None and zero_overhead_peak > target:
+            ranked, tried, reached = fit(zero_overhead, zero_overhead_peak, target, strategies, time_limit, run,
+                                         costs)
+            if not ranked and best is None:
+                missing = [s for s in ("recompute", "swap") if s not in strategies]
+                hint = f"; add {' or '.join(missing)} to --strategies to go lower" if missing else ""
+                raise BudgetError(f"the budget of {format_bytes(budget_bytes)} ({budget_bytes:,} B) cannot be met "
+                                  f"with {','.join(strategies) or 'no strategies'}: the smallest peak reached is "
+                                  f"{format_bytes(reached)} ({reached:,} B){hint}", reached)
+        placed, overshoot = place_fastest(ranked, tried)
+        if placed is not None and (best is None or placed[1] < best[0]):
+            best = (placed[1], placed[0], attempt, target, tried, ranked[placed[2]][2])
+        if overshoot is None:
+            break           # the round's fastest candidate was placed (or none fit at all)
+        target -= overshoot
+    if best is None:
         raise BudgetError(f"the plan's live bytes fit the budget of {format_bytes(budget_bytes)} but its arena "
-                          f"does not after {FIT_ROUNDS} rounds: the smallest arena reached is "
-                          f"{format_bytes(arena)} ({arena:,} B)", arena)
+                          f"does not after {FIT_ROUNDS} rounds: the smallest arena over it is "
+                          f"{format_bytes(budget_bytes + overshoot)} ({budget_bytes + overshoot:,} B)",
+                          budget_bytes + overshoot)
+    _, plan, attempt, target, tried, record = best
+    if record is not None:
+        tried[record]["chosen"] = True
     plan = dataclasses.replace(plan, notes={**plan.notes, "fit": {"rounds": attempt, "target_bytes": target,
                                                                   "tried": tried}})
     plan = dataclasses.replace(plan, budget=budget_bytes)
@@ -161,19 +186,20 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
 
 
 def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float, run, costs=None):
-    """Bring `start` (over `target`) within it with the recompute and swap strategies asked for;
-    return (plan, judged peak, tried). Candidates: recompute alone; swap alone (it replays
-    too); recompute to each of JOINT_RELAXATIONS x target, then swap the rest. The fastest
-    by the simulator wins (timed before placement, whose offsets can only narrow the waits for
-    swap-outs); `tried` lists each candidate's step time, or the lowest peak it reached. Where
-    none fits: (start, the lowest peak any candidate reached, tried); the caller raises."""
+    """Plans that bring `start` (over `target`) within it, with the recompute and swap
+    strategies asked for. Candidates: recompute alone; swap alone (it replays too); recompute
+    to each of JOINT_RELAXATIONS x target, then swap the rest. Returns (ranked, tried,
+    lowest): the candidates that fit as (plan, judged peak, index in tried, step time), fastest
+    first by the simulator (timed before placement, whose offsets can only narrow the waits
+    for swap-outs); what each candidate gave (step time, or the lowest peak it reached); and
+    the lowest peak reached by any (for the error when none fits)."""
     passes = _passes()
     tried: list[dict] = []
-    best: tuple[float, Plan, int, int] | None = None   # step time, plan, peak, its record
+    fitting: list[tuple[float, int, Plan, int]] = []   # step time, its record, plan, peak
     lowest = start_peak
 
     def attempt(name: str, steps) -> Plan | None:
-        nonlocal best, lowest
+        nonlocal lowest
         plan, peak = start, start_peak
         try:
             for pass_name, budget in steps:
@@ -182,13 +208,14 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
                                      f(dataclasses.replace(p, budget=b), time_limit), plan)
         except BudgetError as err:
             reached = err.smallest_feasible_bytes
-            tried.append({"candidate": name, "fits": False, "smallest_peak_bytes": reached})
+            tried.append({"candidate": name, "fits": False, "smallest_peak_bytes": reached, "chosen": False})
             lowest = min(lowest, reached) if reached is not None else lowest
             return None
         step_time = simulate(dataclasses.replace(plan, budget=None), start.hardware, costs).step_time
-        tried.append({"candidate": name, "fits": True, "peak_bytes": peak, "step_time_s": step_time})
-        if best is None or step_time < best[0]:
-            best = (step_time, plan, peak, len(tried) - 1)
+        tried.append({"candidate": name, "fits": True, "peak_bytes": peak, "step_time_s": step_time,
+                      "chosen": False})
+        fitting.append((step_time, len(tried) - 1, plan, peak))
+        lowest = min(lowest, peak)
         return plan
 
     alone = attempt("recompute", [("recompute", target)]) if "recompute" in strategies else None
@@ -200,12 +227,8 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
                 if start_peak > int(relax * target):
                     attempt(f"recompute to {relax:g}x, then swap", [("recompute", int(relax * target)),
                                                                     ("swap", target)])
-    if best is None:
-        return start, lowest, tried
-    _, plan, peak, chosen = best
-    for k, record in enumerate(tried):
-        record["chosen"] = k == chosen
-    return plan, peak, tried
+    ranked = [(plan, peak, record, step_time) for step_time, record, plan, peak in sorted(fitting, key=lambda c: c[:2])]
+    return ranked, tried, lowest
 
 
 def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], model,
