@@ -18,9 +18,10 @@ Rules, stated once:
    Identity) shares its input's storage whether or not the input is read later, as ONNX
    Runtime's aliasing kernels do: the two are one buffer, live while either is. Any other
    op (elementwise ops, a scatter over its data input, optimizer updates) writes over the
-   input, so that input's last use must be this op and no other tensor may still read the
-   storage (a view of it); the input's residency ends there. The bytes of a buffer count
-   once, at every step some residency in it covers.
+   input, so that input's last use must be this op and no other tensor may still need the
+   storage (a view of it read later, or held to the end of the step as a graph output); the
+   input's residency ends there. The bytes of a buffer count once, at every step some
+   residency in it covers.
 5. Device bytes at a step = the sum of the bytes of the residencies covering it;
    peak = the maximum over steps; arena size = a placement's highest end, never below peak.
    A budget bounds the peak and, once the plan is placed, the arena too (the real footprint).

@@ -162,7 +162,8 @@ def print_compile(report: dict) -> None:
             if not t["fits"]:
                 smallest = t.get("smallest_peak_bytes")
                 return f"{t['candidate']}: no fit" + (f" (smallest {format_bytes(smallest)})" if smallest else "")
-            mark = " (chosen)" if t.get("chosen") else ""
+            over = t.get("arena_bytes") is not None and budget is not None and t["arena_bytes"] > budget
+            mark = " (chosen)" if t.get("chosen") else " (arena over the budget)" if over else ""
             return f"{t['candidate']}: {(t['step_time_s'] / base['step_time_s'] - 1) * 100:+.1f}%{mark}"
         out.print("fit (predicted before placement): " + "; ".join(said(t) for t in tried))
     for what, path in report.get("written", {}).items():
