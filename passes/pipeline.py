@@ -130,8 +130,6 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     for name in ("reuse", "order"):
         if name in strategies:
             plan, peak = run(name, lambda p, f=passes[name]: f(p, time_limit), plan)
-    # Fit the budget, then place; where the arena's fragmentation pushes the real footprint over
-    # the budget, plan again against a target lowered by the overshoot.
     zero_overhead, zero_overhead_peak, target = plan, peak, budget_bytes
 
     def place_fastest(ranked, tried) -> tuple[tuple | None, int | None]:
@@ -227,7 +225,8 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
                 if start_peak > int(relax * target):
                     attempt(f"recompute to {relax:g}x, then swap", [("recompute", int(relax * target)),
                                                                     ("swap", target)])
-    ranked = [(plan, peak, record, step_time) for step_time, record, plan, peak in sorted(fitting, key=lambda c: c[:2])]
+    ranked = [(plan, peak, record, step_time)
+              for step_time, record, plan, peak in sorted(fitting, key=lambda c: c[:2])]
     return ranked, tried, lowest
 
 
