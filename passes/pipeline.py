@@ -134,16 +134,16 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
 
     def place_fastest(ranked, tried) -> tuple[tuple | None, int | None]:
         """Place the candidates, fastest first, until one's arena holds the budget. Returns
-        ((placed plan, its step time, its rank), None), or (None, overshoot) when none does;
-        the overshoot is the fastest candidate's (how far to lower the target for it)."""
+        ((placed plan, its step time, its record in tried), the fastest candidate's overshoot
+        or None), or (None, that overshoot) when none holds it."""
         overshoot = None
-        for rank, (candidate, _, record, step_time) in enumerate(ranked):
+        for candidate, _, record, step_time in ranked:
             placed, _ = run("placement", lambda p: passes["placement"](p, min(time_limit, 10.0)), candidate)
             arena = placed.notes["placement"]["arena_bytes"]
             if record is not None:
                 tried[record]["arena_bytes"] = arena
             if budget_bytes is None or arena <= budget_bytes:
-                return (placed, step_time, rank), overshoot
+                return (placed, step_time, record), overshoot
             overshoot = arena - budget_bytes if overshoot is None else overshoot
         return None, overshoot
 
@@ -164,7 +164,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
                                   f"{format_bytes(reached)} ({reached:,} B){hint}", reached)
         placed, overshoot = place_fastest(ranked, tried)
         if placed is not None and (best is None or placed[1] < best[0]):
-            best = (placed[1], placed[0], attempt, target, tried, ranked[placed[2]][2])
+            best = (placed[1], placed[0], attempt, target, tried, placed[2])
         if overshoot is None:
             break           # the round's fastest candidate was placed (or none fit at all)
         target -= overshoot
