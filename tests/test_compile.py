@@ -13,7 +13,7 @@ import models
 from memsched.memory import analyze_plan, check_placement
 from memsched.onnx_utils import save_model_atomic
 from passes.pipeline import compile as compile_plan
-from passes.pipeline import parse_budget
+from passes.pipeline import climb_relaxations, parse_budget
 
 from .conftest import run_cli
 
@@ -44,6 +44,32 @@ def test_parse_budget():
     assert parse_budget("12GiB", 1) == 12 * 2**30
     assert parse_budget("800MB", 1) == 800 * 10**6
     assert parse_budget(None, 5) is None
+
+
+@pytest.mark.parametrize("valley, expected", [
+    (1.75, [1.25, 1.5, 1.75, 2.0]),      # climbs down from 1.5, stops with 1.75's neighbours tried
+    (2.5, [1.5, 1.75, 2.0, 2.5, 3.0]),   # climbs up from 2.0 to the grid's end
+    (1.25, [1.25, 1.5, 1.75, 2.0]),
+])
+def test_relaxations_climb_to_the_fastest(valley, expected):
+    grid = [1.25, 1.5, 1.75, 2.0, 2.5, 3.0]
+    asked = []
+
+    def step_time_at(relax):
+        asked.append(relax)
+        return 1.0 + abs(relax - valley)
+
+    times = climb_relaxations(step_time_at, grid)
+    assert sorted(asked) == sorted(set(asked)) == expected   # each point planned once
+    assert min(times, key=times.get) == valley
+
+
+def test_relaxations_that_do_not_fit_stop_the_climb():
+    asked = []
+    assert climb_relaxations(lambda r: asked.append(r), [1.25, 1.5, 1.75, 2.0]) == {1.5: float("inf"),
+                                                                                     2.0: float("inf")}
+    assert climb_relaxations(lambda r: 2.0, [1.25]) == {1.25: 2.0}   # no start point in the grid: its largest
+    assert climb_relaxations(lambda r: 2.0, []) == {}
 
 
 def test_compile_cli_json_keys(mlp_path, tmp_path):
