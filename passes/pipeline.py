@@ -192,8 +192,8 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
     to relaxed targets (climb_relaxations over RELAXATION_GRID x target), then swap the rest.
     Returns (ranked, tried, lowest): the candidates that fit as (plan, judged peak, index in
     tried, step time), fastest first by the simulator (timed before placement, whose offsets
-    can only narrow the waits for swap-outs); what each candidate gave (step time, or the lowest peak it reached); and
-    the lowest peak reached by any (for the error when none fits)."""
+    can only narrow the waits for swap-outs); what each candidate gave (step time, or the
+    lowest peak it reached); and the lowest peak reached by any (for the error when none fits)."""
     passes = _passes()
     tried: list[dict] = []
     fitting: list[tuple[float, int, Plan, int]] = []   # step time, its record, plan, peak
@@ -237,7 +237,8 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
 def climb_relaxations(step_time_at: Callable[[float], float | None], grid: list[float]) -> dict[float, float]:
     """Hill-climb the step time over the sorted `grid` of relaxations: try the points of
     RELAXATION_START there (else the largest), then the untried neighbours of the fastest
-    until it has none. `step_time_at(relax)` plans one (None: it does not fit). Returns the
+    until it has none. While none fits, step down instead (less relaxed: more recompute,
+    less left to swap). `step_time_at(relax)` plans one (None: it does not fit). Returns the
     times tried (inf where none fit)."""
     times: dict[int, float] = {}
 
@@ -249,9 +250,8 @@ def climb_relaxations(step_time_at: Callable[[float], float | None], grid: list[
         trial(i)
     while times:
         best = min(times, key=lambda i: (times[i], i))
-        if times[best] == float("inf"):
-            break
-        untried = [i for i in (best - 1, best + 1) if 0 <= i < len(grid) and i not in times]
+        near = (best - 1, best + 1) if times[best] < float("inf") else (best - 1,)
+        untried = [i for i in near if 0 <= i < len(grid) and i not in times]
         if not untried:
             break
         for i in untried:

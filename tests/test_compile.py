@@ -64,10 +64,11 @@ def test_relaxations_climb_to_the_fastest(valley, expected):
     assert min(times, key=times.get) == valley
 
 
-def test_relaxations_that_do_not_fit_stop_the_climb():
+def test_relaxations_step_down_while_none_fits():
     asked = []
-    assert climb_relaxations(lambda r: asked.append(r), [1.25, 1.5, 1.75, 2.0]) == {1.5: float("inf"),
-                                                                                     2.0: float("inf")}
+    times = climb_relaxations(lambda r: asked.append(r) or (2.0 if r == 1.25 else None), [1.25, 1.5, 1.75, 2.0])
+    assert asked == [1.5, 2.0, 1.25] and times[1.25] == 2.0       # 1.75 lies between two misses
+    assert climb_relaxations(lambda r: None, [1.5, 2.0]) == {1.5: float("inf"), 2.0: float("inf")}
     assert climb_relaxations(lambda r: 2.0, [1.25]) == {1.25: 2.0}   # no start point in the grid: its largest
     assert climb_relaxations(lambda r: 2.0, []) == {}
 
