@@ -83,7 +83,8 @@ def full_plan(name: str, size: int, hw, used: list[str], time_limit: float) -> d
     return {"overhead": plan["overhead"], "step_time_s": plan["step_time_s"],
             "no_plan_step_time_s": result.report["baseline"]["step_time_s"], "stall_s": plan["stall_s"],
             "peak_bytes": plan["peak_bytes"], "baseline_peak_bytes": result.report["baseline"]["peak_bytes"],
-            "swapped_bytes": swap.get("swapped_bytes", {}), "recomputed_ops": len(plan["recomputed_ops"]),
+            "swapped_bytes": swap.get("swapped_bytes", {}), "host_peak_bytes": swap.get("host_peak_bytes", {}),
+            "recomputed_ops": len(plan["recomputed_ops"]),
             "swap_status": swap.get("status"), "solver_chosen": swap.get("solver", {}).get("chosen"),
             "pass_seconds": result.report["pass_seconds"], "notes": swap}
 
@@ -160,7 +161,7 @@ def _summary(size, result) -> dict:
     if result is None:
         return {"largest": size}
     keep = ("overhead", "step_time_s", "no_plan_step_time_s", "stall_s", "peak_bytes", "baseline_peak_bytes",
-            "swapped_bytes", "recomputed_ops", "swap_status", "solver_chosen", "pass_seconds")
+            "swapped_bytes", "host_peak_bytes", "recomputed_ops", "swap_status", "solver_chosen", "pass_seconds")
     return {"largest": size, **{k: result[k] for k in keep}}
 
 
@@ -179,10 +180,10 @@ def where_tensors_went(notes: dict, top: int = 5) -> dict:
     return out
 
 
-def bench_nvdimm(name: str, size: int, hw, used: list[str], time_limit: float, swapped: int) -> dict:
-    """The same plan with DRAM set small: 64 GB, or half of what the plan swapped when that is
-    less (so that DRAM cannot hold it all)."""
-    dram = min(64 * GB, max(swapped // 2, 1))
+def bench_nvdimm(name: str, size: int, hw, used: list[str], time_limit: float, held: int) -> dict:
+    """The same plan with DRAM set small: 64 GB, or half of the most bytes the plan held on
+    the host at once when that is less (so that DRAM cannot hold them all)."""
+    dram = min(64 * GB, max(held // 2, 1))
     tiers = dict(hw.tiers)
     tiers["dram"] = dataclasses.replace(tiers["dram"], capacity=dram)
     small = dataclasses.replace(hw, name=f"{hw.name}-dram-{dram}", tiers=tiers)
@@ -216,8 +217,8 @@ def main(argv=None) -> int:
         entry = results.get(name)
         if entry and entry["full_plan"].get("swapped_bytes"):
             size = entry["full_plan"]["largest"]
-            swapped = sum(entry["full_plan"]["swapped_bytes"].values())
-            nvdimm = bench_nvdimm(name, size, hw, used, time_limit, swapped)
+            held = sum(entry["full_plan"]["host_peak_bytes"].values())
+            nvdimm = bench_nvdimm(name, size, hw, used, time_limit, held)
             break
     print(json.dumps({
         "hardware": hw.name, "device_memory_bytes": hw.device_memory, "optimizer": "sgd",

@@ -151,14 +151,16 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         return None, overshoot
 
     # Each round: fit the target, then place the fastest candidate whose arena holds the budget.
-    # Where a faster one's arena overshot, fit again against a target lowered by its overshoot;
-    # the fastest placed plan of all rounds wins.
+    # Where a faster one's arena overshot, fit again against a target lowered by its overshoot,
+    # re-planning only the candidates that were faster than the placed one (a slower one cannot
+    # win); the fastest placed plan of all rounds wins.
     best = None      # (step time, placed plan, attempt, target, tried, record)
+    only = None      # the candidates a round re-plans (None: all)
     for attempt in range(1, FIT_ROUNDS + 1):
         ranked, tried = [(zero_overhead, zero_overhead_peak, None, 0.0)], []
         if target is not None and zero_overhead_peak > target:
             ranked, tried, reached = fit(zero_overhead, zero_overhead_peak, target, strategies, time_limit, run,
-                                         costs)
+                                         costs, only)
             if not ranked and best is None:
                 missing = [s for s in ("recompute", "swap") if s not in strategies]
                 hint = f"; add {' or '.join(missing)} to --strategies to go lower" if missing else ""
@@ -171,6 +173,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         if overshoot is None:
             break           # the round's fastest candidate was placed (or none fit at all)
         target -= overshoot
+        only = None if placed is None else {t["candidate"] for t in tried if t.get("arena_bytes", 0) > budget_bytes}
     if best is None:
         raise BudgetError(f"the plan's live bytes fit the budget of {format_bytes(budget_bytes)} but its arena "
                           f"does not after {FIT_ROUNDS} rounds: the smallest arena over it is "
@@ -186,10 +189,12 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     return assess(plan, baseline, strategies, timings, model, costs, data_parallel)
 
 
-def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float, run, costs=None):
+def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float, run, costs=None,
+        only: set[str] | None = None):
     """Plans that bring `start` (over `target`) within it, with the recompute and swap
     strategies asked for. Candidates: recompute alone; swap alone (it replays too); recompute
     to relaxed targets (climb_relaxations over RELAXATION_GRID x target), then swap the rest.
+    `only` names the candidates to plan (the relaxations in it are planned without a climb).
     Returns (ranked, tried, lowest): the candidates that fit as (plan, judged peak, index in
     tried, step time), fastest first by the simulator (timed before placement, whose offsets
     can only narrow the waits for swap-outs); what each candidate gave (step time, or the
@@ -220,15 +225,30 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
         lowest = min(lowest, peak)
         return step_time
 
+    def wanted(name: str) -> bool:
+        return only is None or name in only
+
+    def relaxed_name(relax: float) -> str:
+        return f"recompute to {relax:g}x, then swap"
+
+    def relaxed(relax: float) -> float | None:
+        return attempt(relaxed_name(relax), [("recompute", int(relax * target)), ("swap", target)])
+
     free = False        # recompute alone fits at no added time: nothing to swap for
-    if "recompute" in strategies and attempt("recompute", [("recompute", target)]) is not None:
+    if "recompute" in strategies and wanted("recompute") and \
+            attempt("recompute", [("recompute", target)]) is not None:
         free = fitting[-1][2].notes["recompute"].get("overhead", 1.0) <= 0.0
     if "swap" in strategies and not free:
-        attempt("swap", [("swap", target)])
+        if wanted("swap"):
+            attempt("swap", [("swap", target)])
         if "recompute" in strategies:
-            climb_relaxations(lambda relax: attempt(f"recompute to {relax:g}x, then swap",
-                                                    [("recompute", int(relax * target)), ("swap", target)]),
-                              [relax for relax in RELAXATION_GRID if start_peak > int(relax * target)])
+            grid = [relax for relax in RELAXATION_GRID if start_peak > int(relax * target)]
+            if only is None:
+                climb_relaxations(relaxed, grid)
+            else:
+                for relax in grid:
+                    if relaxed_name(relax) in only:
+                        relaxed(relax)
     ranked = [(plan, peak, record, step_time)
               for step_time, record, plan, peak in sorted(fitting, key=lambda c: c[:2])]
     return ranked, tried, lowest
