@@ -431,3 +431,25 @@ def test_compile_hands_a_budget_recompute_cannot_meet_to_swap():
     assert all(t["arena_bytes"] > result.report["budget_bytes"] for t in faster)
     # chosen before placement; the arena offsets only narrow the waits for swap-outs
     assert result.report["plan"]["step_time_s"] <= chosen[0]["step_time_s"] * (1 + 1e-9)
+
+
+def test_fit_plans_only_the_candidates_named():
+    from passes import pipeline
+
+    model = lower(models.build("gpt2", **TINY["gpt2"]))
+    graph = pipeline.load_graph(model, train=True)
+    start = reuse_pass(Plan.initial(graph, hardware="v100-16gb"))
+    peak = analyze_plan(start).peak_bytes
+    target = int(analyze_plan(Plan.initial(graph)).peak_bytes * 0.45)
+
+    def run(name, apply, plan):
+        planned = apply(plan)
+        return planned, analyze_plan(dataclasses.replace(planned, budget=None)).peak_bytes
+
+    strategies = ("reuse", "recompute", "swap")
+    _, every, _ = pipeline.fit(start, peak, target, strategies, 2, run)
+    assert {"recompute", "swap"} <= {t["candidate"] for t in every}
+    wanted = {"swap", "recompute to 3x, then swap"}      # 3x lies above this start's peak: skipped
+    ranked, tried, _ = pipeline.fit(start, peak, target, strategies, 2, run, only=wanted)
+    assert [t["candidate"] for t in tried] == ["swap"] and len(ranked) == 1
+    assert ranked[0][1] <= target
