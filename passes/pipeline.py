@@ -201,7 +201,7 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
     lowest peak it reached); and the lowest peak reached by any (for the error when none fits)."""
     passes = _passes()
     tried: list[dict] = []
-    fitting: list[tuple[float, int, Plan, int]] = []   # step time, its record, plan, peak
+    fitting: list[tuple[Plan, int, int, float]] = []   # plan, peak, its record, step time
     lowest = start_peak
 
     def attempt(name: str, steps) -> float | None:
@@ -221,7 +221,7 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
         step_time = simulate(dataclasses.replace(plan, budget=None), start.hardware, costs).step_time
         tried.append({"candidate": name, "fits": True, "peak_bytes": peak, "step_time_s": step_time,
                       "chosen": False})
-        fitting.append((step_time, len(tried) - 1, plan, peak))
+        fitting.append((plan, peak, len(tried) - 1, step_time))
         lowest = min(lowest, peak)
         return step_time
 
@@ -237,7 +237,7 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
     free = False        # recompute alone fits at no added time: nothing to swap for
     if "recompute" in strategies and wanted("recompute") and \
             attempt("recompute", [("recompute", target)]) is not None:
-        free = fitting[-1][2].notes["recompute"].get("overhead", 1.0) <= 0.0
+        free = fitting[-1][0].notes["recompute"].get("overhead", 1.0) <= 0.0
     if "swap" in strategies and not free:
         if wanted("swap"):
             attempt("swap", [("swap", target)])
@@ -249,9 +249,7 @@ def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float
                 for relax in grid:
                     if relaxed_name(relax) in only:
                         relaxed(relax)
-    ranked = [(plan, peak, record, step_time)
-              for step_time, record, plan, peak in sorted(fitting, key=lambda c: c[:2])]
-    return ranked, tried, lowest
+    return sorted(fitting, key=lambda c: (c[3], c[2])), tried, lowest
 
 
 def climb_relaxations(step_time_at: Callable[[float], float | None], grid: list[float]) -> dict[float, float]:
