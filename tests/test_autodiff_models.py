@@ -79,7 +79,8 @@ def test_zoo_model_trains_and_its_gradients_match(name, case):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_zoo_training_step_tags_dw_and_dx_per_layer(name):
     """Every trainable parameter has its dW ops and its update, the only ops shared by dW and
-    dX are a norm's xhat (Sub, Mul), and weights seen through views (MatMul(x, Transpose(W))
+    dX are a norm's xhat (Sub, Mul) and, for BatchNormalization, the sums of dy and dy * xhat
+    that are its bias and scale gradients (Mul, ReduceSum), and weights seen through views (MatMul(x, Transpose(W))
     in training exports) count for the layer they feed. Built without weight data: structure
     only."""
     model = models.build(name, weights=False, **CASES[name]["options"])
@@ -90,7 +91,7 @@ def test_zoo_training_step_tags_dw_and_dx_per_layer(name):
     assert {r["role"] for r in roles.values()} <= {"dW", "dX", "shared", "update"}
     assert {r["role"] for r in roles.values()} >= {"dW", "dX", "update"}
     shared = [op for op in train.ops if roles.get(op.name, {}).get("role") == "shared"]
-    assert {op.op_type for op in shared} <= {"Sub", "Mul"}
+    assert {op.op_type for op in shared} <= {"Sub", "Mul", "ReduceSum"}
     assert {source.op_by_name[roles[op.name]["layer"]].op_type for op in shared} <= {
         "BatchNormalization", "LayerNormalization"}
     by_role = {role: {r["param"] for r in roles.values() if r["role"] == role} for role in ("dW", "update")}

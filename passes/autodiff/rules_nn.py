@@ -370,19 +370,31 @@ def _norm_input_grad(em, dy, scale, xhat, inv_std, axes):
 
 @rule("BatchNormalization", inputs=(0, 1, 2), outputs=(0,), forward=_batch_norm_forward)
 def batch_norm(em, op, dys, wants):
+    """As PyTorch's batch_norm_backward: the scale is constant over the reduced axes, so the two
+    sums the input gradient needs are the bias and scale gradients themselves,
+        dx = k * (dy - sum(dy) / m - xhat * sum(dy * xhat) / m),  k = scale * inv_std,
+    and no scaled copy of dy is made: three input-sized tensors live at most (dy, xhat and
+    their product, summed), where the general form (`_norm_input_grad`) needs four."""
     x, scale, bias = op.inputs[:3]
     dy = dys[0]
     saved = em.saved[op.name]
     axes = [0] + list(range(2, em.rank(x)))
     grads = [None] * len(op.inputs)
+    if wants[0] or wants[2]:
+        sum_dy = em.reduce("ReduceSum", dy, axes, keepdims=True)
     if wants[0] or wants[1]:
         xhat = _normalized(em, x, saved["mean"], saved["inv_std"])
+        sum_dy_xhat = em.reduce("ReduceSum", em.op("Mul", [dy, xhat]), axes, keepdims=True)
     if wants[0]:
-        grads[0] = _norm_input_grad(em, dy, saved["scale"], xhat, saved["inv_std"], axes)
+        count = int(np.prod([em.shape(x)[a] for a in axes]))
+        k = em.op("Mul", [saved["scale"], saved["inv_std"]])
+        k_mean = em.op("Mul", [k, em.scalar(1 / count, x)])
+        centred = em.op("Sub", [em.op("Mul", [dy, k]), em.op("Mul", [xhat, em.op("Mul", [sum_dy_xhat, k_mean])])])
+        grads[0] = em.op("Sub", [centred, em.op("Mul", [sum_dy, k_mean])])
     if wants[1]:
-        grads[1] = em.reduce("ReduceSum", em.op("Mul", [dy, xhat]), axes, keepdims=False)
+        grads[1] = em.reshape(sum_dy_xhat, em.shape(scale))
     if wants[2]:
-        grads[2] = em.reduce("ReduceSum", dy, axes, keepdims=False)
+        grads[2] = em.reshape(sum_dy, em.shape(bias))
     return grads
 
 
