@@ -359,22 +359,13 @@ def _normalized(em, x, mean, inv_std):
     return em.op("Mul", [em.op("Sub", [x, mean]), inv_std])
 
 
-def _norm_input_grad(em, dy, scale, xhat, inv_std, axes):
-    """dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)), g = dy * scale."""
-    g = em.op("Mul", [dy, scale])
-    mean_g = em.reduce("ReduceMean", g, axes, keepdims=True)
-    mean_gx = em.reduce("ReduceMean", em.op("Mul", [g, xhat]), axes, keepdims=True)
-    centred = em.op("Sub", [em.op("Sub", [g, mean_g]), em.op("Mul", [xhat, mean_gx])])
-    return em.op("Mul", [centred, inv_std])
-
-
 @rule("BatchNormalization", inputs=(0, 1, 2), outputs=(0,), forward=_batch_norm_forward)
 def batch_norm(em, op, dys, wants):
     """As PyTorch's batch_norm_backward: the scale is constant over the reduced axes, so the two
     sums the input gradient needs are the bias and scale gradients themselves,
         dx = k * (dy - sum(dy) / m - xhat * sum(dy * xhat) / m),  k = scale * inv_std,
     and no scaled copy of dy is made: three input-sized tensors live at most (dy, xhat and
-    their product, summed), where the general form (`_norm_input_grad`) needs four."""
+    their product, summed), where computing g = dy * scale and g * xhat needs four."""
     x, scale, bias = op.inputs[:3]
     dy = dys[0]
     saved = em.saved[op.name]
@@ -424,6 +415,9 @@ def _layer_norm_forward(em, op, needed):
 
 @rule("LayerNormalization", outputs=(0,), forward=_layer_norm_forward)
 def layer_norm(em, op, dys, wants):
+    """dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)), g = dy * scale, means over the
+    normalised axes. g * xhat is taken as (dy * xhat) * scale from the product the scale
+    gradient sums, so three input-sized tensors live at most (dy, xhat, one product), not four."""
     x, scale = op.inputs[:2]
     dy = dys[0]
     rank = em.rank(x)
@@ -434,10 +428,15 @@ def layer_norm(em, op, dys, wants):
     mean, inv_std = em.saved[op.name]["mean"], em.saved[op.name]["inv_std"]
     if wants[0] or wants[1]:
         xhat = _normalized(em, x, mean, inv_std)
-    if wants[0]:
-        grads[0] = _norm_input_grad(em, dy, scale, xhat, inv_std, norm_axes)
+        dy_xhat = em.op("Mul", [dy, xhat])
     if wants[1]:
-        grads[1] = em.sum_to(em.op("Mul", [dy, xhat]), em.shape(scale))
+        grads[1] = em.sum_to(dy_xhat, em.shape(scale))
+    if wants[0]:
+        mean_gx = em.reduce("ReduceMean", em.op("Mul", [dy_xhat, scale]), norm_axes, keepdims=True)
+        g = em.op("Mul", [dy, scale])
+        mean_g = em.reduce("ReduceMean", g, norm_axes, keepdims=True)
+        centred = em.op("Sub", [em.op("Sub", [g, mean_g]), em.op("Mul", [xhat, mean_gx])])
+        grads[0] = em.op("Mul", [centred, inv_std])
     if len(wants) > 2 and wants[2]:
         grads[2] = em.sum_to(dy, em.shape(op.inputs[2]))
     return grads
