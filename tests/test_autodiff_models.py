@@ -8,11 +8,16 @@ import json
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import models
 from memsched.frontend import lower
+from memsched.memory import analyze_plan
+from memsched.onnx_utils import make_model
+from memsched.schedule import Plan
 from passes.autodiff import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step
 from passes.autodiff.loss import class_axis
+from passes.reuse import reuse_pass
 from tests.gradcheck import check_against_float64, train_losses
 
 # Per model: build options, SGD learning rate, and the gradient check's settings.
@@ -79,9 +84,9 @@ def test_zoo_model_trains_and_its_gradients_match(name, case):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_zoo_training_step_tags_dw_and_dx_per_layer(name):
     """Every trainable parameter has its dW ops and its update, the only ops shared by dW and
-    dX are a norm's xhat (Sub, Mul) and, for BatchNormalization, the sums of dy and dy * xhat
-    that are its bias and scale gradients (Mul, ReduceSum), and weights seen through views (MatMul(x, Transpose(W))
-    in training exports) count for the layer they feed. Built without weight data: structure
+    dX are a norm's xhat (Sub, Mul), dy * xhat (Mul) and BatchNormalization's sums of dy and
+    dy * xhat, its bias and scale gradients (ReduceSum), and weights seen through views
+    (MatMul(x, Transpose(W)) in training exports) count for the layer they feed. Built without weight data: structure
     only."""
     model = models.build(name, weights=False, **CASES[name]["options"])
     source = lower(model)
@@ -111,3 +116,47 @@ def test_linear_weights_behind_a_transpose_belong_to_their_matmul():
     layer = "/bert/encoder/layer.0/attention/self/query/MatMul"
     assert roles[train.producer[f"{weight}.grad"].name] == {"role": "dW", "layer": layer, "param": weight}
     assert {r["role"] for r in roles.values() if r["layer"] == layer} == {"dW", "dX"}
+
+
+def _norm_beside_its_residual():
+    """h = x @ W; z = LayerNorm(h) + h; loss z * z summed: LayerNorm's dy (dz) is read after
+    its backward, by h's gradient sum (an ONNX model, float32)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.ones(64, np.float32), "ln.weight"),
+             numpy_helper.from_array(np.zeros(64, np.float32), "ln.bias")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
+             helper.make_node("LayerNormalization", ["h", "ln.weight", "ln.bias"], ["y"], name="ln", axis=-1),
+             helper.make_node("Add", ["y", "h"], ["z"], name="residual"),
+             helper.make_node("Mul", ["z", "z"], ["q"], name="square"),
+             helper.make_node("ReduceSum", ["q"], ["loss_value"], name="sum", keepdims=0)]
+    graph = helper.make_graph(nodes, "ln-residual", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16, 64])],
+                              [helper.make_tensor_value_info("loss_value", TensorProto.FLOAT, [])], inits)
+    return make_model(graph)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "bert-base", "ln-residual"])
+def test_a_norm_backward_holds_at_most_three_input_sized_tensors(name):
+    """BatchNorm's dx is PyTorch's (from its bias and scale gradients' sums) and LayerNorm's
+    takes g * xhat from dy * xhat: with the reuse pass's in-place aliases, no step of a norm's
+    backward holds more than three buffers of the norm's input size among the tensors its ops
+    read and write, also where dy is read after it (ResNet's BatchNorm before the residual Add,
+    the LayerNorm beside its residual; forming g = dy * scale, then g * xhat, held four)."""
+    if name == "ln-residual":
+        train = build_training_step(lower(_norm_beside_its_residual()), loss="output", optimizer="sgd")
+    else:
+        options = dict(batch=2, size=32, classes=10) if name == "resnet18" else TRANSFORMER
+        train = build_training_step(lower(models.build(name, weights=False, **options)), optimizer="sgd")
+    plan = reuse_pass(Plan.initial(train))
+    profile = analyze_plan(plan)
+    roles = json.loads(train.metadata[GRAD_ROLES_KEY])
+    step_of = {step.target: i for i, step in enumerate(plan.schedule)}
+    layers = {roles[op.name]["layer"] for op in train.ops if roles.get(op.name, {}).get("role") == "shared"}
+    assert layers
+    for layer in layers:
+        ops = [op for op in train.ops if op.phase == "backward" and roles.get(op.name, {}).get("layer") == layer]
+        size = max(train.tensors[t].nbytes for op in ops for t in op.present_inputs)
+        touched = {t for op in ops for t in op.present_inputs + op.present_outputs if train.tensors[t].nbytes == size}
+        residencies = [r for r in profile.residencies if r.tensor in touched]
+        held = max(sum(r.nbytes for r in residencies if r.counted_from <= step_of[op.name] <= r.end) for op in ops)
+        assert held <= 3 * size, (layer, held / size)
