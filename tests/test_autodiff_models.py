@@ -160,3 +160,18 @@ def test_a_norm_backward_holds_at_most_three_input_sized_tensors(name):
         residencies = [r for r in profile.residencies if r.tensor in touched]
         held = max(sum(r.nbytes for r in residencies if r.counted_from <= step_of[op.name] <= r.end) for op in ops)
         assert held <= 3 * size, (layer, held / size)
+
+
+def test_float16_backward_keeps_its_constants_in_range():
+    """At batch 8 x 64 x 64 a BatchNorm averages over 32,768 values: 1 / 32,768 is below
+    float16's normal range (2^-14), so the per-channel means of its backward are taken in
+    float32; no float16 constant a backward op reads is subnormal or infinite."""
+    train = build_training_step(lower(models.build("resnet18", weights=False, batch=8, size=128, dtype="float16")),
+                                optimizer="sgd")
+    read = {t for op in train.ops if op.phase == "backward" for t in op.present_inputs}
+    constants = [numpy_helper.to_array(train.tensors[t].data) for t in read
+                 if train.tensors[t].kind == "constant" and train.tensors[t].dtype == TensorProto.FLOAT16]
+    assert constants
+    for value in constants:
+        magnitude = np.abs(value.astype(np.float64))
+        assert np.all(np.isfinite(magnitude)) and np.all((magnitude == 0) | (magnitude >= 2.0 ** -14)), value

@@ -359,6 +359,21 @@ def _normalized(em, x, mean, inv_std):
     return em.op("Mul", [em.op("Sub", [x, mean]), inv_std])
 
 
+def _scaled_mean(em, k, count):
+    """A function from a per-channel sum s to s * k / count. A 16-bit float's normal range
+    ends above 1 / count once count > 2^14 (k / count can be subnormal, count itself over
+    65,504), so there the product is taken in float32 and only the result, a mean scaled by
+    k, comes back to the input's dtype."""
+    dtype = em.dtype(k)
+    if dtype in (TensorProto.FLOAT, TensorProto.DOUBLE):
+        k_mean = em.op("Mul", [k, em.scalar(1 / count, k)])
+        return lambda total: em.op("Mul", [total, k_mean])
+    wide = em.op("Cast", [k], to=TensorProto.FLOAT)
+    k_mean = em.op("Mul", [wide, em.scalar(1 / count, wide)])
+    return lambda total: em.op("Cast", [em.op("Mul", [em.op("Cast", [total], to=TensorProto.FLOAT), k_mean])],
+                               to=dtype)
+
+
 @rule("BatchNormalization", inputs=(0, 1, 2), outputs=(0,), forward=_batch_norm_forward)
 def batch_norm(em, op, dys, wants):
     """As PyTorch's batch_norm_backward: the scale is constant over the reduced axes, so the two
@@ -377,11 +392,10 @@ def batch_norm(em, op, dys, wants):
         xhat = _normalized(em, x, saved["mean"], saved["inv_std"])
         sum_dy_xhat = em.reduce("ReduceSum", em.op("Mul", [dy, xhat]), axes, keepdims=True)
     if wants[0]:
-        count = int(np.prod([em.shape(x)[a] for a in axes]))
         k = em.op("Mul", [saved["scale"], saved["inv_std"]])
-        k_mean = em.op("Mul", [k, em.scalar(1 / count, x)])
-        centred = em.op("Sub", [em.op("Mul", [dy, k]), em.op("Mul", [xhat, em.op("Mul", [sum_dy_xhat, k_mean])])])
-        grads[0] = em.op("Sub", [centred, em.op("Mul", [sum_dy, k_mean])])
+        scaled_mean = _scaled_mean(em, k, int(np.prod([em.shape(x)[a] for a in axes])))
+        centred = em.op("Sub", [em.op("Mul", [dy, k]), em.op("Mul", [xhat, scaled_mean(sum_dy_xhat)])])
+        grads[0] = em.op("Sub", [centred, scaled_mean(sum_dy)])
     if wants[1]:
         grads[1] = em.reshape(sum_dy_xhat, em.shape(scale))
     if wants[2]:
