@@ -86,8 +86,8 @@ def test_zoo_training_step_tags_dw_and_dx_per_layer(name):
     """Every trainable parameter has its dW ops and its update, the only ops shared by dW and
     dX are a norm's xhat (Sub, Mul), dy * xhat (Mul) and BatchNormalization's sums of dy and
     dy * xhat, its bias and scale gradients (ReduceSum), and weights seen through views
-    (MatMul(x, Transpose(W)) in training exports) count for the layer they feed. Built without weight data: structure
-    only."""
+    (MatMul(x, Transpose(W)) in training exports) count for the layer they feed. Built without
+    weight data: structure only."""
     model = models.build(name, weights=False, **CASES[name]["options"])
     source = lower(model)
     train = build_training_step(source, loss="cross_entropy", optimizer="adam")
