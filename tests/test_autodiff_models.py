@@ -130,7 +130,8 @@ def _norm_beside_its_residual():
              helper.make_node("Add", ["y", "h"], ["z"], name="residual"),
              helper.make_node("Mul", ["z", "z"], ["q"], name="square"),
              helper.make_node("ReduceSum", ["q"], ["loss_value"], name="sum", keepdims=0)]
-    graph = helper.make_graph(nodes, "ln-residual", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16, 64])],
+    graph = helper.make_graph(nodes, "ln-residual",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16, 64])],
                               [helper.make_tensor_value_info("loss_value", TensorProto.FLOAT, [])], inits)
     return make_model(graph)
 
