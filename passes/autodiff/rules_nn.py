@@ -337,7 +337,7 @@ def _batch_norm_forward(em, op, needed):
         scaled = em.op("Mul", [centred, factor])
         em.op("Add", [scaled, em.reshape(bias, channel_shape)], outputs=[op.outputs[0]], name=op.name)
         _running_statistics(em, op, {1: mean, 2: var})
-    em.saved[op.name] = {"mean": mean, "inv_std": inv_std, "scale": scale_b}
+    em.saved[op.name] = {"mean": mean, "inv_std": inv_std, "k": factor}
 
 
 def _running_statistics(em, op, batch_stats):
@@ -392,7 +392,7 @@ def batch_norm(em, op, dys, wants):
         xhat = _normalized(em, x, saved["mean"], saved["inv_std"])
         sum_dy_xhat = em.reduce("ReduceSum", em.op("Mul", [dy, xhat]), axes, keepdims=True)
     if wants[0]:
-        k = em.op("Mul", [saved["scale"], saved["inv_std"]])
+        k = saved["k"]   # the forward's scale * inv_std
         scaled_mean = _scaled_mean(em, k, int(np.prod([em.shape(x)[a] for a in axes])))
         centred = em.op("Sub", [em.op("Mul", [dy, k]), em.op("Mul", [xhat, scaled_mean(sum_dy_xhat)])])
         grads[0] = em.op("Sub", [centred, scaled_mean(sum_dy)])
