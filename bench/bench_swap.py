@@ -4,6 +4,7 @@ what predicted step-time overhead; then the same step with host DRAM set small, 
 NVDIMM tier taking what DRAM cannot. Prints one JSON object on stdout (progress on stderr).
 
     python bench/bench_swap.py [--quick] [--time-limit S] [--only NAME ...]
+    python bench/bench_swap.py --nvdimm resnet50:1004      # only the small-DRAM check
 
 Sizes are searched by doubling, then bisection (planning cost does not grow with the batch:
 graphs are shape-only, weights=False). "no plan" is the framework's own order with nothing
@@ -198,11 +199,43 @@ def bench_nvdimm(name: str, size: int, hw, used: list[str], time_limit: float, h
             "where": where_tensors_went(notes)}
 
 
+def nvdimm_after(results: dict, names: list[str], hw, used: list[str], time_limit: float) -> dict | None:
+    """The small-DRAM check on the first model (ResNet-50 first) that swapped, where its plan
+    is meant to run: the largest size within the overhead target (else the largest that fits)."""
+    for name in ("resnet50", *names):
+        entry = results.get(name)
+        points = (entry["within_target_overhead"], entry["full_plan"]) if entry else ()
+        point = next((p for p in points if p.get("swapped_bytes")), None)
+        if point:
+            held = sum(point["host_peak_bytes"].values())
+            return bench_nvdimm(name, point["largest"], hw, used, time_limit, held)
+    return None
+
+
+def nvdimm_alone(name: str, size: int, hw, used: list[str], time_limit: float) -> dict:
+    """The small-DRAM check at a given size, without the size searches: one full plan with
+    the profile's DRAM finds the host bytes it holds, then the check halves them."""
+    say(f"{name}: full plan at {size} for the host bytes it holds")
+    planned = full_plan(name, size, hw, used, time_limit)
+    if planned is None:
+        sys.exit(f"bench_swap: {name} at {size} does not fit with the full plan")
+    return bench_nvdimm(name, size, hw, used, time_limit, sum(planned["host_peak_bytes"].values()))
+
+
+def _model_at(text: str) -> tuple[str, int]:
+    name, _, size = text.partition(":")
+    if name not in CASES or not size.isdigit():
+        sys.exit(f"bench_swap: --nvdimm wants MODEL:SIZE with MODEL one of {', '.join(CASES)}, not {text!r}")
+    return name, int(size)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two models, short solver limits, coarse search")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds per solver (default 10, quick 2)")
     parser.add_argument("--only", nargs="*", choices=list(CASES), help="models to run")
+    parser.add_argument("--nvdimm", metavar="MODEL:SIZE",
+                        help="only the small-DRAM check, for MODEL at SIZE (no size search)")
     args = parser.parse_args(argv)
     quick = args.quick
     time_limit = args.time_limit or (2.0 if quick else 10.0)
@@ -211,15 +244,11 @@ def main(argv=None) -> int:
     hw = hardware_mod.load(PROFILE)
     used = strategies()
     started = time.perf_counter()
-    results = {name: bench_model(name, hw, used, time_limit, tolerance) for name in names}
-    nvdimm = None
-    for name in ("resnet50", *names):
-        entry = results.get(name)
-        if entry and entry["full_plan"].get("swapped_bytes"):
-            size = entry["full_plan"]["largest"]
-            held = sum(entry["full_plan"]["host_peak_bytes"].values())
-            nvdimm = bench_nvdimm(name, size, hw, used, time_limit, held)
-            break
+    if args.nvdimm:
+        results, nvdimm = {}, nvdimm_alone(*_model_at(args.nvdimm), hw, used, time_limit)
+    else:
+        results = {name: bench_model(name, hw, used, time_limit, tolerance) for name in names}
+        nvdimm = nvdimm_after(results, names, hw, used, time_limit)
     print(json.dumps({
         "hardware": hw.name, "device_memory_bytes": hw.device_memory, "optimizer": "sgd",
         "strategies": used, "time_limit_s": time_limit, "quick": quick,

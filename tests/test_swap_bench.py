@@ -39,3 +39,26 @@ def test_where_tensors_went_groups_by_destination():
     where = bench.where_tensors_went(notes)
     assert where["dram"]["tensors"] == 1 and where["dram"]["how"] == {"swap": 1, "evict": 1}
     assert where["nvdimm"]["bytes"] == 30 and where["recompute"]["largest"][0]["tensor"] == "c"
+
+
+def test_the_nvdimm_check_runs_where_the_plan_is_meant_to_run(monkeypatch):
+    """At the largest size within the overhead target; the largest that fits only where no
+    size within the target swapped; the check halves the host bytes held there."""
+    checked = []
+    monkeypatch.setattr(bench, "bench_nvdimm", lambda name, size, hw, used, limit, held: checked.append(
+        (name, size, held)) or {"size": size})
+    swapped = {"largest": 1000, "swapped_bytes": {"dram": 5}, "host_peak_bytes": {"dram": 8, "nvdimm": 2}}
+    larger = {"largest": 1500, "swapped_bytes": {"dram": 9}, "host_peak_bytes": {"dram": 20}}
+    results = {"vgg16": {"within_target_overhead": {"largest": 400, "swapped_bytes": {}}, "full_plan": larger},
+               "resnet50": {"within_target_overhead": swapped, "full_plan": larger}}
+    assert bench.nvdimm_after(results, ["vgg16", "resnet50"], None, [], 1.0) == {"size": 1000}
+    assert checked == [("resnet50", 1000, 10)]
+    assert bench.nvdimm_after({"vgg16": results["vgg16"]}, ["vgg16"], None, [], 1.0) == {"size": 1500}
+    assert bench.nvdimm_after({}, [], None, [], 1.0) is None
+
+
+def test_nvdimm_alone_reads_model_and_size():
+    assert bench._model_at("resnet50:1004") == ("resnet50", 1004)
+    for bad in ("resnet50", "resnet:10", "resnet50:ten"):
+        with pytest.raises(SystemExit):
+            bench._model_at(bad)
