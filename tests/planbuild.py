@@ -34,15 +34,16 @@ def lower_graph(nodes, inputs, outputs, initializers, name):
     return frontend.lower(make_model(graph))
 
 
-def cnn_graph(batch: int = 2, seed: int = 0):
+def cnn_graph(batch: int = 2, seed: int = 0, dtype=np.float32):
     """Conv-BN-Relu-MaxPool-Conv-Relu-GAP-Gemm, inference: numerics of real kernels."""
     rng = np.random.default_rng(seed)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
     def init(name, *shape):
-        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.3, name)
+        return numpy_helper.from_array((rng.standard_normal(shape).astype(np.float32) * 0.3).astype(dtype), name)
 
     inits = [init("w1", 8, 3, 3, 3), init("b1", 8), init("w2", 16, 8, 3, 3), init("fc", 10, 16), init("fcb", 10),
-             numpy_helper.from_array(np.abs(rng.standard_normal(8)).astype(np.float32) + 0.5, "bn_var"),
+             numpy_helper.from_array((np.abs(rng.standard_normal(8)) + 0.5).astype(dtype), "bn_var"),
              init("bn_scale", 8), init("bn_bias", 8), init("bn_mean", 8)]
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
@@ -55,8 +56,8 @@ def cnn_graph(batch: int = 2, seed: int = 0):
         helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
         helper.make_node("Gemm", ["f", "fc", "fcb"], ["logits"], name="fc", transB=1),
     ]
-    return lower_graph(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [batch, 3, 12, 12])],
-                  [helper.make_tensor_value_info("logits", TP.FLOAT, [batch, 10])], inits, "cnn")
+    return lower_graph(nodes, [helper.make_tensor_value_info("x", elem, [batch, 3, 12, 12])],
+                  [helper.make_tensor_value_info("logits", elem, [batch, 10])], inits, "cnn")
 
 
 def mlp_train_graph(batch: int = 4, d_in: int = 6, hidden: int = 8, d_out: int = 3, lr: float = 0.1, seed: int = 0):

@@ -378,3 +378,26 @@ def test_cli_failed_check_exits_1_with_one_line(judges_bypassed, tmp_path, capsy
     assert cli.main(["run", str(path), "--check", "--json"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("memsched: error: check failed: output '") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["cnn", "bert-base"])
+def test_float16_training_steps_run_and_follow_the_float32_step(name):
+    """The loss's, MaxPool's and the embedding's gradients scatter-add; a float16 model adds in
+    float32 (ONNX Runtime's CPU provider has no float16 add), so its backward runs, checks
+    bit-identical, and its gradients follow the float32 model's: to 1% of each gradient's norm,
+    plus 1e-4 of the largest element (gradients that are zero in exact arithmetic, as attention's
+    key bias, or near float16's smallest normal, as its key weights, are float16 noise)."""
+    from passes.autodiff import build_training_step
+
+    grads = {}
+    for dtype in (np.float32, np.float16):
+        model = cnn_graph(dtype=dtype) if name == "cnn" else small_model(name, dtype=np.dtype(dtype).name)
+        graph = build_training_step(model, loss="cross_entropy")
+        result = run_plan(order_plan(graph), check=True)
+        assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+        grads[dtype] = {out: result.outputs[out].astype(np.float64) for out in graph.outputs if out.endswith(".grad")}
+    assert grads[np.float32].keys() == grads[np.float16].keys() and grads[np.float32]
+    largest = max(np.abs(g).max() for g in grads[np.float32].values())
+    for param, exact in grads[np.float32].items():
+        error = np.linalg.norm(grads[np.float16][param] - exact)
+        assert error <= 0.01 * np.linalg.norm(exact) + 1e-4 * largest, param

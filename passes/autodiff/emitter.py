@@ -5,7 +5,8 @@ tensors whose shapes and dtypes come from ONNX's own per-node shape inference (s
 never states a shape by hand, and a shape inference failure is caught where it happens).
 Rules build their gradients with its helpers: constants (deduplicated initializers of kind
 `constant`), opset-aware reductions, `sum_to` (undo broadcasting), `zeros`, and `value`
-(constant folding of shape arithmetic, for attributes that arrive as tensors).
+(constant folding of shape arithmetic, for attributes that arrive as tensors), and
+`scatter_add` (16-bit floats summed in float32).
 """
 from __future__ import annotations
 
@@ -279,6 +280,16 @@ class Emitter:
         """A zero tensor made at run time (ConstantOfShape), with the dtype of `like`."""
         zero = numpy_helper.from_array(np.zeros(1, dtype=self.np_dtype(like)), "value")
         return self.op("ConstantOfShape", [self.ints(shape)], value=zero)
+
+    def scatter_add(self, op_type: str, data: str, indices: str, updates: str, **attributes) -> str:
+        """`op_type` (ScatterElements or ScatterND) with reduction=add. 16-bit floats add in
+        float32 -- ONNX Runtime's CPU provider has no float16 kernel for the add, and a float32
+        sum of many updates loses less -- and only the result comes back to the data's dtype."""
+        dtype = self.dtype(data)
+        if dtype not in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+            return self.op(op_type, [data, indices, updates], reduction="add", **attributes)
+        data, updates = (self.op("Cast", [t], to=TensorProto.FLOAT) for t in (data, updates))
+        return self.op("Cast", [self.op(op_type, [data, indices, updates], reduction="add", **attributes)], to=dtype)
 
     def emitted_since(self, index: int) -> list[Op]:
         return self.ops[index:]

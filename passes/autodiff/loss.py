@@ -64,7 +64,7 @@ def _cross_entropy(em, logits):
             probs = em.op("Exp", [em.op("Sub", [logits, lse])])
             probs = em.op("Mul", [probs, em.scalar(1 / count, logits)])
             minus = em.op("Expand", [em.scalar(-1 / count, logits), em.ints(em.shape(where))])
-            return em.op("ScatterElements", [probs, where, minus], axis=axis, reduction="add")
+            return em.scatter_add("ScatterElements", probs, where, minus, axis=axis)
 
     return [labels], backward
 

@@ -263,7 +263,7 @@ def max_pool(em, op, dys, wants):
     size = int(np.prod(em.shape(x)))
     flat_dy = em.reshape(dys[0], [int(np.prod(em.shape(dys[0])))])
     flat_idx = em.reshape(em.saved[op.name]["indices"], em.shape(flat_dy))
-    grad = em.op("ScatterElements", [em.zeros([size], x), flat_idx, flat_dy], axis=0, reduction="add")
+    grad = em.scatter_add("ScatterElements", em.zeros([size], x), flat_idx, flat_dy, axis=0)
     return [em.reshape(grad, em.shape(x))]
 
 

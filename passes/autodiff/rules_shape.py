@@ -104,7 +104,7 @@ def gather(em, op, dys, wants):
         dy = em.transpose(dy, index_dims + list(range(axis)) + list(range(axis + q, rank + q - 1)))
     moved = [shape[axis]] + [d for i, d in enumerate(shape) if i != axis]
     where = em.op("Unsqueeze", [indices, em.ints([-1])])
-    grad = em.op("ScatterND", [em.zeros(moved, x), where, dy], reduction="add")
+    grad = em.scatter_add("ScatterND", em.zeros(moved, x), where, dy)
     if axis:
         grad = em.transpose(grad, list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank)))
     return [grad]
@@ -114,8 +114,7 @@ def gather(em, op, dys, wants):
 def gather_elements(em, op, dys, wants):
     x, indices = op.inputs[:2]
     axis = _axis(op, em.rank(x))
-    return [em.op("ScatterElements", [em.zeros(em.shape(x), x), indices, dys[0]], axis=axis,
-                  reduction="add")]
+    return [em.scatter_add("ScatterElements", em.zeros(em.shape(x), x), indices, dys[0], axis=axis)]
 
 
 @rule("Expand", inputs=(0,))
