@@ -43,7 +43,8 @@ def cnn_graph(batch: int = 2, seed: int = 0, dtype=np.float32):
         return numpy_helper.from_array((rng.standard_normal(shape).astype(np.float32) * 0.3).astype(dtype), name)
 
     inits = [init("w1", 8, 3, 3, 3), init("b1", 8), init("w2", 16, 8, 3, 3), init("fc", 10, 16), init("fcb", 10),
-             numpy_helper.from_array((np.abs(rng.standard_normal(8)) + 0.5).astype(dtype), "bn_var"),
+             numpy_helper.from_array((np.abs(rng.standard_normal(8)).astype(np.float32) + 0.5).astype(dtype),
+                                     "bn_var"),
              init("bn_scale", 8), init("bn_bias", 8), init("bn_mean", 8)]
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
