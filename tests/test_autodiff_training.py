@@ -409,22 +409,35 @@ def test_read_running_statistics_follow_onnx_training_mode():
     np.testing.assert_allclose(grad, without, rtol=1e-5)
 
 
-def test_linear_behind_a_transpose_takes_dx_from_the_weight_itself():
-    """MatMul(x, Transpose(W)) (a Linear in a training export): dX = dy @ W, so the transposed
-    copy of W is read only by the forward MatMul and dies there; gradients match FD."""
+def test_linear_behind_a_transpose_makes_no_transposed_copy_of_its_weight():
+    """MatMul(x, Transpose(W)) (a Linear in a training export): the forward runs Gemm(x rows, W,
+    transB=1) and dX = dy @ W, so no op makes a transposed copy of W, whatever x's rank; a
+    Transpose also read otherwise stays. Gradients match central differences."""
     rng = np.random.default_rng(1)
     nodes = [helper.make_node("Transpose", ["w"], ["wt"], name="t", perm=[1, 0]),
              helper.make_node("MatMul", ["x", "wt"], ["h"], name="mm"),
              helper.make_node("Relu", ["h"], ["a"], name="relu"),
              helper.make_node("Transpose", ["w2"], ["w2t"], name="t2"),
-             helper.make_node("MatMul", ["a", "w2t"], ["logits"], name="mm2")]
+             helper.make_node("MatMul", ["a", "w2t"], ["logits3"], name="mm2"),
+             helper.make_node("Transpose", ["w3"], ["w3t"], name="t3"),
+             helper.make_node("Reshape", ["logits3", "rows"], ["flat"], name="flatten"),
+             helper.make_node("MatMul", ["flat", "w3t"], ["y"], name="mm3"),
+             helper.make_node("ReduceSum", ["w3t", "one"], ["w3s"], name="w3sum", keepdims=0),
+             helper.make_node("Add", ["y", "w3s"], ["logits"], name="shift")]
     graph = helper.make_graph(nodes, "linear_t", [helper.make_tensor_value_info("x", DOUBLE, [2, 3, 4])],
-                              [helper.make_tensor_value_info("logits", DOUBLE, [2, 3, 5])],
-                              [_init("w", rng.standard_normal((6, 4))), _init("w2", rng.standard_normal((5, 6)))])
-    feeds = {"x": rng.standard_normal((2, 3, 4)), "labels": np.array([[0, 4, 2], [1, 3, 0]], dtype=np.int64)}
+                              [helper.make_tensor_value_info("logits", DOUBLE, [6, 5])],
+                              [_init("w", rng.standard_normal((6, 4))), _init("w2", rng.standard_normal((5, 6))),
+                               _init("w3", rng.standard_normal((5, 5))),
+                               numpy_helper.from_array(np.array([6, 5], dtype=np.int64), "rows"),
+                               numpy_helper.from_array(np.array([0], dtype=np.int64), "one")])
+    feeds = {"x": rng.standard_normal((2, 3, 4)), "labels": np.array([0, 4, 2, 1, 3, 0], dtype=np.int64)}
     train = check_gradients(make_model(graph), feeds, loss="cross_entropy")
-    assert [op.name for op in train.consumers["wt"]] == ["mm"]
-    assert [op.name for op in train.consumers["w2t"]] == ["mm2"]
+    forward = {op.name: op for op in train.ops if op.phase == "forward"}
+    assert "t" not in forward and "t2" not in forward and "t3" in forward   # w3t is read by w3sum too
+    assert forward["mm2"].op_type == "Reshape" and forward["mm3"].op_type == "MatMul"
+    gemms = [op for op in train.ops if op.phase == "forward" and op.op_type == "Gemm"]
+    assert sorted(op.inputs[1] for op in gemms) == ["w", "w2"] and all(op.attributes["transB"] == 1 for op in gemms)
+    assert not {"wt", "w2t"} & {t for op in train.ops for t in op.inputs}
 
 
 def test_conv_weight_gradient_at_batch_one_moves_no_data():

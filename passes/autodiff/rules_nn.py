@@ -19,6 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from .registry import rule
+from .rules_shape import folds_into_gemm
 
 _STASH_DTYPE = TensorProto.FLOAT  # LayerNormalization's Mean/InvStdDev type (stash_type 1)
 
@@ -186,8 +187,9 @@ def _swap_last(em, x):
 def _untransposed(em, b):
     """W where the forward made the 2-D operand b as Transpose(W) (a Linear in a training
     export: MatMul(x, Transpose(W))), else None. dX = dy @ b^T = dy @ W reads W, which is
-    resident anyway, so the transposed copy dies in the forward instead of living until dX;
-    and it reads dy unflattened, so dW's flattening can take dy's storage once dX has run."""
+    resident anyway, so no transposed copy lives until dX (the forward makes none where the
+    Transpose folds into a Gemm, see `folds_into_gemm`); and it reads dy unflattened, so dW's
+    flattening can take dy's storage once dX has run."""
     producer = em.source.producer.get(b)
     if producer is None or producer.op_type != "Transpose" or len(em.shape(b)) != 2:
         return None
@@ -196,7 +198,22 @@ def _untransposed(em, b):
     return producer.inputs[0]
 
 
-@rule("MatMul")
+def _matmul_forward(em, op, needed):
+    producer = em.source.producer.get(op.inputs[1])
+    if producer is None or not folds_into_gemm(em.source, producer):
+        em.keep(op)
+        return
+    x, weight, out = op.inputs[0], producer.inputs[0], op.outputs[0]
+    if em.rank(x) == 2:
+        em.op("Gemm", [x, weight], outputs=[out], name=op.name, transB=1)
+        return
+    with em.scope(op.name):
+        rows = em.reshape(x, (int(np.prod(em.shape(x)[:-1])), em.shape(x)[-1]))
+        product = em.op("Gemm", [rows, weight], transB=1)
+    em.op("Reshape", [product, em.ints(em.shape(x)[:-1] + (em.shape(weight)[0],))], outputs=[out], name=op.name)
+
+
+@rule("MatMul", forward=_matmul_forward)
 def matmul(em, op, dys, wants):
     """Batched, broadcasting MatMul (1-D operands promoted as numpy does). A 2-D right
     operand (a linear layer's weight) gets its gradients from Gemm over flattened rows."""

@@ -14,7 +14,27 @@ def reshape(em, op, dys, wants):
     return [em.reshape(dys[0], em.shape(op.inputs[0]))]
 
 
-@rule("Transpose")
+def folds_into_gemm(graph, transpose) -> bool:
+    """Whether the forward can drop `transpose`, a Transpose(W) of a 2-D W feeding only the
+    right operand of MatMuls (a Linear, tied or not, in a training export): each such MatMul
+    runs as Gemm(x, W, transB=1) on x's rows instead, so no transposed copy of the weight is
+    made (154 MB a step for GPT-2's tied LM head, live beside the logits)."""
+    if transpose.op_type != "Transpose" or list(transpose.attributes.get("perm", [1, 0])) != [1, 0]:
+        return False
+    out = transpose.outputs[0]
+    readers = graph.consumers.get(out, [])
+    if not readers or out in graph.outputs or len(graph.tensors[out].shape) != 2:
+        return False
+    return all(r.op_type == "MatMul" and r.inputs[1] == out and r.inputs[0] != out
+               and len(graph.tensors[r.inputs[0]].shape) >= 2 for r in readers)
+
+
+def _transpose_forward(em, op, needed):
+    if not folds_into_gemm(em.source, op):
+        em.keep(op)
+
+
+@rule("Transpose", forward=_transpose_forward)
 def transpose(em, op, dys, wants):
     rank = em.rank(op.inputs[0])
     perm = op.attributes.get("perm", list(reversed(range(rank))))
