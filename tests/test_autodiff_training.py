@@ -411,8 +411,9 @@ def test_read_running_statistics_follow_onnx_training_mode():
 
 def test_linear_behind_a_transpose_makes_no_transposed_copy_of_its_weight():
     """MatMul(x, Transpose(W)) (a Linear in a training export): the forward runs Gemm(x rows, W,
-    transB=1) and dX = dy @ W, so no op makes a transposed copy of W, whatever x's rank; a
-    Transpose also read otherwise stays. Gradients match central differences."""
+    transB=1), dX = dy @ W and dW = dy^T @ x, so no op makes a transposed copy of W or of its
+    gradient, whatever x's rank; a Transpose also read otherwise stays. Gradients match central
+    differences."""
     rng = np.random.default_rng(1)
     nodes = [helper.make_node("Transpose", ["w"], ["wt"], name="t", perm=[1, 0]),
              helper.make_node("MatMul", ["x", "wt"], ["h"], name="mm"),
@@ -438,6 +439,9 @@ def test_linear_behind_a_transpose_makes_no_transposed_copy_of_its_weight():
     gemms = [op for op in train.ops if op.phase == "forward" and op.op_type == "Gemm"]
     assert sorted(op.inputs[1] for op in gemms) == ["w", "w2"] and all(op.attributes["transB"] == 1 for op in gemms)
     assert not {"wt", "w2t"} & {t for op in train.ops for t in op.inputs}
+    # nor backward: the MatMul rule gives dW in W's layout (dy^T @ x), and the Transpose passes it on
+    assert not [op for op in train.ops if op.op_type == "Transpose" and train.tensors[op.outputs[0]].shape in
+                {(6, 4), (4, 6), (5, 6), (6, 5)}]
 
 
 def test_conv_weight_gradient_at_batch_one_moves_no_data():

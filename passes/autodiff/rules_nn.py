@@ -234,7 +234,12 @@ def matmul(em, op, dys, wants):
         if wants[1]:
             dy_rows = em.reshape(dy, (rows, b2[-1]))
             a_rows = em.reshape(a, (rows, a2[-1]))
-            grads[1] = em.reshape(em.op("Gemm", [a_rows, dy_rows], transA=1), shape_b)
+            producer = em.source.producer.get(b)
+            if producer is not None and folds_into_gemm(em.source, producer):
+                # in W's own layout (dy^T @ x), as the Transpose's rule expects: no copy transposes it
+                grads[1] = em.op("Gemm", [dy_rows, a_rows], transA=1)
+            else:
+                grads[1] = em.reshape(em.op("Gemm", [a_rows, dy_rows], transA=1), shape_b)
         return grads
     if wants[0]:
         grad = em.op("MatMul", [dy, _swap_last(em, em.reshape(b, b2))])

@@ -18,7 +18,9 @@ def folds_into_gemm(graph, transpose) -> bool:
     """Whether the forward can drop `transpose`, a Transpose(W) of a 2-D W feeding only the
     right operand of MatMuls (a Linear, tied or not, in a training export): each such MatMul
     runs as Gemm(x, W, transB=1) on x's rows instead, so no transposed copy of the weight is
-    made (154 MB a step for GPT-2's tied LM head, live beside the logits)."""
+    made (154 MB a step for GPT-2's tied LM head, live beside the logits). Their rules then
+    give the gradient flowing into the Transpose in W's layout, so none is made backward
+    either."""
     if transpose.op_type != "Transpose" or list(transpose.attributes.get("perm", [1, 0])) != [1, 0]:
         return False
     out = transpose.outputs[0]
@@ -36,6 +38,8 @@ def _transpose_forward(em, op, needed):
 
 @rule("Transpose", forward=_transpose_forward)
 def transpose(em, op, dys, wants):
+    if folds_into_gemm(em.source, op):   # its MatMuls gave W's gradient in W's own layout
+        return [dys[0]]
     rank = em.rank(op.inputs[0])
     perm = op.attributes.get("perm", list(reversed(range(rank))))
     return [em.transpose(dys[0], np.argsort(perm))]
