@@ -198,12 +198,18 @@ def _untransposed(em, b):
     return producer.inputs[0]
 
 
+def _folded(em, b) -> bool:
+    """Whether the 2-D operand b is a Transpose(W) the forward folded into Gemms."""
+    producer = em.source.producer.get(b)
+    return producer is not None and folds_into_gemm(em.source, producer)
+
+
 def _matmul_forward(em, op, needed):
-    producer = em.source.producer.get(op.inputs[1])
-    if producer is None or not folds_into_gemm(em.source, producer):
+    """Gemm(x's rows, W, transB=1) where the right operand is a folded Transpose(W)."""
+    if not _folded(em, op.inputs[1]):
         em.keep(op)
         return
-    x, weight, out = op.inputs[0], producer.inputs[0], op.outputs[0]
+    x, weight, out = op.inputs[0], _untransposed(em, op.inputs[1]), op.outputs[0]
     if em.rank(x) == 2:
         em.op("Gemm", [x, weight], outputs=[out], name=op.name, transB=1)
         return
@@ -234,9 +240,7 @@ def matmul(em, op, dys, wants):
         if wants[1]:
             dy_rows = em.reshape(dy, (rows, b2[-1]))
             a_rows = em.reshape(a, (rows, a2[-1]))
-            producer = em.source.producer.get(b)
-            if producer is not None and folds_into_gemm(em.source, producer):
-                # in W's own layout (dy^T @ x), as the Transpose's rule expects: no copy transposes it
+            if _folded(em, b):  # W's own layout (dy^T @ x), as the Transpose's rule expects: no copy
                 grads[1] = em.op("Gemm", [dy_rows, a_rows], transA=1)
             else:
                 grads[1] = em.reshape(em.op("Gemm", [a_rows, dy_rows], transA=1), shape_b)

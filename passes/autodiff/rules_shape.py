@@ -32,6 +32,7 @@ def folds_into_gemm(graph, transpose) -> bool:
 
 
 def _transpose_forward(em, op, needed):
+    """Nothing where the MatMuls reading it run as Gemms over W itself."""
     if not folds_into_gemm(em.source, op):
         em.keep(op)
 
