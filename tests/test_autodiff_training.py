@@ -442,6 +442,7 @@ def test_linear_behind_a_transpose_makes_no_transposed_copy_of_its_weight():
     # nor backward: the MatMul rule gives dW in W's layout (dy^T @ x), and the Transpose passes it on
     assert not [op for op in train.ops if op.op_type == "Transpose" and train.tensors[op.outputs[0]].shape in
                 {(6, 4), (4, 6), (5, 6), (6, 5)}]
+    assert train.producer["w.grad"].op_type == train.producer["w2.grad"].op_type == "Gemm"   # named, not copied
 
 
 def test_conv_weight_gradient_at_batch_one_moves_no_data():

@@ -80,6 +80,7 @@ def _emit_backward(em: Emitter, graph: Graph, needed: list[Op], params: list[str
     roles: dict[str, dict] = {}
     finish_at = _last_contribution(graph, needed, params, requiring)
     views = _parameter_views(graph, params)
+    done: set[str] = set()   # tensors whose backward has run
     for index in reversed(range(len(needed))):
         op = needed[index]
         start = len(em.ops)
@@ -89,6 +90,7 @@ def _emit_backward(em: Emitter, graph: Graph, needed: list[Op], params: list[str
             produced = RULES[op.op_type].grad(em, op, [grads.get(t) if t in flowing else None
                                                        for t in op.outputs], wants)
             produced = list(produced) + [None] * (len(op.inputs) - len(produced))
+            done.update(op.outputs)
             targets = {}
             for name, want, grad in zip(op.inputs, wants, produced):
                 if not want:
@@ -99,7 +101,7 @@ def _emit_backward(em: Emitter, graph: Graph, needed: list[Op], params: list[str
                 grads[name] = grad if name not in grads else em.op("Add", [grads[name], grad])
                 targets[name] = grads[name]
             for param in finish_at.get(index, ()):
-                targets[param] = grads[param] = _finish_param_grad(em, grads, param)
+                targets[param] = grads[param] = _finish_param_grad(em, grads, param, done)
         _tag_roles(em.ops[start:], op, targets, views, roles)
     return grads, roles
 
@@ -215,10 +217,12 @@ def _last_contribution(graph, needed, params, requiring) -> dict[int, list[str]]
 
 
 # ---- backward bookkeeping --------------------------------------------------------------------
-def _finish_param_grad(em: Emitter, grads: dict[str, str], param: str) -> str:
-    """Name the finished gradient of `param` `<param>.grad` (an Identity where it is shared)."""
+def _finish_param_grad(em: Emitter, grads: dict[str, str], param: str, done: set[str]) -> str:
+    """Name the finished gradient of `param` `<param>.grad` (an Identity where it is shared
+    with a tensor whose backward is still to come; `done`: tensors whose backward has run, as
+    a folded Transpose(W) whose gradient is W's, in W's layout)."""
     grad, name = grads[param], f"{param}.grad"
-    shared = any(v == grad for k, v in grads.items() if k != param)
+    shared = any(v == grad for k, v in grads.items() if k != param and k not in done)
     if shared or not em.rename(grad, name):
         em.op("Identity", [grad], outputs=[name])
     return name
