@@ -424,25 +424,29 @@ def test_linear_behind_a_transpose_makes_no_transposed_copy_of_its_weight():
              helper.make_node("Reshape", ["logits3", "rows"], ["flat"], name="flatten"),
              helper.make_node("MatMul", ["flat", "w3t"], ["y"], name="mm3"),
              helper.make_node("ReduceSum", ["w3t", "one"], ["w3s"], name="w3sum", keepdims=0),
-             helper.make_node("Add", ["y", "w3s"], ["logits"], name="shift")]
+             helper.make_node("Transpose", ["w4"], ["w4t"], name="t4"),
+             helper.make_node("MatMul", ["y", "w4t"], ["y4"], name="mm4"),   # 2-D x: one Gemm
+             helper.make_node("Add", ["y4", "w3s"], ["logits"], name="shift")]
     graph = helper.make_graph(nodes, "linear_t", [helper.make_tensor_value_info("x", DOUBLE, [2, 3, 4])],
                               [helper.make_tensor_value_info("logits", DOUBLE, [6, 5])],
                               [_init("w", rng.standard_normal((6, 4))), _init("w2", rng.standard_normal((5, 6))),
-                               _init("w3", rng.standard_normal((5, 5))),
+                               _init("w3", rng.standard_normal((5, 5))), _init("w4", rng.standard_normal((5, 5))),
                                numpy_helper.from_array(np.array([6, 5], dtype=np.int64), "rows"),
                                numpy_helper.from_array(np.array([0], dtype=np.int64), "one")])
     feeds = {"x": rng.standard_normal((2, 3, 4)), "labels": np.array([0, 4, 2, 1, 3, 0], dtype=np.int64)}
     train = check_gradients(make_model(graph), feeds, loss="cross_entropy")
     forward = {op.name: op for op in train.ops if op.phase == "forward"}
-    assert "t" not in forward and "t2" not in forward and "t3" in forward   # w3t is read by w3sum too
+    assert not {"t", "t2", "t4"} & set(forward) and "t3" in forward   # w3t is read by w3sum too
     assert forward["mm2"].op_type == "Reshape" and forward["mm3"].op_type == "MatMul"
+    assert forward["mm4"].op_type == "Gemm" and forward["mm4"].inputs == ["y", "w4"]
     gemms = [op for op in train.ops if op.phase == "forward" and op.op_type == "Gemm"]
-    assert sorted(op.inputs[1] for op in gemms) == ["w", "w2"] and all(op.attributes["transB"] == 1 for op in gemms)
-    assert not {"wt", "w2t"} & {t for op in train.ops for t in op.inputs}
+    assert sorted(op.inputs[1] for op in gemms) == ["w", "w2", "w4"]
+    assert all(op.attributes["transB"] == 1 for op in gemms)
+    assert not {"wt", "w2t", "w4t"} & {t for op in train.ops for t in op.inputs}
     # nor backward: the MatMul rule gives dW in W's layout (dy^T @ x), and the Transpose passes it on
     assert not [op for op in train.ops if op.op_type == "Transpose" and train.tensors[op.outputs[0]].shape in
                 {(6, 4), (4, 6), (5, 6), (6, 5)}]
-    assert train.producer["w.grad"].op_type == train.producer["w2.grad"].op_type == "Gemm"   # named, not copied
+    assert {train.producer[f"{w}.grad"].op_type for w in ("w", "w2", "w4")} == {"Gemm"}   # named, not copied
 
 
 def test_conv_weight_gradient_at_batch_one_moves_no_data():
