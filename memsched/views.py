@@ -156,16 +156,21 @@ def print_compile(report: dict) -> None:
     if solver.get("lower_bound_bytes"):
         gap = f", lower bound {format_bytes(solver['lower_bound_bytes'])}"
     out.print(f"solver: {solver['status']} in {solver['seconds']:.2f} s{gap}")
-    tried = report["passes"].get("fit", {}).get("tried") or []
-    if tried:
-        def said(t: dict) -> str:
-            if not t["fits"]:
-                smallest = t.get("smallest_peak_bytes")
-                return f"{t['candidate']}: no fit" + (f" (smallest {format_bytes(smallest)})" if smallest else "")
-            over = t.get("arena_bytes") is not None and budget is not None and t["arena_bytes"] > budget
-            mark = " (chosen)" if t.get("chosen") else " (arena over the budget)" if over else ""
-            return f"{t['candidate']}: {(t['step_time_s'] / base['step_time_s'] - 1) * 100:+.1f}%{mark}"
-        out.print("fit (predicted before placement): " + "; ".join(said(t) for t in tried))
+    fit = report["passes"].get("fit", {})
+
+    def said(t: dict) -> str:
+        if not t["fits"]:
+            smallest = t.get("smallest_peak_bytes")
+            return f"{t['candidate']}: no fit" + (f" (smallest {format_bytes(smallest)})" if smallest else "")
+        over = t.get("arena_bytes") is not None and budget is not None and t["arena_bytes"] > budget
+        mark = " (chosen)" if t.get("chosen") else " (arena over the budget)" if over else ""
+        return f"{t['candidate']}: {(t['step_time_s'] / base['step_time_s'] - 1) * 100:+.1f}%{mark}"
+    if fit.get("tried"):
+        out.print("fit (predicted before placement): " + "; ".join(said(t) for t in fit["tried"]))
+    for other in fit.get("other_rounds") or []:   # rounds against a target lowered by an arena's overshoot
+        if other["tried"]:
+            out.print(f"fit round {other['round']} (target {format_bytes(other['target_bytes'])}), not chosen: "
+                      + "; ".join(said(t) for t in other["tried"]))
     for what, path in report.get("written", {}).items():
         out.print(f"wrote {what}: {path}")
     out.print(f"[bold]{report['verdict']}[/bold]")

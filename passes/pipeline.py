@@ -156,6 +156,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     # win); the fastest placed plan of all rounds wins.
     best = None      # (step time, placed plan, attempt, target, tried, record)
     only = None      # the candidates a round re-plans (None: all)
+    rounds = []      # what each round tried, for the notes
     for attempt in range(1, FIT_ROUNDS + 1):
         ranked, tried = [(zero_overhead, zero_overhead_peak, None, 0.0)], []
         if target is not None and zero_overhead_peak > target:
@@ -168,6 +169,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
                                   f"with {','.join(strategies) or 'no strategies'}: the smallest peak reached is "
                                   f"{format_bytes(reached)} ({reached:,} B){hint}", reached)
         placed, overshoot = place_fastest(ranked, tried)
+        rounds.append({"round": attempt, "target_bytes": target, "tried": tried})
         if placed is not None and (best is None or placed[1] < best[0]):
             best = (placed[1], placed[0], attempt, target, tried, placed[2])
         if overshoot is None:
@@ -182,8 +184,9 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     _, plan, attempt, target, tried, record = best
     if record is not None:
         tried[record]["chosen"] = True
+    others = [r for r in rounds if r["round"] != attempt]
     plan = dataclasses.replace(plan, notes={**plan.notes, "fit": {"rounds": attempt, "target_bytes": target,
-                                                                  "tried": tried}})
+                                                                  "tried": tried, "other_rounds": others}})
     plan = dataclasses.replace(plan, budget=budget_bytes)
     say("simulating the baseline and the plan")
     return assess(plan, baseline, strategies, timings, model, costs, data_parallel)

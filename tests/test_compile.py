@@ -143,7 +143,7 @@ def test_report_reads_a_scheduled_plan_back(mlp_path, tmp_path):
     assert not_a_plan.returncode == 1 and "holds no memsched plan" in not_a_plan.stderr
 
 
-def test_a_compiled_plan_fits_its_budget_with_its_arena():
+def test_a_compiled_plan_fits_its_budget_with_its_arena(capsys):
     """The budget holds the real footprint: where placement's fragmentation overshoots, compile
     plans again against a lower target (notes['fit'] says how many rounds it took)."""
     graph = __import__("memsched.frontend", fromlist=["lower"]).lower(models.build("resnet18", batch=2, size=32,
@@ -152,5 +152,19 @@ def test_a_compiled_plan_fits_its_budget_with_its_arena():
                           strategies=("order", "reuse", "recompute", "swap"), time_limit=5)
     plan = result.report["plan"]
     assert plan["peak_bytes"] <= plan["arena_bytes"] <= result.report["budget_bytes"]
-    assert result.plan.notes["fit"]["rounds"] >= 1
+    fit = result.plan.notes["fit"]
+    assert fit["rounds"] >= 1 and fit["rounds"] not in [r["round"] for r in fit["other_rounds"]]
+    planned = sorted([fit["rounds"]] + [r["round"] for r in fit["other_rounds"]])
+    assert planned == list(range(1, len(planned) + 1))       # every round planned is in the notes, once
+    assert all(r["target_bytes"] < result.report["budget_bytes"] for r in fit["other_rounds"] if r["round"] > 1)
+    # compile prints each round it did not choose, with what its candidates gave
+    from memsched import views
+    from memsched.units import format_bytes
+    report = json.loads(json.dumps(result.report))
+    step = report["baseline"]["step_time_s"] * 1.05
+    report["passes"]["fit"]["other_rounds"] = [{"round": 2, "target_bytes": 10**6, "tried": [
+        {"candidate": "swap", "fits": True, "step_time_s": step, "arena_bytes": 10**12, "chosen": False}]}]
+    views.print_compile(report)
+    assert f"fit round 2 (target {format_bytes(10**6)}), not chosen: swap: +5.0% (arena over the budget)" in \
+        capsys.readouterr().out
     assert result.report["solver"]["lower_bound_bytes"] is None  # order's bound does not hold after recompute/swap
