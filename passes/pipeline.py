@@ -154,9 +154,9 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     # Where a faster one's arena overshot, fit again against a target lowered by its overshoot,
     # re-planning only the candidates that were faster than the placed one (a slower one cannot
     # win); the fastest placed plan of all rounds wins.
-    best = None      # (step time, placed plan, attempt, target, tried, record)
+    best = None      # (step time, placed plan, its round, its record in that round's tried)
     only = None      # the candidates a round re-plans (None: all)
-    rounds = []      # what each round tried, for the notes
+    rounds = []      # per round: its target and what it tried, for the notes
     for attempt in range(1, FIT_ROUNDS + 1):
         ranked, tried = [(zero_overhead, zero_overhead_peak, None, 0.0)], []
         if target is not None and zero_overhead_peak > target:
@@ -171,7 +171,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         placed, overshoot = place_fastest(ranked, tried)
         rounds.append({"round": attempt, "target_bytes": target, "tried": tried})
         if placed is not None and (best is None or placed[1] < best[0]):
-            best = (placed[1], placed[0], attempt, target, tried, placed[2])
+            best = (placed[1], placed[0], attempt, placed[2])
         if overshoot is None:
             break           # the round's fastest candidate was placed (or none fit at all)
         target -= overshoot
@@ -181,12 +181,13 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
                           f"does not after {FIT_ROUNDS} rounds: the smallest arena over it is "
                           f"{format_bytes(budget_bytes + overshoot)} ({budget_bytes + overshoot:,} B)",
                           budget_bytes + overshoot)
-    _, plan, attempt, target, tried, record = best
+    _, plan, attempt, record = best
+    chosen = rounds[attempt - 1]
     if record is not None:
-        tried[record]["chosen"] = True
-    others = [r for r in rounds if r["round"] != attempt]
-    plan = dataclasses.replace(plan, notes={**plan.notes, "fit": {"rounds": attempt, "target_bytes": target,
-                                                                  "tried": tried, "other_rounds": others}})
+        chosen["tried"][record]["chosen"] = True
+    others = [r for r in rounds if r is not chosen]
+    plan = dataclasses.replace(plan, notes={**plan.notes, "fit": {
+        "rounds": attempt, "target_bytes": chosen["target_bytes"], "tried": chosen["tried"], "other_rounds": others}})
     plan = dataclasses.replace(plan, budget=budget_bytes)
     say("simulating the baseline and the plan")
     return assess(plan, baseline, strategies, timings, model, costs, data_parallel)
