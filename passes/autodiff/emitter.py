@@ -190,6 +190,10 @@ class Emitter:
     def dtype(self, name: str) -> int:
         return self.tensors[name].dtype
 
+    def narrow_float(self, name: str) -> bool:
+        """Whether `name` is a 16-bit float, whose sums and small constants rules take in float32."""
+        return self.dtype(name) in (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
     def np_dtype(self, name: str) -> np.dtype:
         return helper.tensor_dtype_to_np_dtype(self.tensors[name].dtype)
 
@@ -285,9 +289,9 @@ class Emitter:
         """`op_type` (ScatterElements or ScatterND) with reduction=add. 16-bit floats add in
         float32 -- ONNX Runtime's CPU provider has no float16 kernel for the add, and a float32
         sum of many updates loses less -- and only the result comes back to the data's dtype."""
-        dtype = self.dtype(data)
-        if dtype not in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+        if not self.narrow_float(data):
             return self.op(op_type, [data, indices, updates], reduction="add", **attributes)
+        dtype = self.dtype(data)
         data, updates = (self.op("Cast", [t], to=TensorProto.FLOAT) for t in (data, updates))
         return self.op("Cast", [self.op(op_type, [data, indices, updates], reduction="add", **attributes)], to=dtype)
 

@@ -390,10 +390,10 @@ def _scaled_mean(em, k, count):
     ends above 1 / count once count > 2^14 (k / count can be subnormal, count itself over
     65,504), so there the product is taken in float32 and only the result, a mean scaled by
     k, comes back to the input's dtype."""
-    dtype = em.dtype(k)
-    if dtype in (TensorProto.FLOAT, TensorProto.DOUBLE):
+    if not em.narrow_float(k):
         k_mean = em.op("Mul", [k, em.scalar(1 / count, k)])
         return lambda total: em.op("Mul", [total, k_mean])
+    dtype = em.dtype(k)
     wide = em.op("Cast", [k], to=TensorProto.FLOAT)
     k_mean = em.op("Mul", [wide, em.scalar(1 / count, wide)])
     return lambda total: em.op("Cast", [em.op("Mul", [em.op("Cast", [total], to=TensorProto.FLOAT), k_mean])],
