@@ -23,9 +23,11 @@ the memory model (`memsched.memory`) judge every answer:
 - Solving (`solve`): training-aware starting plans (`seed_plans`: keep the outputs that are
   dear to recompute per byte, replay the rest at their first backward reader, as MONeT and
   Checkmate find for BN/ReLU outputs; and the greedy allowed DEEP_GREEDY computations per op,
-  where a U-Net's encoder is best replayed twice), then `remat.plan` (checkpoint-all, sqrt(n),
-  greedy, CP-SAT warm-started from the best, with room for the warm start's replays), then
-  `prune` (drop replays the budget does not need).
+  where a U-Net's encoder is best replayed twice), each seed pruned (`prune`: drop the replays
+  the budget does not need -- all of a node's, or a second replay of it, whose readers then
+  read the first: the greedy replays a node again where the peak it was evicting for has
+  moved on), then `remat.plan` (checkpoint-all, sqrt(n), greedy, CP-SAT warm-started from
+  the best, with room for the warm start's replays), then `prune` of its answer.
 - Judging (`search`): the answer is mapped back (first occurrence `compute`, repeats
   `recompute`), given fresh in-place aliases if the plan had any (`passes.reuse.choose_aliases`;
   replayed tensors are never written over in place, replayed views share) and analysed.
@@ -56,6 +58,7 @@ replay frees nothing). Graph inputs are never replayed.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import time
@@ -369,14 +372,24 @@ def plan_cost_peak(problem: remat.RematProblem, plan: list[list[int]]) -> tuple[
 
 
 def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, deadline: float) -> list[list[int]]:
-    """Drop replays that the budget does not need, the dearest per byte first."""
+    """Drop replays that the budget does not need, the dearest per byte first: every replay of
+    a node at once, then single replays of a node replayed more than once (its readers there
+    read the replay before, kept alive longer)."""
     plan = [list(stages) for stages in plan]
-    for v in sorted((v for v in range(problem.n) if plan[v]), key=lambda v: -problem.cost[v] / max(1, problem.size[v])):
+    dearest = sorted((v for v in range(problem.n) if plan[v]), key=lambda v: -problem.cost[v] / max(1, problem.size[v]))
+    for v in dearest:
         if time.perf_counter() > deadline:
-            break
+            return plan
         stages, plan[v] = plan[v], []
         if plan_cost_peak(problem, plan)[1] > budget:
             plan[v] = stages
+    for v in dearest:
+        for stage in list(plan[v][1:]):
+            if time.perf_counter() > deadline:
+                return plan
+            plan[v].remove(stage)
+            if plan_cost_peak(problem, plan)[1] > budget:
+                bisect.insort(plan[v], stage)
     return plan
 
 
@@ -430,15 +443,18 @@ def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, deadl
 def solve(problem: remat.RematProblem, late: list[bool], budget: int, seconds: float,
           method: str = "auto") -> remat.Result:
     """One abstract solve at `budget` within about `seconds`: the training-aware seeds (auto and
-    cpsat only), `remat.plan` (baselines, then CP-SAT from the best), then `prune` of the
-    answer (its status drops to feasible/heuristic if that made it cheaper)."""
+    cpsat only; pruned before CP-SAT, which may spend all its time and find nothing on a large
+    graph), `remat.plan` (baselines, then CP-SAT from the best), then `prune` of the answer
+    (its status drops to feasible/heuristic if that made it cheaper)."""
     started = time.perf_counter()
     seeds = seed_plans(problem, late, budget, started + SEED_SHARE * seconds) \
         if method in ("auto", remat.CPSAT) else {}
     if method == "auto":
         for copies in DEEP_GREEDY:
             found = remat.solve_greedy(problem, budget, copies, name=f"greedy-{copies}")
-            seeds[found.method] = remat.plan_from_schedule(problem, found.schedule)
+            plan = remat.plan_from_schedule(problem, found.schedule)
+            pruned = prune(problem, plan, budget, started + (1 - PRUNE_SHARE) * seconds) if found.fits else plan
+            seeds[found.method if pruned == plan else f"{found.method}+prune"] = pruned
     left = started + (1 - PRUNE_SHARE) * seconds - time.perf_counter()
     result = remat.plan(problem, budget, max(0.05, left), method, seeds=seeds)
     if result.status == "optimal":

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections import Counter
 
+import networkx as nx
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -31,8 +33,8 @@ from passes import remat
 from passes.autodiff import build_training_step
 from passes.order import order_pass
 from passes.placement import place_pass
-from passes.recompute import (END, base_orders, recompute_pass, replay_blocker, shared_views, to_problem,
-                              to_schedule)
+from passes.recompute import (END, base_orders, plan_cost_peak, prune, recompute_pass, replay_blocker,
+                              shared_views, to_problem, to_schedule)
 from passes.reuse import choose_aliases, priority_order, reuse_pass
 
 from .conftest import run_cli
@@ -341,6 +343,26 @@ def test_impossible_budget_raises_budget_error_with_the_smallest_peak_reached(gr
     # the number is a budget that works: planning for it succeeds
     out = recompute_pass(dataclasses.replace(plan, budget=smallest), time_limit=3)
     assert validate(out).peak_bytes <= smallest
+
+
+def test_prune_drops_a_second_replay_that_the_budget_does_not_need():
+    """`a` is read at stages 3 and 6 and replayed before each. Kept from its first computation
+    it would sit beside `big` (111 B); the first replay kept to stage 6 sits beside `f` (106 B);
+    replayed twice, the peak is `big` and `c` (101 B)."""
+    g = nx.DiGraph()
+    order = [("a", 10), ("big", 100), ("c", 1), ("r1", 1), ("f", 95), ("h", 1), ("r2", 1)]
+    for name, size in order:
+        g.add_node(name, cost=1.0, size=size)
+    g.add_edges_from([("big", "c"), ("a", "r1"), ("c", "r1"), ("r1", "f"), ("f", "h"), ("a", "r2"), ("h", "r2")])
+    problem = remat.make_problem(g, [name for name, _ in order])
+    twice = [[3, 6]] + [[] for _ in order[1:]]
+    assert plan_cost_peak(problem, twice) == (2.0, 101)
+    assert plan_cost_peak(problem, [[3]] + twice[1:]) == (1.0, 106)
+    assert plan_cost_peak(problem, [[]] + twice[1:]) == (0.0, 111)
+    deadline = time.perf_counter() + 60
+    assert prune(problem, twice, 106, deadline)[0] == [3]
+    assert prune(problem, twice, 105, deadline)[0] == [3, 6]
+    assert prune(problem, twice, 111, deadline)[0] == []
 
 
 def test_parameter_bound_graph_cannot_be_cut():
