@@ -11,8 +11,8 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule
-from passes.order import (Problem, Search, Judge, cut_bound, hoist, order_pass, reachability, sink,
-                          structural_bound)
+from passes.order import (WHOLE_FIRST_OPS, WHOLE_GRAPH_OPS, Problem, Search, Judge, cut_bound, hoist, order_pass,
+                          reachability, sink, structural_bound)
 from passes.placement import place_pass
 from passes.reuse import choose_aliases, reuse_pass
 
@@ -209,6 +209,20 @@ def test_time_limit_is_kept_on_a_large_random_graph():
     notes = plan.notes["order"]
     assert notes["heuristic_peaks"]["given"] == notes["input_peak_bytes"]
     assert validate(plan).peak_bytes == notes["peak_bytes"] <= notes["input_peak_bytes"]
+
+
+def test_a_mid_size_graph_gets_a_whole_graph_model_before_the_windows():
+    graph = random_dag(3, 250, max_bytes=10**6)
+    assert WHOLE_GRAPH_OPS < len(graph.ops) <= WHOLE_FIRST_OPS
+    plan = order_pass(Plan.initial(graph), time_limit=4)
+    notes = plan.notes["order"]
+    cpsat = notes["cpsat"]
+    assert cpsat["mode"] in ("whole graph", "whole graph, then windows")
+    # the windows run only where the whole-graph model left the peak above what is proven
+    assert (cpsat["mode"] == "whole graph") == (cpsat["solves"] == 1)
+    if cpsat["mode"] == "whole graph":
+        assert notes["status"] == "optimal"
+    assert notes["lower_bound_bytes"] <= validate(plan).peak_bytes == notes["peak_bytes"] <= notes["input_peak_bytes"]
 
 
 def test_window_search_stops_at_its_deadline():
