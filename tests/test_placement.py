@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from memsched.errors import ScheduleError
 from memsched.memory import analyze_plan, buffers, check_placement, validate
 from memsched.schedule import Plan
-from passes.placement import (ALIGNMENT, aligned_peak, best_greedy, cpsat_offsets, greedy_offsets,
-                              place_buffers, place_pass)
+from passes import placement
+from passes.placement import (ALIGNMENT, GREEDY_ORDERS, aligned_peak, best_greedy, cpsat_offsets, greedy_offsets,
+                              improved_offsets, place_buffers, place_pass)
 
 from .graphs import GraphBuilder
 
@@ -80,16 +82,31 @@ def test_the_best_greedy_order_wins():
 HARD = [(("b0", 0), 4, 4, 320), (("b1", 0), 1, 3, 384), (("b2", 0), 3, 4, 256), (("b3", 0), 4, 4, 192)]
 
 
-def test_cpsat_beats_greedy_and_proves_the_lower_bound():
+def test_cpsat_beats_greedy_and_proves_the_lower_bound(monkeypatch):
     greedy, name = best_greedy(HARD, 6)
     assert name == "size" and max(greedy[k] + b for k, _, _, b in HARD) == 832
     assert aligned_peak(HARD, 6) == 768       # b0 + b2 + b3 at step 4
     offsets, status, proven, _ = cpsat_offsets(HARD, 6, greedy, 768, time_limit=5)
     assert status == "optimal" and proven == 768
     assert max(offsets[k] + b for k, _, _, b in HARD) == 768
+    monkeypatch.setattr(placement, "LOCAL_SEARCH_TRIES", 0)   # CP-SAT's turn
     chosen, info = place_buffers(HARD, 6, time_limit=5)
     assert info["method"] == "cp-sat NoOverlap2D" and info["status"] == "optimal"
-    assert chosen == offsets
+    assert info["local_search_moves"] == 0 and chosen == offsets
+
+
+def test_local_search_over_the_greedy_sequence_reaches_the_bound():
+    """Every greedy order misses HARD's optimum; moves of the by-size sequence find one, the
+    same way each time, and place_buffers then needs no CP-SAT."""
+    offsets, tried = improved_offsets(HARD, 6, GREEDY_ORDERS["size"], deadline=math.inf)
+    assert max(offsets[k] + b for k, _, _, b in HARD) == 768 and 1 <= tried < 50
+    assert improved_offsets(HARD, 6, GREEDY_ORDERS["size"], deadline=math.inf) == (offsets, tried)
+    chosen, info = place_buffers(HARD, 6, time_limit=5)
+    assert info["method"] == "greedy (size), local search" and info["status"] == "optimal"
+    assert chosen == offsets and "cpsat" not in info and info["local_search_moves"] == tried
+    # no moves allowed, or no time: the greedy as it was
+    assert improved_offsets(HARD, 6, GREEDY_ORDERS["size"], math.inf, tries=0) == (greedy_offsets(HARD, 6), 0)
+    assert improved_offsets(HARD, 6, GREEDY_ORDERS["size"], deadline=0.0) == (greedy_offsets(HARD, 6), 0)
 
 
 def test_no_time_keeps_the_greedy():
