@@ -14,9 +14,9 @@ TensorFlow Lite's arena planner and OLLA:
 - `improved_offsets`: where the best greedy is above the lower bound, a local search over its
   placing sequence (the buffer at the arena's top placed earlier, or one placed before it
   that overlaps it in time placed after it; kept when the arena does not grow), for at most
-  LOCAL_SEARCH_TRIES moves (LOCAL_SEARCH_PATIENCE without a gain) or half the time limit. On a 354-op encoder's plan the best
-  greedy was 5.5% above the peak and CP-SAT, started from it, 3.0% after 10 s; started from
-  the search's answer, 0.5%.
+  LOCAL_SEARCH_TRIES moves (LOCAL_SEARCH_PATIENCE in a row without a gain) or half the time
+  limit. On a 354-op encoder's plan the best greedy was 5.6% above the peak and CP-SAT,
+  started from it, 3.1% after 10 s; started from the search's answer, 0.5-1.5% (two runs).
 - `cpsat_offsets`: CP-SAT with NoOverlap2D over (lifetime x address), warm-started with the
   result so far and bounded by it, used when that arena is above the lower bound.
 
@@ -87,7 +87,8 @@ def place_pass(plan: Plan, time_limit: float = 10.0) -> Plan:
 
 
 def place_buffers(items: list[Buffer], n_steps: int, time_limit: float) -> tuple[dict, dict]:
-    """Offsets for `items` (greedy, then CP-SAT where it may help); returns (offsets, info)."""
+    """Offsets for `items` (the best greedy, the local search over its sequence, then CP-SAT
+    where they may help); returns (offsets, info)."""
     started = time.perf_counter()
     greedy, name = best_greedy(items, n_steps, started + time_limit / 2)
     arena = _arena_aligned(items, greedy, ALIGNMENT)
