@@ -100,8 +100,9 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float) -> tuple
         searched, tried = improved_offsets(items, n_steps, GREEDY_ORDERS[name], started + time_limit / 2,
                                            LOCAL_SEARCH_TRIES)
         info["local_search_moves"] = tried
-        if _arena_aligned(items, searched, ALIGNMENT) < arena:
-            greedy, arena = searched, _arena_aligned(items, searched, ALIGNMENT)
+        searched_arena = _arena_aligned(items, searched, ALIGNMENT)
+        if searched_arena < arena:
+            greedy, arena = searched, searched_arena
             info["method"] = f"greedy ({name}), local search"
             info["status"] = "optimal" if arena <= bound else "heuristic"
     time_limit -= time.perf_counter() - started
