@@ -443,12 +443,18 @@ def test_compile_hands_a_budget_recompute_cannot_meet_to_swap():
     result = compile_plan(model, train=True, strategies=("reuse", "recompute", "swap"), budget="45%", time_limit=2)
     assert result.report["plan"]["peak_bytes"] <= result.report["budget_bytes"]
     assert "swap" in result.plan.notes
-    tried = {t["candidate"]: t for t in result.plan.notes["fit"]["tried"]}
-    assert tried["recompute"]["fits"] is False and tried["swap"]["fits"] is True
+    fit = result.plan.notes["fit"]
+    # round 1 plans every candidate; a later round (where a faster arena overshot) re-plans only
+    # those, so how many rounds ran depends on the placement's time and is not asserted
+    rounds = {fit["rounds"]: fit["tried"], **{r["round"]: r["tried"] for r in fit["other_rounds"]}}
+    first = {t["candidate"]: t for t in rounds[1]}
+    assert first["recompute"]["fits"] is False and first["swap"]["fits"] is True
+    tried = {t["candidate"]: t for t in fit["tried"]}
     fitting = [t for t in tried.values() if t["fits"]]
     chosen = [t for t in fitting if t["chosen"]]
     # the fastest whose arena holds the budget: any faster one was placed and overshot
     assert len(chosen) == 1 and chosen[0]["arena_bytes"] <= result.report["budget_bytes"]
+    assert "swap" in chosen[0]["candidate"]
     faster = [t for t in fitting if t["step_time_s"] < chosen[0]["step_time_s"]]
     assert all(t["arena_bytes"] > result.report["budget_bytes"] for t in faster)
     # chosen before placement; the arena offsets only narrow the waits for swap-outs
