@@ -363,15 +363,14 @@ def cmd_report(args) -> int:
 
     from memsched import hardware
     from memsched.emit import read_plan
-    from memsched.schedule import Plan
-    from passes.pipeline import assess, strategies_of
+    from passes.pipeline import assess, baseline_of, strategies_of
 
     plan = read_plan(args.plan)
     if args.hardware:
         plan = dataclasses.replace(plan, hardware=hardware.load(args.hardware))
     elif plan.hardware is None:
         plan = dataclasses.replace(plan, hardware=hardware.load("v100-16gb"))
-    result = assess(plan, Plan.initial(plan.graph, hardware=plan.hardware), strategies_of(plan), {}, args.plan,
+    result = assess(plan, baseline_of(plan), strategies_of(plan), {}, args.plan,
                     costs=args.costs, data_parallel=args.data_parallel)
     return show_report(result, args.html, {}, args.json)
 

@@ -17,8 +17,8 @@ Rules, stated once:
    size and the op allows it. A shape-only view (Reshape, Flatten, Squeeze, Unsqueeze,
    Identity) shares its input's storage whether or not the input is read later, as ONNX
    Runtime's aliasing kernels do: the two are one buffer, live while either is. Any other
-   op (elementwise ops, a scatter over its data input, optimizer updates) writes over the
-   input, so that input's last use must be this op and no other tensor may still need the
+   op (elementwise ops, a scatter over its data input, optimizer updates -- a fused Gemm
+   update only over C, its parameter) writes over the input, so that input's last use must be this op and no other tensor may still need the
    storage (a view of it read later, or held to the end of the step as a graph output); the
    input's residency ends there. The bytes of a buffer count once, at every step some
    residency in it covers.
@@ -217,6 +217,9 @@ def _check_alias(graph: Graph, op, output: str, source: str) -> None:
         raise ScheduleError(f"'{output}' may not alias '{source}': their sizes differ")
     if op.op_type not in INPLACE_OPS and op.phase != "update":
         raise ScheduleError(f"'{output}' may not alias '{source}': {op.op_type} does not run in place")
+    if op.op_type == "Gemm" and source not in op.inputs[2:3]:
+        raise ScheduleError(f"'{output}' may not alias '{source}': a Gemm update writes in place only over C, "
+                            f"the parameter it updates")
     if op.op_type in INPLACE_DATA_ONLY and source != op.inputs[0]:
         raise ScheduleError(f"'{output}' may not alias '{source}': {op.op_type} writes in place only over "
                             f"its first input")

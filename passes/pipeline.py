@@ -30,6 +30,8 @@ from memsched.schedule import Plan
 from memsched.simulate import Simulation, simulate
 from memsched.units import format_bytes, parse_bytes
 
+from .reuse import FUSED_KEY, unfused_graph
+
 STRATEGIES = ("order", "reuse", "recompute", "swap")
 DEFAULT_STRATEGIES = ("order", "reuse")
 # Data-parallel interconnect: 100 Gb/s InfiniBand (12.5 GB/s) with ~5 us per message.
@@ -110,7 +112,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     strategies = parse_strategies(strategies)
     hw = hardware_mod.load(hardware)
     say("loading the model" + (" and building the training step" if train else ""))
-    graph = load_graph(model, dims, train, loss, optimizer, lr, freeze)
+    graph = unfused_graph(load_graph(model, dims, train, loss, optimizer, lr, freeze))
 
     baseline = Plan.initial(graph, hardware=hw)
     baseline_profile = validate(baseline)
@@ -129,7 +131,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
         return planned, judged
 
-    passes = _passes()
+    passes = _passes(fuse_updates=not data_parallel)   # data parallel all-reduces every gradient
     for name in ("reuse", "order"):
         if name in strategies:
             plan, peak = run(name, lambda p, f=passes[name]: f(p, time_limit), plan)
@@ -281,6 +283,12 @@ def climb_relaxations(step_time_at: Callable[[float], float | None], grid: list[
     return {grid[i]: t for i, t in sorted(times.items())}
 
 
+def baseline_of(plan: Plan) -> Plan:
+    """The baseline `plan` is judged against: its graph as given (fused updates undone), in
+    the given order, on the plan's hardware."""
+    return Plan.initial(unfused_graph(plan.graph), hardware=plan.hardware)
+
+
 def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], model,
            costs: "CostTable | str | Path | None" = None, data_parallel: int | None = None) -> CompileResult:
     """Judge and simulate a finished plan against its baseline; build the report (compile, report)."""
@@ -290,12 +298,15 @@ def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], mo
     profile = validate(plan)
     baseline_sim = simulate(baseline, hw, costs)
     sim = simulate(plan, hw, costs)
-    graph = plan.graph
+    graph = baseline.graph     # the model as given (the plan's may have fused updates)
     report = build_report(graph, hw, plan.budget, strategies, baseline_profile, baseline_sim, plan, profile,
                           sim, timings, model)
     report["tensors"] = tensor_decisions(plan)
     report["input_pipeline"] = input_pipeline(graph, hw, sim.step_time, sim.stream_busy.get("h2d", 0.0))
     if data_parallel:
+        if FUSED_KEY in plan.graph.metadata:
+            raise UserError("the plan fuses SGD updates into their weight-gradient Gemms, so those gradients "
+                            "are never made to be all-reduced; compile it with --data-parallel to keep them")
         report["data_parallel"] = data_parallel_estimate(plan, sim, data_parallel, *INTERCONNECT).to_dict()
     return CompileResult(graph, baseline, baseline_profile, baseline_sim, plan, profile, sim, report)
 
@@ -305,15 +316,16 @@ def strategies_of(plan: Plan) -> tuple[str, ...]:
     return tuple(s for s in STRATEGIES if s in plan.notes)
 
 
-def _passes() -> dict[str, Callable]:
-    """Strategy name -> pass; imported on use so loading the pipeline stays cheap."""
+def _passes(fuse_updates: bool = True) -> dict[str, Callable]:
+    """Strategy name -> pass; imported on use so loading the pipeline stays cheap.
+    `fuse_updates`: whether reuse may fuse SGD updates into their dW Gemms."""
     from .order import order_pass
     from .placement import place_pass
     from .recompute import recompute_pass
     from .reuse import reuse_pass
     from .swap import swap_pass
 
-    return {"order": order_pass, "reuse": lambda plan, limit: reuse_pass(plan), "recompute": recompute_pass,
+    return {"order": order_pass, "reuse": lambda plan, limit: reuse_pass(plan, fuse_updates), "recompute": recompute_pass,
             "swap": swap_pass, "placement": place_pass}
 
 

@@ -12,6 +12,10 @@ Three decisions, none adding a FLOP or a transfer:
 - In-place aliasing (`Plan.aliases`): an output takes the storage of an input of the same
   size that dies at its op, where the memory model allows it (`memsched.memory.INPLACE_OPS`,
   update ops on their parameter). Chosen greedily; the judge (`analyze`) confirms.
+- Fused per-layer update (SGD): where a weight's gradient is one Gemm read only by its update
+  (w - lr * g), the three ops become one Gemm(A, B, C=w, alpha=-lr*alpha, beta=1) of phase
+  update that writes the new weight over w: the gradient buffer never exists. Same FLOPs;
+  the rounding is the Gemm's (alpha*AB + C) instead of two elementwise roundings.
 
 The dW and dX ops of each weight come from the roles passes.autodiff records in
 `graph.metadata["memsched.grad_roles"]` (several ops per role, X the layer's input); for
@@ -28,23 +32,32 @@ import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
+from onnx import helper, numpy_helper
+
 from memsched.errors import ScheduleError
-from memsched.ir import Graph, Op
+from memsched.ir import Graph, Op, Tensor, tensor_value
 from memsched.memory import INPLACE_OPS, VIEW_OPS, analyze
 from memsched.schedule import Plan, Schedule, order_schedule
 
 # where passes.autodiff records each backward op's role (dW, dX, update; see its package doc)
 GRAD_ROLES_KEY = "memsched.grad_roles"
+TRAINING_KEY = "memsched.training"     # the training step's options (loss, optimizer, lr, ...)
+# what fuse_sgd_updates replaced, so the graph as given (the baseline's) can be rebuilt
+FUSED_KEY = "memsched.fused_updates"
 # ops whose every input may be overwritten by the output; other in-place ops only their first
 _ANY_INPUT = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
 
-def reuse_pass(plan: Plan) -> Plan:
-    """Move updates into the backward, apply the dW/dX rule, alias in place; never raise the peak.
+def reuse_pass(plan: Plan, fuse: bool = True) -> Plan:
+    """Move updates into the backward, apply the dW/dX rule, alias in place, fuse SGD updates
+    into their dW Gemms (`fuse`; not for data-parallel training, whose gradients must exist to
+    be all-reduced); never raise the peak.
 
-    Candidate orders (the given one, updates moved, updates moved plus the dW/dX rule) are
-    each given greedy in-place aliases and judged; the lowest peak wins, ties going to the
-    one that reuses more. Schedules with recompute/swap steps keep their order (aliases only).
+    Candidate orders (the given one, updates moved, updates moved plus the dW/dX rule), on the
+    graph and on its fused form, are each given greedy in-place aliases and judged; the lowest
+    peak wins, ties going to the fused graph, then to the one that reuses more. Schedules with
+    recompute/swap steps keep their order and graph (aliases only).
     """
     graph = plan.graph
     order = compute_order(plan.schedule)
@@ -56,23 +69,31 @@ def reuse_pass(plan: Plan) -> Plan:
                  **_alias_notes(graph, aliases)}
         return dataclasses.replace(plan, aliases=aliases, offsets=None,
                                    notes={**plan.notes, "reuse": notes})
-    candidates = {"given": order,
-                  "updates-in-backward": training_order(graph, order, dwdx=False),
-                  "dw-dx-rule": training_order(graph, order)}
-    judged = {}
-    for name, candidate in candidates.items():
-        schedule = order_schedule(candidate)
-        aliases = choose_aliases(graph, schedule, prefer if name == "given" else None)
-        judged[name] = (analyze(graph, schedule, aliases, plan.on_host).peak_bytes, schedule, aliases)
-    best = min(judged, key=lambda name: (judged[name][0], -list(judged).index(name)))
+    fused_graph, fused = fuse_sgd_updates(graph) if fuse else (graph, [])
+    graphs = {"": graph}
+    if fused:     # judged beside the unfused graph: the fusion is kept only where it does not lose
+        graphs["fused, "] = fused_graph
+    candidates, judged = {}, {}
+    for prefix, g in graphs.items():
+        given = [name for name in order if name in g.op_by_name]
+        for name, candidate in {"given": given,
+                                "updates-in-backward": training_order(g, given, dwdx=False),
+                                "dw-dx-rule": training_order(g, given)}.items():
+            schedule = order_schedule(candidate)
+            aliases = choose_aliases(g, schedule, prefer if name == "given" else None)
+            candidates[prefix + name] = (g, candidate)
+            judged[prefix + name] = (analyze(g, schedule, aliases, plan.on_host).peak_bytes, schedule, aliases)
+    # the lowest peak; on a tie the fused graph (fewer buffers), then the later candidate
+    best = min(judged, key=lambda name: (judged[name][0], not name.startswith("fused"), -list(judged).index(name)))
     peak, schedule, aliases = judged[best]
     input_peak = analyze(graph, plan.schedule, plan.aliases, plan.on_host).peak_bytes
-    chosen = candidates[best]
+    graph, chosen = candidates[best]
     notes = {"order": best, "peak_bytes": peak, "input_peak_bytes": input_peak,
              "candidate_peaks": {name: j[0] for name, j in judged.items()},
+             "fused_updates": len(fused) if best.startswith("fused") else 0,
              "updates_in_backward": _updates_in_backward(graph, chosen),
              **_dwdx_notes(graph, chosen), **_alias_notes(graph, aliases)}
-    return dataclasses.replace(plan, schedule=schedule, aliases=aliases, offsets=None,
+    return dataclasses.replace(plan, graph=graph, schedule=schedule, aliases=aliases, offsets=None,
                                notes={**plan.notes, "reuse": notes})
 
 
@@ -83,6 +104,122 @@ def compute_order(schedule: Schedule) -> list[str] | None:
     return [step.target for step in schedule]
 
 
+# ---- fused per-layer update ------------------------------------------------------------
+def fuse_sgd_updates(graph: Graph) -> tuple[Graph, list[str]]:
+    """`graph` with each SGD update w' = w - lr * g whose gradient g is one Gemm (or a Reshape
+    of one to w's shape) read only by the update fused into Gemm(A, B, C=w, alpha=-lr*alpha,
+    beta=1) named as the update's Sub, so the given order stays topological. Its grad role is
+    the Gemm's (dW). Returns (graph, the parameters fused); the graph itself when none is."""
+    training = json.loads(graph.metadata.get(TRAINING_KEY, "{}"))
+    if training.get("optimizer") != "sgd" or FUSED_KEY in graph.metadata:   # not SGD, or fused already
+        return graph, []
+    tensors = graph.tensors
+    roles = json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}"))
+    original_roles = dict(roles)
+    removed: set[str] = set()
+    new_ops: dict[str, Op] = {}
+    fused = []
+    for sub in graph.ops:
+        matched = _fusable(graph, sub) if sub.phase == "update" and sub.op_type == "Sub" else None
+        if matched is None:
+            continue
+        gemm, between, lr = matched
+        param = sub.inputs[0]
+        alpha = -float(gemm.attributes.get("alpha", 1.0)) * lr
+        new_ops[sub.name] = Op(sub.name, "Gemm", [*gemm.inputs[:2], param], list(sub.outputs),
+                               {**gemm.attributes, "alpha": alpha, "beta": 1.0}, phase="update",
+                               doc_string=f"fused SGD update of {param}: {param} - {lr:g} * ({gemm.name})")
+        removed.update(op.name for op in [gemm, *between])
+        if gemm.name in roles:
+            roles[sub.name] = roles[gemm.name]
+        fused.append(param)
+    if not fused:
+        return graph, []
+    ops = [new_ops.get(op.name, op) for op in graph.ops if op.name not in removed]
+    used = set(graph.inputs) | set(graph.outputs) | {t for op in ops for t in op.present_inputs + op.present_outputs}
+    replaced = [(i, op) for i, op in enumerate(graph.ops) if op.name in removed or op.name in new_ops]
+    record = {"ops": [dict(_op_json(op), index=i, role=original_roles.get(op.name)) for i, op in replaced],
+              "tensors": [_tensor_json(t, graph.base_dir) for name, t in tensors.items() if name not in used]}
+    metadata = {**graph.metadata, FUSED_KEY: json.dumps(record, sort_keys=True),
+                GRAD_ROLES_KEY: json.dumps({k: v for k, v in roles.items() if k not in removed}, sort_keys=True)}
+    kept = {name: t for name, t in tensors.items() if name in used}
+    return graph.replace(ops=ops, tensors=kept, metadata=metadata), fused
+
+
+def unfused_graph(graph: Graph) -> Graph:
+    """The graph before `fuse_sgd_updates` (the one the baseline runs): the replaced ops back
+    at their places in the op order, their tensors and grad roles restored."""
+    record = json.loads(graph.metadata.get(FUSED_KEY, "null"))
+    if record is None:
+        return graph
+    originals = sorted(record["ops"], key=lambda o: o["index"])
+    names = {o["name"] for o in originals}
+    ops = [op for op in graph.ops if op.name not in names]
+    roles = json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}"))
+    for o in originals:
+        ops.insert(o["index"], Op(o["name"], o["op_type"], o["inputs"], o["outputs"], o["attributes"],
+                                  phase=o["phase"], doc_string=o["doc_string"]))
+        roles.pop(o["name"], None)
+        if o["role"] is not None:
+            roles[o["name"]] = o["role"]
+    tensors = {**graph.tensors, **{t["name"]: _tensor_from_json(t) for t in record["tensors"]}}
+    metadata = {k: v for k, v in graph.metadata.items() if k != FUSED_KEY}
+    metadata[GRAD_ROLES_KEY] = json.dumps(roles, sort_keys=True)
+    return graph.replace(ops=ops, tensors=tensors, metadata=metadata)
+
+
+def _op_json(op: Op) -> dict:
+    return {"name": op.name, "op_type": op.op_type, "inputs": list(op.inputs), "outputs": list(op.outputs),
+            "attributes": dict(op.attributes), "phase": op.phase, "doc_string": op.doc_string}
+
+
+def _tensor_json(t: Tensor, base_dir: str | None) -> dict:
+    value = tensor_value(t, base_dir).tolist() if t.is_static else None
+    return {"name": t.name, "shape": None if t.shape is None else list(t.shape), "dtype": t.dtype,
+            "kind": t.kind, "value": value}
+
+
+def _tensor_from_json(t: dict) -> Tensor:
+    shape = None if t["shape"] is None else tuple(t["shape"])
+    data = None
+    if t["value"] is not None:
+        array = np.asarray(t["value"], dtype=helper.tensor_dtype_to_np_dtype(t["dtype"])).reshape(shape)
+        data = numpy_helper.from_array(array, t["name"])
+    return Tensor(t["name"], shape, t["dtype"], t["kind"], data)
+
+
+def _fusable(graph: Graph, sub: Op) -> tuple[Op, list[Op], float] | None:
+    """(the gradient's Gemm, the ops between it and `sub` to remove, lr) where the update `sub`
+    = w - Mul(g, lr) can fuse with the Gemm making g; else None."""
+    producer, consumers, tensors = graph.producer, graph.consumers, graph.tensors
+    if len(sub.present_inputs) != 2 or len(sub.present_outputs) != 1:
+        return None
+    param, scaled = sub.inputs
+    if tensors[param].kind != "parameter" or len(consumers.get(scaled, [])) != 1 or scaled in graph.outputs:
+        return None
+    mul = producer.get(scaled)
+    if mul is None or mul.op_type != "Mul" or mul.phase != "update" or len(mul.present_inputs) != 2:
+        return None
+    grad, lr = mul.inputs
+    if not (tensors[lr].is_static and tensors[lr].data is not None and tensors[lr].numel == 1):
+        return None
+
+    def read_once(t: str) -> bool:          # by the next op of the chain, and not a graph output
+        return len(consumers.get(t, [])) == 1 and t not in graph.outputs
+
+    between = [mul]
+    gemm = producer.get(grad)
+    while gemm is not None and gemm.op_type == "Reshape" and read_once(grad):
+        between.append(gemm)
+        grad = gemm.inputs[0]
+        gemm = producer.get(grad)
+    if (gemm is None or gemm.op_type != "Gemm" or len(gemm.present_inputs) != 2 or gemm.phase != "backward"
+            or not read_once(grad) or (tensors[grad].shape, tensors[grad].dtype) != (tensors[param].shape,
+                                                                                      tensors[param].dtype)):
+        return None
+    return gemm, between, float(tensor_value(tensors[lr], graph.base_dir).reshape(()))
+
+
 # ---- in-place ---------------------------------------------------------------------------
 def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
     """Inputs of `op` that `output` may overwrite if they die at `op` (the static half of the
@@ -91,7 +228,9 @@ def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
     Parameters come first: taking their storage saves them for the rest of the step."""
     if op.op_type not in INPLACE_OPS and op.phase != "update":
         return []
-    if op.phase != "update" and op.op_type not in _ANY_INPUT:
+    if op.op_type == "Gemm":                  # a fused update: only over C, the parameter
+        data = op.inputs[2:3]
+    elif op.phase != "update" and op.op_type not in _ANY_INPUT:
         data = op.inputs[1:3] if op.op_type == "Where" else op.inputs[:1]
     else:
         data = op.inputs

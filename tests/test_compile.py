@@ -33,8 +33,10 @@ def test_compile_figures_match_the_judge(mlp_path):
     assert report["plan"]["peak_bytes"] <= report["baseline"]["peak_bytes"]
     assert report["plan"]["peak_bytes"] <= report["plan"]["arena_bytes"] <= 1.02 * report["plan"]["peak_bytes"]
     assert report["plan"]["recomputed_ops"] == [] and report["plan"]["swapped_bytes"] == {}
-    # zero-overhead strategies: the same ops, so the same predicted compute time
-    assert report["plan"]["step_time_s"] == pytest.approx(report["baseline"]["step_time_s"], rel=1e-9)
+    # zero-overhead strategies: the same work, less of it where updates fused into their dW
+    # Gemms (two elementwise passes over each weight fewer), so never slower
+    assert result.plan.notes["reuse"]["fused_updates"] > 0
+    assert report["plan"]["step_time_s"] < report["baseline"]["step_time_s"]
     assert report["solver"]["status"] in ("optimal", "feasible", "heuristic")
     assert report["solver"]["lower_bound_bytes"] <= report["plan"]["peak_bytes"]
 

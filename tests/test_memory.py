@@ -87,6 +87,23 @@ def test_inplace_alias_counts_storage_once():
         analyze(g, default_schedule(g), aliases={"p": "x"})  # graph inputs are never overwritten
 
 
+def test_a_fused_gemm_update_writes_in_place_only_over_its_parameter():
+    # w' = w - lr * (a^T b) as one Gemm (passes.reuse.fuse_sgd_updates): its output may take
+    # w's storage (C), never a or b's, which the product reads while it writes
+    g = Graph([Op("fa", "Relu", ["x"], ["a"]), Op("fb", "Relu", ["x"], ["b"]),
+               Op("upd", "Gemm", ["a", "b", "w"], ["w.updated"], {"alpha": -0.1, "beta": 1.0, "transA": 1},
+                  phase="update")],
+              {"x": t("x", 4, "input"), "a": t("a", 4), "b": t("b", 4), "w": t("w", 4, "parameter", True),
+               "w.updated": t("w.updated", 4, "output")}, ["x"], ["w.updated"])
+    g.tensors["a"].shape = g.tensors["b"].shape = g.tensors["w"].shape = g.tensors["w.updated"].shape = (2, 2)
+    # at the update a 16 + b 16 + w 16, and w.updated 16 of its own unless it takes w's storage
+    assert analyze(g, default_schedule(g)).live_bytes.tolist() == [48, 64, 64]
+    assert analyze(g, default_schedule(g), aliases={"w.updated": "w"}).live_bytes.tolist() == [48, 64, 48]
+    for source in ("a", "b"):
+        with pytest.raises(ScheduleError, match=f"may not alias '{source}': a Gemm update writes in place only"):
+            analyze(g, default_schedule(g), aliases={"w.updated": source})
+
+
 def test_alias_rejected_when_source_still_used():
     g = Graph([Op("a", "Relu", ["x"], ["p"]), Op("b", "Relu", ["p"], ["q"]), Op("c", "Add", ["p", "q"], ["y"])],
               {"x": t("x", 10, "input"), "p": t("p", 10), "q": t("q", 10), "y": t("y", 10, "output")},

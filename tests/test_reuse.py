@@ -13,7 +13,8 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule, swap_in, swap_out
-from passes.reuse import GRAD_ROLES_KEY, choose_aliases, layer_groups, reuse_pass, training_order
+from passes.reuse import (GRAD_ROLES_KEY, choose_aliases, fuse_sgd_updates, layer_groups, reuse_pass, training_order,
+                          unfused_graph)
 
 from .graphs import GraphBuilder, training_chain
 
@@ -210,3 +211,112 @@ def test_no_writer_takes_a_source_whose_view_is_a_graph_output():
     assert analyze(g, schedule, aliases).peak_bytes == 128   # x + a, then a (= v) + c
     with pytest.raises(ScheduleError, match="shares that storage"):
         analyze(g, schedule, {"v": "a", "c": "a"})
+
+
+def linear_training_step(optimizer: str = "sgd", bias: bool = True):
+    """The SGD training step (autodiff, cross-entropy) of one Linear layer: x (2, 64) float32
+    -> Gemm(W (64, 64), transB=1) + b (64,): W is 16,384 bytes, x and the logits 512 each."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from memsched.frontend import lower
+    from passes.autodiff import build_training_step
+
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array((rng.standard_normal((64, 64)) * 0.1).astype(np.float32), "fc.weight")
+    bias_init = numpy_helper.from_array(np.zeros(64, np.float32), "fc.bias")
+    node = helper.make_node("Gemm", ["x", "fc.weight", "fc.bias"][:3 if bias else 2], ["logits"], name="fc", transB=1)
+    graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 64])],
+                              [weight, bias_init][:2 if bias else 1])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return build_training_step(lower(model), loss="cross_entropy", optimizer=optimizer, lr=0.1)
+
+
+def test_a_fused_sgd_update_never_makes_the_weight_gradient():
+    graph = linear_training_step()
+    fused_graph, fused = fuse_sgd_updates(graph)
+    assert fused == ["fc.weight"]            # the bias's gradient is a ReduceSum: not fused
+    update = fused_graph.op_by_name["fc.weight/update/Sub"]
+    assert update.op_type == "Gemm" and update.phase == "update"
+    assert update.inputs == ["loss/grad/ScatterElements_output_0", "x", "fc.weight"]
+    assert update.attributes["alpha"] == pytest.approx(-0.1) and update.attributes["beta"] == 1.0
+    assert "fc.weight.grad" not in fused_graph.tensors and "fc/grad/Gemm" not in fused_graph.op_by_name
+    assert json.loads(fused_graph.metadata[GRAD_ROLES_KEY])["fc.weight/update/Sub"]["role"] == "dW"
+
+    plan = reuse_pass(Plan.initial(graph))
+    notes = plan.notes["reuse"]
+    assert plan.graph is not graph and notes["order"] == "fused, dw-dx-rule" and notes["fused_updates"] == 1
+    assert plan.aliases["fc.weight.updated"] == "fc.weight"
+    # unfused, the peak is the dW Gemm's step: W 16,384 + dW 16,384 + x 512 + dlogits 512
+    # + b 256 + loss 4 + constants 44 = 34,096. Fused, dW never exists and the peak moves to the
+    # loss: W 16,384 + b 256 + x 512 + logits 512 + labels 16 + its Unsqueeze 16 + the
+    # log-sum-exp 8 + constants 44 = 17,748.
+    assert notes["candidate_peaks"]["dw-dx-rule"] == 34096
+    assert notes["peak_bytes"] == validate(plan).peak_bytes == 17748
+
+
+def test_a_fused_update_runs_bit_identical_and_matches_the_unfused_step():
+    import numpy as np
+
+    from memsched import executor
+    from passes.order import order_pass
+
+    from .planbuild import place
+
+    graph = linear_training_step()
+    plan = place(order_pass(reuse_pass(Plan.initial(graph)), 2))
+    assert plan.notes["reuse"]["fused_updates"] == 1
+    result = executor.run_plan(plan, check=True)
+    assert result.check["passed"] and result.check["bit_identical"]
+    # the same SGD step as the unfused graph's, up to the Gemm's own rounding
+    unfused = executor.run_plan(place(Plan.initial(graph)), check=True)
+    for name in ("fc.weight.updated", "fc.bias.updated", "loss"):
+        np.testing.assert_allclose(result.outputs[name], unfused.outputs[name], rtol=1e-6, atol=1e-7)
+
+
+def test_no_fusion_but_for_sgd_and_a_gradient_only_its_update_reads():
+    momentum = linear_training_step("momentum")
+    assert fuse_sgd_updates(momentum) == (momentum, [])
+    graph = linear_training_step()
+    kept = graph.replace(outputs=graph.outputs + ["fc.weight.grad"])   # the gradient is wanted too
+    assert fuse_sgd_updates(kept) == (kept, [])
+    assert reuse_pass(Plan.initial(kept)).notes["reuse"]["fused_updates"] == 0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_graph_as_given_comes_back_from_a_fused_one(bias):
+    graph = linear_training_step(bias=bias)
+    fused = fuse_sgd_updates(graph)[0]
+    # without a bias, the learning rate's constant has no reader left and leaves the graph
+    assert (set(graph.tensors) - set(fused.tensors) == {"fc.weight.grad", "fc.weight/update/Mul_output_0"}) == bias
+    back = unfused_graph(fused)
+
+    def ops(g):
+        return [(op.name, op.op_type, op.inputs, op.outputs, op.attributes, op.phase) for op in g.ops]
+
+    def tensors(g):
+        return {name: (t.shape, t.dtype, t.kind, t.data) for name, t in g.tensors.items()}
+
+    assert ops(back) == ops(graph) and tensors(back) == tensors(graph)
+    assert json.loads(back.metadata[GRAD_ROLES_KEY]) == json.loads(graph.metadata[GRAD_ROLES_KEY])
+    assert unfused_graph(graph) is graph
+    assert analyze_plan(Plan.initial(back)).peak_bytes == analyze_plan(Plan.initial(graph)).peak_bytes
+
+
+def test_data_parallel_keeps_every_gradient_to_all_reduce():
+    from memsched.errors import UserError
+    from passes.pipeline import assess, baseline_of, compile as compile_plan
+
+    graph = linear_training_step()
+    kept = compile_plan(graph, strategies=("reuse", "order"), time_limit=1, data_parallel=2)
+    assert kept.plan.notes["reuse"]["fused_updates"] == 0
+    assert [b["grads"] for b in kept.report["data_parallel"]["buckets"]] == [["fc.weight.grad"], ["fc.bias.grad"]]
+    fused = compile_plan(graph, strategies=("reuse", "order"), time_limit=1)
+    assert fused.plan.notes["reuse"]["fused_updates"] == 1
+    # the report is of the model as given: its baseline and op count are the unfused graph's
+    assert fused.report["baseline"]["peak_bytes"] == kept.report["baseline"]["peak_bytes"] == 49712
+    assert fused.report["graph"]["ops"] == len(graph.ops)
+    assert analyze_plan(baseline_of(fused.plan)).peak_bytes == 49712
+    with pytest.raises(UserError, match="fuses SGD updates"):
+        assess(fused.plan, fused.baseline, ("reuse", "order"), {}, graph, data_parallel=2)

@@ -169,8 +169,9 @@ def test_offsets_are_dropped_when_the_schedule_changes():
 
 
 def test_compile_with_swap_through_the_cli(tmp_path):
-    # LeNet-300-100 training step after in-place reuse: at 65% of its peak the swap pass moves
-    # tensors to DRAM; at 1% it says which budget it can reach (exit 3, one line)
+    # LeNet-300-100 training step after reuse (fused updates, in place: 47.8% of the baseline):
+    # at 42% of the baseline the swap pass moves tensors to DRAM; at 1% it says which budget it
+    # can reach (exit 3, one line)
     import json
 
     import models
@@ -179,7 +180,7 @@ def test_compile_with_swap_through_the_cli(tmp_path):
     from .conftest import run_cli
 
     path = save_model_atomic(models.build("mlp", batch=64), tmp_path / "mlp.onnx")
-    done = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "65%",
+    done = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "42%",
                    "--time-limit", "1", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -188,7 +189,7 @@ def test_compile_with_swap_through_the_cli(tmp_path):
     assert report["passes"]["swap"]["status"] in ("optimal", "feasible", "heuristic")
     tried = report["passes"]["fit"]["tried"]
     assert [t["candidate"] for t in tried if t.get("chosen")] == ["swap"]
-    printed = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "65%",
+    printed = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "42%",
                       "--time-limit", "1")
     assert printed.returncode == 0 and "swap: +" in printed.stdout and "(chosen)" in printed.stdout
     failed = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "1%",
