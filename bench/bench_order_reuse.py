@@ -3,8 +3,8 @@
 For every bundled network (models/) at two small batch sizes, and for two torch-exported
 networks (bench/torch_models.py, when torch is installed), the SGD training step from
 passes.autodiff is planned as `memsched compile --strategies order,reuse` plans it:
-reuse (updates in the backward, dW/dX rule, in-place), order (CP-SAT, warm-started),
-placement (arena offsets). The baseline is the graph in autodiff's order, updates at the
+reuse (updates in the backward, SGD updates fused into their dW Gemms, dW/dX rule,
+in-place), order (CP-SAT, warm-started), placement (arena offsets). The baseline is the graph in autodiff's order, updates at the
 end, nothing in place: `Plan.initial(graph)` (views copy); a second baseline shares each
 view's storage with its input, as frameworks run views (`ratio_views_shared`). A synthetic
 ~5,000-op training chain checks that the largest graphs finish inside the time limit.
@@ -97,8 +97,8 @@ def plan_graph(graph, time_limit: float, place_limit: float) -> dict:
         "deterministic": order["deterministic"],
         "placement_status": placement["status"],
         "placement_method": placement["method"],
-        "reuse": {k: reuse[k] for k in ("order", "aliases", "updates_in_place", "updates_in_backward",
-                                        "layers_dw_first", "layers_dx_first")},
+        "reuse": {k: reuse[k] for k in ("order", "fused_updates", "aliases", "updates_in_place",
+                                        "updates_in_backward", "layers_dw_first", "layers_dx_first")},
         "seconds": {k: round(v, 2) for k, v in seconds.items()},
         "within_limit": seconds["order"] <= time_limit * 1.05 and seconds["placement"] <= place_limit * 1.05,
     }
