@@ -12,10 +12,11 @@ Three decisions, none adding a FLOP or a transfer:
 - In-place aliasing (`Plan.aliases`): an output takes the storage of an input of the same
   size that dies at its op, where the memory model allows it (`memsched.memory.INPLACE_OPS`,
   update ops on their parameter). Chosen greedily; the judge (`analyze`) confirms.
-- Fused per-layer update (SGD): where a weight's gradient is one Gemm read only by its update
-  (w - lr * g), the three ops become one Gemm(A, B, C=w, alpha=-lr*alpha, beta=1) of phase
-  update that writes the new weight over w: the gradient buffer never exists. Same FLOPs;
-  the rounding is the Gemm's (alpha*AB + C) instead of two elementwise roundings.
+- Fused per-layer update (SGD, momentum): where a weight's gradient is one Gemm read only by
+  its update, the update's first step takes the gradient from the Gemm's accumulation -- SGD's
+  w - lr * g becomes Gemm(A, B, C=w, alpha=-lr*alpha, beta=1), momentum's momentum * b + g
+  becomes Gemm(A, B, C=b, alpha, beta=momentum) -- written over C: the gradient buffer never
+  exists. Same FLOPs; the rounding is the Gemm's instead of the elementwise ops'.
 
 The dW and dX ops of each weight come from the roles passes.autodiff records in
 `graph.metadata["memsched.grad_roles"]` (several ops per role, X the layer's input); for
@@ -43,15 +44,15 @@ from memsched.schedule import Plan, Schedule, order_schedule
 # where passes.autodiff records each backward op's role (dW, dX, update; see its package doc)
 GRAD_ROLES_KEY = "memsched.grad_roles"
 TRAINING_KEY = "memsched.training"     # the training step's options (loss, optimizer, lr, ...)
-# what fuse_sgd_updates replaced, so the graph as given (the baseline's) can be rebuilt
+# what fuse_updates replaced, so the graph as given (the baseline's) can be rebuilt
 FUSED_KEY = "memsched.fused_updates"
 # ops whose every input may be overwritten by the output; other in-place ops only their first
 _ANY_INPUT = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
 
 def reuse_pass(plan: Plan, fuse: bool = True) -> Plan:
-    """Move updates into the backward, apply the dW/dX rule, alias in place, fuse SGD updates
-    into their dW Gemms (`fuse`; not for data-parallel training, whose gradients must exist to
+    """Move updates into the backward, apply the dW/dX rule, alias in place, fuse SGD and
+    momentum updates into their dW Gemms (`fuse`; not for data-parallel training, whose gradients must exist to
     be all-reduced); never raise the peak.
 
     Candidate orders (the given one, updates moved, updates moved plus the dW/dX rule), on the
@@ -69,7 +70,7 @@ def reuse_pass(plan: Plan, fuse: bool = True) -> Plan:
                  **_alias_notes(graph, aliases)}
         return dataclasses.replace(plan, aliases=aliases, offsets=None,
                                    notes={**plan.notes, "reuse": notes})
-    fused_graph, fused = fuse_sgd_updates(graph) if fuse else (graph, [])
+    fused_graph, fused = fuse_updates(graph) if fuse else (graph, [])
     graphs = {"": graph}
     if fused:     # judged beside the unfused graph: the fusion is kept only where it does not lose
         graphs["fused, "] = fused_graph
@@ -105,13 +106,18 @@ def compute_order(schedule: Schedule) -> list[str] | None:
 
 
 # ---- fused per-layer update ------------------------------------------------------------
-def fuse_sgd_updates(graph: Graph) -> tuple[Graph, list[str]]:
-    """`graph` with each SGD update w' = w - lr * g whose gradient g is one Gemm (or a Reshape
-    of one to w's shape) read only by the update fused into Gemm(A, B, C=w, alpha=-lr*alpha,
-    beta=1) named as the update's Sub, so the given order stays topological. Its grad role is
-    the Gemm's (dW). Returns (graph, the parameters fused); the graph itself when none is."""
-    training = json.loads(graph.metadata.get(TRAINING_KEY, "{}"))
-    if training.get("optimizer") != "sgd" or FUSED_KEY in graph.metadata:   # not SGD, or fused already
+def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
+    """`graph` with each update fused into the Gemm that makes its weight gradient g, where g is
+    one Gemm (or a Reshape of one to the weight's shape) read only by the update:
+    - SGD, w' = w - lr * g: Gemm(A, B, C=w, alpha=-lr*alpha, beta=1) in place of the Sub;
+    - momentum, b' = momentum * b + g: Gemm(A, B, C=b, alpha, beta=momentum) in place of the
+      Add (the step w' = w - lr * b' reads b' as before).
+    The new op keeps the replaced op's name (so the given order stays topological) and takes
+    the Gemm's grad role (dW). Returns (graph, the parameters fused); the graph itself when
+    none is. Adam reads g twice (both moments) and is left alone."""
+    optimizer = json.loads(graph.metadata.get(TRAINING_KEY, "{}")).get("optimizer")
+    match = {"sgd": _sgd_fusable, "momentum": _momentum_fusable}.get(optimizer)
+    if match is None or FUSED_KEY in graph.metadata:      # nothing to fuse, or fused already
         return graph, []
     tensors = graph.tensors
     roles = json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}"))
@@ -119,19 +125,18 @@ def fuse_sgd_updates(graph: Graph) -> tuple[Graph, list[str]]:
     removed: set[str] = set()
     new_ops: dict[str, Op] = {}
     fused = []
-    for sub in graph.ops:
-        matched = _fusable(graph, sub) if sub.phase == "update" and sub.op_type == "Sub" else None
+    for op in graph.ops:
+        matched = match(graph, op) if op.phase == "update" else None
         if matched is None:
             continue
-        gemm, between, lr = matched
-        param = sub.inputs[0]
-        alpha = -float(gemm.attributes.get("alpha", 1.0)) * lr
-        new_ops[sub.name] = Op(sub.name, "Gemm", [*gemm.inputs[:2], param], list(sub.outputs),
-                               {**gemm.attributes, "alpha": alpha, "beta": 1.0}, phase="update",
-                               doc_string=f"fused SGD update of {param}: {param} - {lr:g} * ({gemm.name})")
-        removed.update(op.name for op in [gemm, *between])
+        gemm, between, accumulator, scale, beta, param = matched
+        alpha = float(gemm.attributes.get("alpha", 1.0)) * scale
+        new_ops[op.name] = Op(op.name, "Gemm", [*gemm.inputs[:2], accumulator], list(op.outputs),
+                              {**gemm.attributes, "alpha": alpha, "beta": beta}, phase="update",
+                              doc_string=f"{optimizer} update of {param} fused with {gemm.name}")
+        removed.update(o.name for o in [gemm, *between])
         if gemm.name in roles:
-            roles[sub.name] = roles[gemm.name]
+            roles[op.name] = roles[gemm.name]
         fused.append(param)
     if not fused:
         return graph, []
@@ -147,7 +152,7 @@ def fuse_sgd_updates(graph: Graph) -> tuple[Graph, list[str]]:
 
 
 def unfused_graph(graph: Graph) -> Graph:
-    """The graph before `fuse_sgd_updates` (the one the baseline runs): the replaced ops back
+    """The graph before `fuse_updates` (the one the baseline runs): the replaced ops back
     at their places in the op order, their tensors and grad roles restored."""
     record = json.loads(graph.metadata.get(FUSED_KEY, "null"))
     if record is None:
@@ -188,36 +193,79 @@ def _tensor_from_json(t: dict) -> Tensor:
     return Tensor(t["name"], shape, t["dtype"], t["kind"], data)
 
 
-def _fusable(graph: Graph, sub: Op) -> tuple[Op, list[Op], float] | None:
-    """(the gradient's Gemm, the ops between it and `sub` to remove, lr) where the update `sub`
-    = w - Mul(g, lr) can fuse with the Gemm making g; else None."""
-    producer, consumers, tensors = graph.producer, graph.consumers, graph.tensors
-    if len(sub.present_inputs) != 2 or len(sub.present_outputs) != 1:
+def _sgd_fusable(graph: Graph, sub: Op):
+    """For the SGD step `sub` = w - Mul(g, lr): (g's Gemm, the ops between it and `sub`, C = w,
+    the alpha scale -lr, beta 1, w); else None."""
+    if sub.op_type != "Sub" or len(sub.present_inputs) != 2 or len(sub.present_outputs) != 1:
         return None
     param, scaled = sub.inputs
-    if tensors[param].kind != "parameter" or len(consumers.get(scaled, [])) != 1 or scaled in graph.outputs:
-        return None
-    mul = producer.get(scaled)
-    if mul is None or mul.op_type != "Mul" or mul.phase != "update" or len(mul.present_inputs) != 2:
+    mul = _sole_producer(graph, scaled, "Mul")
+    if graph.tensors[param].kind != "parameter" or mul is None:
         return None
     grad, lr = mul.inputs
-    if not (tensors[lr].is_static and tensors[lr].data is not None and tensors[lr].numel == 1):
+    found = _gradient_gemm(graph, grad, param)
+    lr_value = _scalar(graph, lr)
+    if found is None or lr_value is None:
         return None
+    gemm, views = found
+    return gemm, [mul, *views], param, -lr_value, 1.0, param
 
-    def read_once(t: str) -> bool:          # by the next op of the chain, and not a graph output
-        return len(consumers.get(t, [])) == 1 and t not in graph.outputs
 
-    between = [mul]
-    gemm = producer.get(grad)
-    while gemm is not None and gemm.op_type == "Reshape" and read_once(grad):
-        between.append(gemm)
+def _momentum_fusable(graph: Graph, add: Op):
+    """For the momentum step `add` = Mul(b, momentum) + g: (g's Gemm, the ops between it and
+    `add`, C = b, the alpha scale 1, beta = momentum, the parameter); else None."""
+    if add.op_type != "Add" or len(add.present_inputs) != 2 or len(add.present_outputs) != 1:
+        return None
+    scaled, grad = add.inputs
+    mul = _sole_producer(graph, scaled, "Mul")
+    if mul is None:
+        return None
+    buffer, momentum = mul.inputs
+    state = graph.tensors[buffer]
+    param = buffer[:-len(".momentum_buffer")] if buffer.endswith(".momentum_buffer") else None
+    found = _gradient_gemm(graph, grad, buffer)
+    momentum_value = _scalar(graph, momentum)
+    if state.kind != "optimizer_state" or param not in graph.tensors or found is None or momentum_value is None:
+        return None
+    gemm, views = found
+    return gemm, [mul, *views], buffer, 1.0, momentum_value, param
+
+
+def _read_once(graph: Graph, t: str) -> bool:
+    """Read by one op only (the next of a chain) and not a graph output."""
+    return len(graph.consumers.get(t, [])) == 1 and t not in graph.outputs
+
+
+def _sole_producer(graph: Graph, t: str, op_type: str) -> Op | None:
+    """The update op of `op_type` with two inputs making `t`, which only one op reads; else None."""
+    op = graph.producer.get(t)
+    if op is None or op.op_type != op_type or op.phase != "update" or len(op.present_inputs) != 2:
+        return None
+    return op if _read_once(graph, t) else None
+
+
+def _gradient_gemm(graph: Graph, grad: str, like: str) -> tuple[Op, list[Op]] | None:
+    """(the backward Gemm without C making `grad`, the Reshapes between) where each link is
+    read only by the next and the Gemm's output is shaped and typed as `like`; else None."""
+    views = []
+    gemm = graph.producer.get(grad)
+    while gemm is not None and gemm.op_type == "Reshape" and _read_once(graph, grad):
+        views.append(gemm)
         grad = gemm.inputs[0]
-        gemm = producer.get(grad)
+        gemm = graph.producer.get(grad)
+    t, w = graph.tensors.get(grad), graph.tensors[like]
     if (gemm is None or gemm.op_type != "Gemm" or len(gemm.present_inputs) != 2 or gemm.phase != "backward"
-            or not read_once(grad) or (tensors[grad].shape, tensors[grad].dtype) != (tensors[param].shape,
-                                                                                      tensors[param].dtype)):
+            or not _read_once(graph, grad) or (t.shape, t.dtype) != (w.shape, w.dtype)):
         return None
-    return gemm, between, float(tensor_value(tensors[lr], graph.base_dir).reshape(()))
+    return gemm, views
+
+
+def _scalar(graph: Graph, name: str) -> float | None:
+    """The value of a one-element initializer, else None."""
+    t = graph.tensors[name]
+    if not (t.is_static and t.numel == 1):
+        return None
+    return float(tensor_value(t, graph.base_dir).reshape(()))
 
 
 # ---- in-place ---------------------------------------------------------------------------

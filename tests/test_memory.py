@@ -88,7 +88,7 @@ def test_inplace_alias_counts_storage_once():
 
 
 def test_a_fused_gemm_update_writes_in_place_only_over_its_parameter():
-    # w' = w - lr * (a^T b) as one Gemm (passes.reuse.fuse_sgd_updates): its output may take
+    # w' = w - lr * (a^T b) as one Gemm (passes.reuse.fuse_updates): its output may take
     # w's storage (C), never a or b's, which the product reads while it writes
     g = Graph([Op("fa", "Relu", ["x"], ["a"]), Op("fb", "Relu", ["x"], ["b"]),
                Op("upd", "Gemm", ["a", "b", "w"], ["w.updated"], {"alpha": -0.1, "beta": 1.0, "transA": 1},

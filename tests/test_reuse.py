@@ -13,7 +13,7 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule, swap_in, swap_out
-from passes.reuse import (GRAD_ROLES_KEY, choose_aliases, fuse_sgd_updates, layer_groups, reuse_pass, training_order,
+from passes.reuse import (GRAD_ROLES_KEY, choose_aliases, fuse_updates, layer_groups, reuse_pass, training_order,
                           unfused_graph)
 
 from .graphs import GraphBuilder, training_chain
@@ -235,7 +235,7 @@ def linear_training_step(optimizer: str = "sgd", bias: bool = True):
 
 def test_a_fused_sgd_update_never_makes_the_weight_gradient():
     graph = linear_training_step()
-    fused_graph, fused = fuse_sgd_updates(graph)
+    fused_graph, fused = fuse_updates(graph)
     assert fused == ["fc.weight"]            # the bias's gradient is a ReduceSum: not fused
     update = fused_graph.op_by_name["fc.weight/update/Sub"]
     assert update.op_type == "Gemm" and update.phase == "update"
@@ -275,19 +275,50 @@ def test_a_fused_update_runs_bit_identical_and_matches_the_unfused_step():
         np.testing.assert_allclose(result.outputs[name], unfused.outputs[name], rtol=1e-6, atol=1e-7)
 
 
-def test_no_fusion_but_for_sgd_and_a_gradient_only_its_update_reads():
+def test_momentum_fuses_into_its_buffer_and_adam_not_at_all():
     momentum = linear_training_step("momentum")
-    assert fuse_sgd_updates(momentum) == (momentum, [])
+    fused_graph, fused = fuse_updates(momentum)
+    assert fused == ["fc.weight"]
+    # momentum * b + g as the Gemm's accumulation over b; the step w - lr * b' is unchanged
+    update = fused_graph.op_by_name[fused_graph.producer["fc.weight.momentum_buffer.updated"].name]
+    assert update.op_type == "Gemm" and update.inputs[2] == "fc.weight.momentum_buffer"
+    assert update.attributes["alpha"] == 1.0 and update.attributes["beta"] == pytest.approx(0.9)
+    assert fused_graph.producer["fc.weight.updated"].op_type == "Sub"
+    plan = reuse_pass(Plan.initial(momentum))
+    assert plan.notes["reuse"]["fused_updates"] == 1
+    assert plan.aliases["fc.weight.momentum_buffer.updated"] == "fc.weight.momentum_buffer"
+    adam = linear_training_step("adam")       # the gradient feeds both moments
+    assert fuse_updates(adam) == (adam, [])
+
+
+def test_momentum_fused_runs_bit_identical_and_matches_the_unfused_step():
+    import numpy as np
+
+    from memsched import executor
+    from passes.order import order_pass
+
+    from .planbuild import place
+
+    graph = linear_training_step("momentum")
+    plan = place(order_pass(reuse_pass(Plan.initial(graph)), 2))
+    result = executor.run_plan(plan, check=True, steps=2)      # the second step reads a non-zero buffer
+    assert result.check["passed"] and result.check["bit_identical"]
+    unfused = executor.run_plan(place(Plan.initial(graph)), check=True, steps=2)
+    for name in ("fc.weight.updated", "fc.weight.momentum_buffer.updated", "loss"):
+        np.testing.assert_allclose(result.outputs[name], unfused.outputs[name], rtol=1e-6, atol=1e-7)
+
+
+def test_no_fusion_where_the_gradient_has_another_reader():
     graph = linear_training_step()
     kept = graph.replace(outputs=graph.outputs + ["fc.weight.grad"])   # the gradient is wanted too
-    assert fuse_sgd_updates(kept) == (kept, [])
+    assert fuse_updates(kept) == (kept, [])
     assert reuse_pass(Plan.initial(kept)).notes["reuse"]["fused_updates"] == 0
 
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_graph_as_given_comes_back_from_a_fused_one(bias):
     graph = linear_training_step(bias=bias)
-    fused = fuse_sgd_updates(graph)[0]
+    fused = fuse_updates(graph)[0]
     # without a bias, the learning rate's constant has no reader left and leaves the graph
     assert (set(graph.tensors) - set(fused.tensors) == {"fc.weight.grad", "fc.weight/update/Mul_output_0"}) == bias
     back = unfused_graph(fused)
