@@ -76,7 +76,7 @@ def reuse_pass(plan: Plan, fuse: bool = True) -> Plan:
         graphs["fused, "] = fused_graph
     candidates, judged = {}, {}
     for prefix, g in graphs.items():
-        given = [name for name in order if name in g.op_by_name]
+        given = carried_order(graph, g, order)
         for name, candidate in {"given": given,
                                 "updates-in-backward": training_order(g, given, dwdx=False),
                                 "dw-dx-rule": training_order(g, given)}.items():
@@ -98,6 +98,21 @@ def reuse_pass(plan: Plan, fuse: bool = True) -> Plan:
                                notes={**plan.notes, "reuse": notes})
 
 
+def carried_order(graph: Graph, fused: Graph, order: list[str]) -> list[str]:
+    """`order` (of `graph`'s ops) for `fused`: a fused op where the op whose outputs it makes
+    stood, the ops fused away left out."""
+    names = []
+    for name in order:
+        if name in fused.op_by_name:
+            names.append(name)
+            continue
+        outputs = graph.op_by_name[name].present_outputs
+        maker = fused.producer.get(outputs[0]) if outputs else None
+        if maker is not None and maker.name not in graph.op_by_name:
+            names.append(maker.name)
+    return names
+
+
 def compute_order(schedule: Schedule) -> list[str] | None:
     """The op names of a compute-only schedule, or None when it has other steps."""
     if any(step.kind != "compute" for step in schedule):
@@ -112,8 +127,8 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
     - SGD, w' = w - lr * g: Gemm(A, B, C=w, alpha=-lr*alpha, beta=1) in place of the Sub;
     - momentum, b' = momentum * b + g: Gemm(A, B, C=b, alpha, beta=momentum) in place of the
       Add (the step w' = w - lr * b' reads b' as before).
-    The new op keeps the replaced op's name (so the given order stays topological) and takes
-    the Gemm's grad role (dW). Returns (graph, the parameters fused); the graph itself when
+    The new op, `<scope>/FusedGemm`, stands where the replaced op stood in the op order (so the
+    given order stays topological), makes its outputs and takes the Gemm's grad role (dW). Returns (graph, the parameters fused); the graph itself when
     none is. Adam reads g twice (both moments) and is left alone."""
     optimizer = json.loads(graph.metadata.get(TRAINING_KEY, "{}")).get("optimizer")
     match = {"sgd": _sgd_fusable, "momentum": _momentum_fusable}.get(optimizer)
@@ -131,16 +146,19 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
             continue
         gemm, between, accumulator, scale, beta, param = matched
         alpha = float(gemm.attributes.get("alpha", 1.0)) * scale
-        new_ops[op.name] = Op(op.name, "Gemm", [*gemm.inputs[:2], accumulator], list(op.outputs),
+        name = f"{op.name.rpartition('/')[0] or op.name}/FusedGemm"
+        new_ops[op.name] = Op(name, "Gemm", [*gemm.inputs[:2], accumulator], list(op.outputs),
                               {**gemm.attributes, "alpha": alpha, "beta": beta}, phase="update",
                               doc_string=f"{optimizer} update of {param} fused with {gemm.name}")
         removed.update(o.name for o in [gemm, *between])
         if gemm.name in roles:
-            roles[op.name] = roles[gemm.name]
+            roles[name] = roles[gemm.name]
         fused.append(param)
     if not fused:
         return graph, []
     ops = [new_ops.get(op.name, op) for op in graph.ops if op.name not in removed]
+    if len({op.name for op in ops}) < len(ops):
+        return graph, []           # a name taken already (a graph not from passes.autodiff)
     used = set(graph.inputs) | set(graph.outputs) | {t for op in ops for t in op.present_inputs + op.present_outputs}
     replaced = [(i, op) for i, op in enumerate(graph.ops) if op.name in removed or op.name in new_ops]
     record = {"ops": [dict(_op_json(op), index=i, role=original_roles.get(op.name)) for i, op in replaced],
@@ -158,13 +176,12 @@ def unfused_graph(graph: Graph) -> Graph:
     if record is None:
         return graph
     originals = sorted(record["ops"], key=lambda o: o["index"])
-    names = {o["name"] for o in originals}
-    ops = [op for op in graph.ops if op.name not in names]
-    roles = json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}"))
+    replaced = {graph.producer[t].name for o in originals for t in o["outputs"] if t in graph.producer}
+    ops = [op for op in graph.ops if op.name not in replaced]
+    roles = {k: v for k, v in json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}")).items() if k not in replaced}
     for o in originals:
         ops.insert(o["index"], Op(o["name"], o["op_type"], o["inputs"], o["outputs"], o["attributes"],
                                   phase=o["phase"], doc_string=o["doc_string"]))
-        roles.pop(o["name"], None)
         if o["role"] is not None:
             roles[o["name"]] = o["role"]
     tensors = {**graph.tensors, **{t["name"]: _tensor_from_json(t) for t in record["tensors"]}}

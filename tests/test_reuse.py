@@ -13,8 +13,8 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule, swap_in, swap_out
-from passes.reuse import (GRAD_ROLES_KEY, choose_aliases, fuse_updates, layer_groups, reuse_pass, training_order,
-                          unfused_graph)
+from passes.reuse import (GRAD_ROLES_KEY, carried_order, choose_aliases, fuse_updates, layer_groups, reuse_pass,
+                          training_order, unfused_graph)
 
 from .graphs import GraphBuilder, training_chain
 
@@ -237,12 +237,15 @@ def test_a_fused_sgd_update_never_makes_the_weight_gradient():
     graph = linear_training_step()
     fused_graph, fused = fuse_updates(graph)
     assert fused == ["fc.weight"]            # the bias's gradient is a ReduceSum: not fused
-    update = fused_graph.op_by_name["fc.weight/update/Sub"]
-    assert update.op_type == "Gemm" and update.phase == "update"
+    update = fused_graph.op_by_name["fc.weight/update/FusedGemm"]
+    assert update.op_type == "Gemm" and update.phase == "update" and update.outputs == ["fc.weight.updated"]
+    assert "fc.weight/update/Sub" not in fused_graph.op_by_name
     assert update.inputs == ["loss/grad/ScatterElements_output_0", "x", "fc.weight"]
     assert update.attributes["alpha"] == pytest.approx(-0.1) and update.attributes["beta"] == 1.0
     assert "fc.weight.grad" not in fused_graph.tensors and "fc/grad/Gemm" not in fused_graph.op_by_name
-    assert json.loads(fused_graph.metadata[GRAD_ROLES_KEY])["fc.weight/update/Sub"]["role"] == "dW"
+    assert json.loads(fused_graph.metadata[GRAD_ROLES_KEY])["fc.weight/update/FusedGemm"]["role"] == "dW"
+    # the given order carries over: the fused op where the update's Sub stood
+    assert carried_order(graph, fused_graph, [op.name for op in graph.ops]) == [op.name for op in fused_graph.ops]
 
     plan = reuse_pass(Plan.initial(graph))
     notes = plan.notes["reuse"]
