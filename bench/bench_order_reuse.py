@@ -4,10 +4,11 @@ For every bundled network (models/) at two small batch sizes, and for two torch-
 networks (bench/torch_models.py, when torch is installed), the SGD training step from
 passes.autodiff is planned as `memsched compile --strategies order,reuse` plans it:
 reuse (updates in the backward, SGD updates fused into their dW Gemms, dW/dX rule,
-in-place), order (CP-SAT, warm-started), placement (arena offsets). The baseline is the graph in autodiff's order, updates at the
-end, nothing in place: `Plan.initial(graph)` (views copy); a second baseline shares each
-view's storage with its input, as frameworks run views (`ratio_views_shared`). A synthetic
-~5,000-op training chain checks that the largest graphs finish inside the time limit.
+in-place), order (CP-SAT, warm-started), placement (arena offsets). The baseline is the
+graph in autodiff's order, updates at the end, nothing in place: `Plan.initial(graph)`
+(views copy); a second baseline shares each view's storage with its input, as frameworks
+run views (`ratio_views_shared`). A synthetic ~5,000-op training chain checks that the
+largest graphs finish inside the time limit.
 
 Prints one JSON object: per graph the baseline and plan peaks, their ratio, the arena and
 arena/peak, the order pass's proven lower bound (and its ratio to the baseline: no order

@@ -18,9 +18,10 @@ Rules, stated once:
    Identity) shares its input's storage whether or not the input is read later, as ONNX
    Runtime's aliasing kernels do: the two are one buffer, live while either is. Any other
    op (elementwise ops, a scatter over its data input, optimizer updates -- a fused Gemm
-   update only over C, its parameter) writes over the input, so that input's last use must be this op and no other tensor may still need the
-   storage (a view of it read later, or held to the end of the step as a graph output); the
-   input's residency ends there. The bytes of a buffer count once, at every step some
+   update only over C, the parameter or state it updates) writes over the input, so that
+   input's last use must be this op and no other tensor may still need the storage (a view
+   of it read later, or held to the end of the step as a graph output); the input's
+   residency ends there. The bytes of a buffer count once, at every step some
    residency in it covers.
 5. Device bytes at a step = the sum of the bytes of the residencies covering it;
    peak = the maximum over steps; arena size = a placement's highest end, never below peak.
@@ -219,7 +220,7 @@ def _check_alias(graph: Graph, op, output: str, source: str) -> None:
         raise ScheduleError(f"'{output}' may not alias '{source}': {op.op_type} does not run in place")
     if op.op_type == "Gemm" and source not in op.inputs[2:3]:
         raise ScheduleError(f"'{output}' may not alias '{source}': a Gemm update writes in place only over C, "
-                            f"the parameter it updates")
+                            f"the parameter or state it updates")
     if op.op_type in INPLACE_DATA_ONLY and source != op.inputs[0]:
         raise ScheduleError(f"'{output}' may not alias '{source}': {op.op_type} writes in place only over "
                             f"its first input")

@@ -305,8 +305,9 @@ def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], mo
     report["input_pipeline"] = input_pipeline(graph, hw, sim.step_time, sim.stream_busy.get("h2d", 0.0))
     if data_parallel:
         if FUSED_KEY in plan.graph.metadata:
-            raise UserError("the plan fuses SGD updates into their weight-gradient Gemms, so those gradients "
-                            "are never made to be all-reduced; compile it with --data-parallel to keep them")
+            raise UserError("the plan fuses optimizer updates into their weight-gradient Gemms, so those "
+                            "gradients are never made to be all-reduced; compile it with --data-parallel to "
+                            "keep them")
         report["data_parallel"] = data_parallel_estimate(plan, sim, data_parallel, *INTERCONNECT).to_dict()
     return CompileResult(graph, baseline, baseline_profile, baseline_sim, plan, profile, sim, report)
 
@@ -318,15 +319,15 @@ def strategies_of(plan: Plan) -> tuple[str, ...]:
 
 def _passes(fuse_updates: bool = True) -> dict[str, Callable]:
     """Strategy name -> pass; imported on use so loading the pipeline stays cheap.
-    `fuse_updates`: whether reuse may fuse SGD updates into their dW Gemms."""
+    `fuse_updates`: whether reuse may fuse SGD and momentum updates into their dW Gemms."""
     from .order import order_pass
     from .placement import place_pass
     from .recompute import recompute_pass
     from .reuse import reuse_pass
     from .swap import swap_pass
 
-    return {"order": order_pass, "reuse": lambda plan, limit: reuse_pass(plan, fuse_updates), "recompute": recompute_pass,
-            "swap": swap_pass, "placement": place_pass}
+    return {"order": order_pass, "reuse": lambda plan, limit: reuse_pass(plan, fuse_updates),
+            "recompute": recompute_pass, "swap": swap_pass, "placement": place_pass}
 
 
 # ---- the report ----------------------------------------------------------------------------

@@ -52,8 +52,8 @@ _ANY_INPUT = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
 def reuse_pass(plan: Plan, fuse: bool = True) -> Plan:
     """Move updates into the backward, apply the dW/dX rule, alias in place, fuse SGD and
-    momentum updates into their dW Gemms (`fuse`; not for data-parallel training, whose gradients must exist to
-    be all-reduced); never raise the peak.
+    momentum updates into their dW Gemms (`fuse`; not for data-parallel training, whose
+    gradients must exist to be all-reduced); never raise the peak.
 
     Candidate orders (the given one, updates moved, updates moved plus the dW/dX rule), on the
     graph and on its fused form, are each given greedy in-place aliases and judged; the lowest
@@ -128,8 +128,9 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
     - momentum, b' = momentum * b + g: Gemm(A, B, C=b, alpha, beta=momentum) in place of the
       Add (the step w' = w - lr * b' reads b' as before).
     The new op, `<scope>/FusedGemm`, stands where the replaced op stood in the op order (so the
-    given order stays topological), makes its outputs and takes the Gemm's grad role (dW). Returns (graph, the parameters fused); the graph itself when
-    none is. Adam reads g twice (both moments) and is left alone."""
+    given order stays topological), makes its outputs and takes the Gemm's grad role (dW).
+    Returns (graph, the parameters fused); the graph itself when none is. Adam reads g twice
+    (both moments) and is left alone."""
     optimizer = json.loads(graph.metadata.get(TRAINING_KEY, "{}")).get("optimizer")
     match = {"sgd": _sgd_fusable, "momentum": _momentum_fusable}.get(optimizer)
     if match is None or FUSED_KEY in graph.metadata:      # nothing to fuse, or fused already
@@ -163,8 +164,9 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
     replaced = [(i, op) for i, op in enumerate(graph.ops) if op.name in removed or op.name in new_ops]
     record = {"ops": [dict(_op_json(op), index=i, role=original_roles.get(op.name)) for i, op in replaced],
               "tensors": [_tensor_json(t, graph.base_dir) for name, t in tensors.items() if name not in used]}
+    gone = removed | set(new_ops)
     metadata = {**graph.metadata, FUSED_KEY: json.dumps(record, sort_keys=True),
-                GRAD_ROLES_KEY: json.dumps({k: v for k, v in roles.items() if k not in removed}, sort_keys=True)}
+                GRAD_ROLES_KEY: json.dumps({k: v for k, v in roles.items() if k not in gone}, sort_keys=True)}
     kept = {name: t for name, t in tensors.items() if name in used}
     return graph.replace(ops=ops, tensors=kept, metadata=metadata), fused
 
