@@ -81,11 +81,15 @@ class RunResult:
 
 def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = False,
              inputs: dict[str, np.ndarray] | None = None, nvdimm_dir: str | None = None,
-             progress: Callable[[int, int], None] | None = None, threads: int = 1) -> RunResult:
+             progress: Callable[[int, int], None] | None = None, threads: int = 1,
+             given: Graph | None = None) -> RunResult:
     """Run `steps` training steps of `plan`; with `check`, compare against a plain ORT run.
 
     Multi-step runs feed each `<tensor>.updated` output back as `<tensor>` for the next step.
-    `progress(done, total)` is called after each step."""
+    `progress(done, total)` is called after each step. `given`: the graph as the user gave
+    it, where the plan's differs from it by rewrites that change rounding only (fused
+    updates); with `check`, the step is also compared to a plain run of it, within
+    CUDA_TOLERANCE (`check["given"]`)."""
     if steps < 1:
         raise UserError(f"--steps must be at least 1, not {steps}")
     if device not in DEVICES:
@@ -107,7 +111,10 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         live, high_water = _rehearse(program, profile)
         reference = _Reference(graph, actual_device, threads) if check else None
         ref_statics = dict(statics)
-        times, diffs = [], []
+        as_given = _Reference(given, actual_device, threads) if check and given is not None else None
+        given_statics = ({t.name: tensor_value(t, given.base_dir) for t in given.initializers()}
+                         if as_given is not None else {})
+        times, diffs, given_diffs = [], [], []
         outputs: dict[str, np.ndarray] = {}
         for k in range(steps):
             _load(program, rt, feeds, statics, poison=check)
@@ -120,6 +127,10 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
                 expected = reference.run(feeds, ref_statics)
                 diffs.append(compare_outputs(outputs, expected))
                 ref_statics = feed_back(graph, ref_statics, expected)
+            if as_given is not None:
+                expected = as_given.run(feeds, given_statics)
+                given_diffs.append(compare_outputs(outputs, expected))
+                given_statics = feed_back(given, given_statics, expected)
             statics = feed_back(graph, statics, outputs)
             if progress is not None:
                 progress(k + 1, steps)
@@ -132,7 +143,9 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         planned_arena_bytes=planned_arena, planned_peak_bytes=profile.peak_bytes, step_times=times,
         outputs=outputs, sessions=sessions, ops=sum(isinstance(a, _Run) for a in program.actions),
         swapped_bytes=dict(program.swapped_bytes),
-        check=_check_summary(diffs, exact=actual_device == "cpu") if check else None)
+        check=({**_check_summary(diffs, exact=actual_device == "cpu"),
+                "given": _check_summary(given_diffs, exact=False) if as_given is not None else None}
+               if check else None))
 
 
 # ---- inputs and outputs ------------------------------------------------------------------

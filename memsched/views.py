@@ -261,6 +261,11 @@ def print_run(summary: dict) -> None:
         verdict = "[green]passed[/green]" if check["passed"] else "[red]FAILED[/red]"
         kind = "bit-identical" if check["bit_identical"] else f"max |diff| {check['max_abs_diff']:.3g}"
         out.print(f"check against a plain ONNX Runtime run ({check['steps']} step(s)): {verdict}, {kind}")
+        given = check.get("given")
+        if given is not None:
+            verdict = "[green]passed[/green]" if given["passed"] else "[red]FAILED[/red]"
+            out.print(f"check against the model as given (fused updates round differently): {verdict}, "
+                      f"max |diff| {given['max_abs_diff']:.3g} (tolerance {given['tolerance']:g})")
 
 
 @contextmanager

@@ -333,8 +333,15 @@ def test_cli_compile_then_run(cli, tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["check"]["passed"] and report["check"]["max_abs_diff"] == 0.0
+    # reuse fused the MLP's SGD updates into their weight-gradient Gemms: the run is also
+    # checked against the model as given, which rounds those updates differently
+    assert compiled["passes"]["reuse"]["fused_updates"] == 3
+    given = report["check"]["given"]
+    assert given["passed"] and given["steps"] == 2 and given["max_abs_diff"] <= 1e-6
     assert report["measured"]["peak_bytes"] == compiled["plan"]["peak_bytes"]
     assert report["measured"]["arena_bytes"] == compiled["plan"]["arena_bytes"]
+    text = cli("run", scheduled, "--check")
+    assert text.returncode == 0 and "check against the model as given" in text.stdout
 
 
 def test_cli_run_text(cli, emitted):

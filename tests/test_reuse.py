@@ -213,7 +213,7 @@ def test_no_writer_takes_a_source_whose_view_is_a_graph_output():
         analyze(g, schedule, {"v": "a", "c": "a"})
 
 
-def linear_training_step(optimizer: str = "sgd", bias: bool = True):
+def linear_training_step(optimizer: str = "sgd", bias: bool = True, lr: float = 0.1):
     """The SGD training step (autodiff, cross-entropy) of one Linear layer: x (2, 64) float32
     -> Gemm(W (64, 64), transB=1) + b (64,): W is 16,384 bytes, x and the logits 512 each."""
     import numpy as np
@@ -230,7 +230,7 @@ def linear_training_step(optimizer: str = "sgd", bias: bool = True):
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 64])],
                               [weight, bias_init][:2 if bias else 1])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    return build_training_step(lower(model), loss="cross_entropy", optimizer=optimizer, lr=0.1)
+    return build_training_step(lower(model), loss="cross_entropy", optimizer=optimizer, lr=lr)
 
 
 def test_a_fused_sgd_update_never_makes_the_weight_gradient():
@@ -271,12 +271,18 @@ def test_a_fused_update_runs_bit_identical_and_matches_the_unfused_step():
     graph = linear_training_step()
     plan = place(order_pass(reuse_pass(Plan.initial(graph)), 2))
     assert plan.notes["reuse"]["fused_updates"] == 1
-    result = executor.run_plan(plan, check=True)
+    result = executor.run_plan(plan, check=True, steps=2, given=graph)
     assert result.check["passed"] and result.check["bit_identical"]
-    # the same SGD step as the unfused graph's, up to the Gemm's own rounding
-    unfused = executor.run_plan(place(Plan.initial(graph)), check=True)
+    # the same SGD steps as the graph as given, up to the Gemm's own rounding
+    given = result.check["given"]
+    assert given["passed"] and given["steps"] == 2 and given["max_abs_diff"] <= 1e-6
+    unfused = executor.run_plan(place(Plan.initial(graph)), check=True, steps=2)
+    assert unfused.check["given"] is None
     for name in ("fc.weight.updated", "fc.bias.updated", "loss"):
         np.testing.assert_allclose(result.outputs[name], unfused.outputs[name], rtol=1e-6, atol=1e-7)
+    # a different step (another learning rate) fails that check
+    other = executor.run_plan(plan, check=True, given=linear_training_step(lr=0.2))
+    assert other.check["passed"] and not other.check["given"]["passed"]
 
 
 def test_momentum_fuses_into_its_buffer_and_adam_not_at_all():
@@ -305,8 +311,8 @@ def test_momentum_fused_runs_bit_identical_and_matches_the_unfused_step():
 
     graph = linear_training_step("momentum")
     plan = place(order_pass(reuse_pass(Plan.initial(graph)), 2))
-    result = executor.run_plan(plan, check=True, steps=2)      # the second step reads a non-zero buffer
-    assert result.check["passed"] and result.check["bit_identical"]
+    result = executor.run_plan(plan, check=True, steps=2, given=graph)   # step 2 reads a non-zero buffer
+    assert result.check["passed"] and result.check["bit_identical"] and result.check["given"]["passed"]
     unfused = executor.run_plan(place(Plan.initial(graph)), check=True, steps=2)
     for name in ("fc.weight.updated", "fc.weight.momentum_buffer.updated", "loss"):
         np.testing.assert_allclose(result.outputs[name], unfused.outputs[name], rtol=1e-6, atol=1e-7)
