@@ -1,7 +1,9 @@
-"""Optimizer-in-backward, the dW/dX rule and in-place aliasing, with exact byte figures.
+"""Optimizer-in-backward, the dW/dX rule, in-place aliasing and fused updates, with exact
+byte figures.
 
 The chains come from tests/graphs.training_chain (uint8 tensors: shape (N,) is N bytes).
-Static bytes are the learning rate (4) plus the weights.
+Static bytes are the learning rate (4) plus the weights. The fused updates are tried on the
+float32 training step of one Linear layer that passes.autodiff builds.
 """
 from __future__ import annotations
 
@@ -214,8 +216,8 @@ def test_no_writer_takes_a_source_whose_view_is_a_graph_output():
 
 
 def linear_training_step(optimizer: str = "sgd", bias: bool = True, lr: float = 0.1):
-    """The SGD training step (autodiff, cross-entropy) of one Linear layer: x (2, 64) float32
-    -> Gemm(W (64, 64), transB=1) + b (64,): W is 16,384 bytes, x and the logits 512 each."""
+    """The training step (autodiff, cross-entropy, `optimizer`) of one Linear layer: x (2, 64)
+    float32 -> Gemm(W (64, 64), transB=1) + b (64,): W is 16,384 bytes, x and the logits 512 each."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
