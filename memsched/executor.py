@@ -103,7 +103,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     planned_arena = check_placement(profile, plan.offsets)
     graph = plan.graph
     feeds = prepare_inputs(graph, inputs)
-    statics = {t.name: tensor_value(t, graph.base_dir) for t in graph.initializers()}
+    statics = _statics(graph)
     actual_device, fallback = _resolve_device(device)
 
     with _Runtime(actual_device, planned_arena, threads, nvdimm_dir) as rt:
@@ -112,8 +112,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         reference = _Reference(graph, actual_device, threads) if check else None
         ref_statics = dict(statics)
         as_given = _Reference(given, actual_device, threads) if check and given is not None else None
-        given_statics = ({t.name: tensor_value(t, given.base_dir) for t in given.initializers()}
-                         if as_given is not None else {})
+        given_statics = _statics(given) if as_given is not None else {}
         times, diffs, given_diffs = [], [], []
         outputs: dict[str, np.ndarray] = {}
         for k in range(steps):
@@ -149,6 +148,11 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
 
 
 # ---- inputs and outputs ------------------------------------------------------------------
+def _statics(graph: Graph) -> dict[str, np.ndarray]:
+    """Every initializer's value: what a step reads besides its inputs."""
+    return {t.name: tensor_value(t, graph.base_dir) for t in graph.initializers()}
+
+
 def prepare_inputs(graph: Graph, given: dict[str, np.ndarray] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
     """The graph's inputs: `given` ones checked against their declared types, the rest made up.
 

@@ -258,14 +258,16 @@ def print_run(summary: dict) -> None:
         out.print(f"swapped out to {tier}: {format_bytes(nbytes)} per step")
     check = summary["check"]
     if check is not None:
-        verdict = "[green]passed[/green]" if check["passed"] else "[red]FAILED[/red]"
         kind = "bit-identical" if check["bit_identical"] else f"max |diff| {check['max_abs_diff']:.3g}"
-        out.print(f"check against a plain ONNX Runtime run ({check['steps']} step(s)): {verdict}, {kind}")
+        out.print(f"check against a plain ONNX Runtime run ({check['steps']} step(s)): {_verdict(check)}, {kind}")
         given = check.get("given")
         if given is not None:
-            verdict = "[green]passed[/green]" if given["passed"] else "[red]FAILED[/red]"
-            out.print(f"check against the model as given (fused updates round differently): {verdict}, "
+            out.print(f"check against the model as given (fused updates round differently): {_verdict(given)}, "
                       f"max |diff| {given['max_abs_diff']:.3g} (tolerance {given['tolerance']:g})")
+
+
+def _verdict(check: dict) -> str:
+    return "[green]passed[/green]" if check["passed"] else "[red]FAILED[/red]"
 
 
 @contextmanager
