@@ -229,16 +229,19 @@ def _finish_param_grad(em: Emitter, grads: dict[str, str], param: str, done: set
 
 
 VIEW_OPS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast"})
+WEIGHT_PART_OPS = frozenset({"Split", "Slice"})    # ops that cut a weight into the parts layers read
 
 
 def _parameter_views(graph: Graph, params: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     """Weights as layers see them. Exports feed some weights through view ops (a Linear
-    on 3-D input is MatMul(x, Transpose(W)) in a training export): returns (tensor ->
-    the parameter it is or views, view op -> the one layer its view feeds)."""
+    on 3-D input is MatMul(x, Transpose(W)) in a training export), and a weight may be cut
+    into parts (a Split or Slice of it: passes.concat_split's per-part convolutions): returns
+    (tensor -> the parameter it is, views or is a part of, view op -> the one layer its view
+    feeds)."""
     weights = {p: p for p in params}
     for op in graph.ops:
-        if op.op_type in VIEW_OPS and op.inputs and op.inputs[0] in weights:
-            weights[op.outputs[0]] = weights[op.inputs[0]]
+        if (op.op_type in VIEW_OPS or op.op_type in WEIGHT_PART_OPS) and op.inputs and op.inputs[0] in weights:
+            weights.update(dict.fromkeys(op.present_outputs, weights[op.inputs[0]]))
     layer_of = {}
     for op in graph.ops:
         if op.op_type in VIEW_OPS and op.outputs[0] in weights and op.inputs[0] in weights:
