@@ -26,6 +26,7 @@ backward ops reading the same incoming gradient, X as large as dX's output, W as
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import heapq
 import json
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
+import onnx
 from onnx import helper, numpy_helper
 
 from memsched.errors import ScheduleError
@@ -46,19 +48,22 @@ GRAD_ROLES_KEY = "memsched.grad_roles"
 TRAINING_KEY = "memsched.training"     # the training step's options (loss, optimizer, lr, ...)
 # what fuse_updates replaced, so the graph as given (the baseline's) can be rebuilt
 FUSED_KEY = "memsched.fused_updates"
+TENSOR_ATTRIBUTE = "tensor_proto_base64"   # how op_json writes a tensor-valued attribute
 # ops whose every input may be overwritten by the output; other in-place ops only their first
 _ANY_INPUT = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
 
-def reuse_pass(plan: Plan, fuse: bool = True) -> Plan:
+def reuse_pass(plan: Plan, fuse: bool = True, variants: dict[str, Graph] | None = None) -> Plan:
     """Move updates into the backward, apply the dW/dX rule, alias in place, fuse SGD and
     momentum updates into their dW Gemms (`fuse`; not for data-parallel training, whose
     gradients must exist to be all-reduced); never raise the peak.
 
     Candidate orders (the given one, updates moved, updates moved plus the dW/dX rule), on the
-    graph and on its fused form, are each given greedy in-place aliases and judged; the lowest
-    peak wins, ties going to the fused graph, then to the one that reuses more. Schedules with
-    recompute/swap steps keep their order and graph (aliases only).
+    graph, on `variants` (name -> the same step rewritten, e.g. passes.concat_split's; in its
+    own op order) and on the fused form of each, are each given greedy in-place aliases and
+    judged; the lowest peak wins, ties going to the graph rewritten the most (fewer buffers),
+    then to the one that reuses more. Schedules with recompute/swap steps keep their order and
+    graph (aliases only).
     """
     graph = plan.graph
     order = compute_order(plan.schedule)
@@ -70,13 +75,16 @@ def reuse_pass(plan: Plan, fuse: bool = True) -> Plan:
                  **_alias_notes(graph, aliases)}
         return dataclasses.replace(plan, aliases=aliases, offsets=None,
                                    notes={**plan.notes, "reuse": notes})
-    fused_graph, fused = fuse_updates(graph) if fuse else (graph, [])
-    graphs = {"": graph}
-    if fused:     # judged beside the unfused graph: the fusion is kept only where it does not lose
-        graphs["fused, "] = fused_graph
+    graphs = {"": (graph, order)}
+    graphs.update({f"{name}, ": (g, [op.name for op in g.ops]) for name, g in (variants or {}).items()})
+    fused_count = {}
+    for prefix, (g, g_order) in list(graphs.items()):
+        fused_graph, fused = fuse_updates(g) if fuse else (g, [])
+        if fused:     # judged beside the unfused graph: the fusion is kept only where it does not lose
+            graphs[f"{prefix}fused, "] = (fused_graph, carried_order(g, fused_graph, g_order))
+            fused_count[f"{prefix}fused, "] = len(fused)
     candidates, judged = {}, {}
-    for prefix, g in graphs.items():
-        given = carried_order(graph, g, order)
+    for prefix, (g, given) in graphs.items():
         for name, candidate in {"given": given,
                                 "updates-in-backward": training_order(g, given, dwdx=False),
                                 "dw-dx-rule": training_order(g, given)}.items():
@@ -84,14 +92,16 @@ def reuse_pass(plan: Plan, fuse: bool = True) -> Plan:
             aliases = choose_aliases(g, schedule, prefer if name == "given" else None)
             candidates[prefix + name] = (g, candidate)
             judged[prefix + name] = (analyze(g, schedule, aliases, plan.on_host).peak_bytes, schedule, aliases)
-    # the lowest peak; on a tie the fused graph (fewer buffers), then the later candidate
-    best = min(judged, key=lambda name: (judged[name][0], not name.startswith("fused"), -list(judged).index(name)))
+    # the lowest peak; on a tie the graph rewritten the most (fewer buffers), then the later candidate
+    best = min(judged, key=lambda name: (judged[name][0], -name.count(", "), -list(judged).index(name)))
     peak, schedule, aliases = judged[best]
     input_peak = analyze(graph, plan.schedule, plan.aliases, plan.on_host).peak_bytes
     graph, chosen = candidates[best]
+    prefix = best[:best.rfind(", ") + 2] if ", " in best else ""
     notes = {"order": best, "peak_bytes": peak, "input_peak_bytes": input_peak,
              "candidate_peaks": {name: j[0] for name, j in judged.items()},
-             "fused_updates": len(fused) if best.startswith("fused") else 0,
+             "fused_updates": fused_count.get(prefix, 0),
+             "variant": next((name for name in variants or {} if best.startswith(f"{name}, ")), None),
              "updates_in_backward": _updates_in_backward(graph, chosen),
              **_dwdx_notes(graph, chosen), **_alias_notes(graph, aliases)}
     return dataclasses.replace(plan, graph=graph, schedule=schedule, aliases=aliases, offsets=None,
@@ -162,8 +172,8 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
         return graph, []           # a name taken already (a graph not from passes.autodiff)
     used = set(graph.inputs) | set(graph.outputs) | {t for op in ops for t in op.present_inputs + op.present_outputs}
     replaced = [(i, op) for i, op in enumerate(graph.ops) if op.name in removed or op.name in new_ops]
-    record = {"ops": [dict(_op_json(op), index=i, role=original_roles.get(op.name)) for i, op in replaced],
-              "tensors": [_tensor_json(t, graph.base_dir) for name, t in tensors.items() if name not in used]}
+    record = {"ops": [dict(op_json(op), index=i, role=original_roles.get(op.name)) for i, op in replaced],
+              "tensors": [tensor_json(t, graph.base_dir) for name, t in tensors.items() if name not in used]}
     gone = removed | set(new_ops)
     metadata = {**graph.metadata, FUSED_KEY: json.dumps(record, sort_keys=True),
                 GRAD_ROLES_KEY: json.dumps({k: v for k, v in roles.items() if k not in gone}, sort_keys=True)}
@@ -182,28 +192,38 @@ def unfused_graph(graph: Graph) -> Graph:
     ops = [op for op in graph.ops if op.name not in replaced]
     roles = {k: v for k, v in json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}")).items() if k not in replaced}
     for o in originals:
-        ops.insert(o["index"], Op(o["name"], o["op_type"], o["inputs"], o["outputs"], o["attributes"],
-                                  phase=o["phase"], doc_string=o["doc_string"]))
+        ops.insert(o["index"], op_from_json(o))
         if o["role"] is not None:
             roles[o["name"]] = o["role"]
-    tensors = {**graph.tensors, **{t["name"]: _tensor_from_json(t) for t in record["tensors"]}}
+    tensors = {**graph.tensors, **{t["name"]: tensor_from_json(t) for t in record["tensors"]}}
     metadata = {k: v for k, v in graph.metadata.items() if k != FUSED_KEY}
     metadata[GRAD_ROLES_KEY] = json.dumps(roles, sort_keys=True)
     return graph.replace(ops=ops, tensors=tensors, metadata=metadata)
 
 
-def _op_json(op: Op) -> dict:
+def op_json(op: Op) -> dict:
+    """An op as JSON-able data (for the records that undo a rewrite); a tensor attribute (a
+    ConstantOfShape's value, say) as its serialised proto in base64."""
+    attributes = {k: {TENSOR_ATTRIBUTE: base64.b64encode(v.SerializeToString()).decode()}
+                  if isinstance(v, onnx.TensorProto) else v for k, v in op.attributes.items()}
     return {"name": op.name, "op_type": op.op_type, "inputs": list(op.inputs), "outputs": list(op.outputs),
-            "attributes": dict(op.attributes), "phase": op.phase, "doc_string": op.doc_string}
+            "attributes": attributes, "domain": op.domain, "phase": op.phase, "doc_string": op.doc_string}
 
 
-def _tensor_json(t: Tensor, base_dir: str | None) -> dict:
+def op_from_json(o: dict) -> Op:
+    attributes = {k: onnx.TensorProto.FromString(base64.b64decode(v[TENSOR_ATTRIBUTE]))
+                  if isinstance(v, dict) and TENSOR_ATTRIBUTE in v else v for k, v in o["attributes"].items()}
+    return Op(o["name"], o["op_type"], o["inputs"], o["outputs"], attributes, domain=o.get("domain", ""),
+              phase=o["phase"], doc_string=o["doc_string"])
+
+
+def tensor_json(t: Tensor, base_dir: str | None) -> dict:
     value = tensor_value(t, base_dir).tolist() if t.is_static else None
     return {"name": t.name, "shape": None if t.shape is None else list(t.shape), "dtype": t.dtype,
             "kind": t.kind, "value": value}
 
 
-def _tensor_from_json(t: dict) -> Tensor:
+def tensor_from_json(t: dict) -> Tensor:
     shape = None if t["shape"] is None else tuple(t["shape"])
     data = None
     if t["value"] is not None:
@@ -444,20 +464,20 @@ def layer_groups(graph: Graph) -> list[LayerGroup]:
 
 
 def _groups_from_roles(graph: Graph, roles: dict) -> list[LayerGroup]:
-    dw_by_param: dict[str, list[Op]] = {}
+    """One group per weight and layer reading it (a weight split into parts, one per
+    convolution, passes.concat_split's, is read by several)."""
+    dw_by_key: dict[tuple[str, str], list[Op]] = {}
     dx_by_layer: dict[str, list[Op]] = {}
-    layer_of: dict[str, str] = {}
     for op in graph.ops:
         role = roles.get(op.name, {})
         if role.get("role") == "dW":
-            dw_by_param.setdefault(role["param"], []).append(op)
-            layer_of[role["param"]] = role["layer"]
+            dw_by_key.setdefault((role["param"], role["layer"]), []).append(op)
         elif role.get("role") == "dX":
             dx_by_layer.setdefault(role["layer"], []).append(op)
     groups = []
-    for param, dws in dw_by_param.items():
-        layer = graph.op_by_name.get(layer_of[param])
-        dxs = dx_by_layer.get(layer_of[param], [])
+    for (param, layer_name), dws in dw_by_key.items():
+        layer = graph.op_by_name.get(layer_name)
+        dxs = dx_by_layer.get(layer_name, [])
         if layer is not None:
             x_bytes = max((graph.tensors[t].nbytes for t in layer.present_inputs
                            if not graph.tensors[t].is_static), default=0)
