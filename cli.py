@@ -439,10 +439,10 @@ def cmd_run(args) -> int:
     from memsched.executor import run_plan
     from memsched.summary import predicted_step_time, run_summary
     from memsched.views import print_run, step_progress
-    from passes.reuse import unfused_graph
+    from passes.concat_split import given_graph
 
     plan = read_plan(args.plan)
-    given = unfused_graph(plan.graph)
+    given = given_graph(plan.graph)
     bar = args.steps > 1 and sys.stdout.isatty() and not args.json
     with step_progress(args.steps, enabled=bar) as progress:
         result = run_plan(plan, steps=args.steps, device=args.device, check=args.check,

@@ -35,18 +35,15 @@ from memsched.memory import VIEW_OPS, analyze, analyze_plan, validate  # noqa: E
 from memsched.schedule import Plan  # noqa: E402
 from passes.order import order_pass  # noqa: E402
 from passes.placement import place_pass  # noqa: E402
+from passes.pipeline import training_steps  # noqa: E402
 from passes.reuse import choose_aliases, reuse_pass  # noqa: E402
 
 
 def training_graph(name: str, batch: int, model=None):
     """The SGD training step of bundled model `name` at `batch` (other options: defaults),
-    or of the ONNX `model` given."""
-    try:
-        from passes.autodiff import build_training_step
-    except ImportError:
-        sys.exit("bench_order_reuse: passes.autodiff (the training-step builder) is not in this tree")
+    or of the ONNX `model` given, and the rewritten steps reuse may pick instead."""
     model = model if model is not None else models.build(name, batch=batch)
-    return build_training_step(lower(model), loss="cross_entropy", optimizer="sgd")
+    return training_steps(lower(model), loss="cross_entropy", optimizer="sgd")
 
 
 def synthetic_graph(layers: int = 700):
@@ -57,8 +54,9 @@ def synthetic_graph(layers: int = 700):
     return training_chain(sizes, 2**20, name=f"synthetic-chain-{layers}")
 
 
-def plan_graph(graph, time_limit: float, place_limit: float) -> dict:
-    """Baseline and plan figures for one training graph (every figure from the memory model)."""
+def plan_graph(graph, time_limit: float, place_limit: float, variants=None) -> dict:
+    """Baseline and plan figures for one training graph (every figure from the memory model);
+    `variants`: the rewritten steps reuse may pick (`memsched compile` has them)."""
     baseline = Plan.initial(graph)
     base_peak = analyze_plan(baseline).peak_bytes
     # the baseline as a framework with views runs it (a reshape shares its input's storage,
@@ -68,7 +66,7 @@ def plan_graph(graph, time_limit: float, place_limit: float) -> dict:
     base_views_peak = analyze(graph, baseline.schedule, views).peak_bytes
     seconds = {}
     started = time.perf_counter()
-    plan = reuse_pass(baseline)
+    plan = reuse_pass(baseline, variants=variants)
     seconds["reuse"] = time.perf_counter() - started
     started = time.perf_counter()
     plan = order_pass(plan, time_limit=time_limit)
@@ -98,7 +96,7 @@ def plan_graph(graph, time_limit: float, place_limit: float) -> dict:
         "deterministic": order["deterministic"],
         "placement_status": placement["status"],
         "placement_method": placement["method"],
-        "reuse": {k: reuse[k] for k in ("order", "fused_updates", "aliases", "updates_in_place",
+        "reuse": {k: reuse[k] for k in ("order", "variant", "fused_updates", "aliases", "updates_in_place",
                                         "updates_in_backward", "layers_dw_first", "layers_dx_first")},
         "seconds": {k: round(v, 2) for k, v in seconds.items()},
         "within_limit": seconds["order"] <= time_limit * 1.05 and seconds["placement"] <= place_limit * 1.05,
@@ -135,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_torch:
         cases += torch_cases(batches)
     for name, batch, model in cases:
-        graph = training_graph(name.strip(), batch, model)
-        row = {"graph": name.strip(), "batch": batch, **plan_graph(graph, args.time_limit, args.place_limit)}
+        graph, variants = training_graph(name.strip(), batch, model)
+        row = {"graph": name.strip(), "batch": batch,
+               **plan_graph(graph, args.time_limit, args.place_limit, variants)}
         rows.append(row)
         print(f"{row['graph']} b={batch}: {row['ratio']:.3f} x baseline (bound {row['lower_bound_ratio']:.3f}), "
               f"arena {row['arena_over_peak']:.4f} x peak, {row['seconds']}", file=sys.stderr)

@@ -2,7 +2,8 @@
 zero-overhead peak. Prints one JSON object on stdout (progress on stderr).
 
 For each model, the SGD training step (passes.autodiff) is planned the way `memsched compile
---strategies order,reuse,recompute` plans it: reuse, order (CP-SAT), then recompute_pass at
+--strategies order,reuse,recompute` plans it: reuse (with the rewritten steps it may pick,
+passes.concat_split's), order (CP-SAT), then recompute_pass at
 a budget of F x the zero-overhead peak (the judged peak after reuse and order, nothing
 replayed). Reported per model and fraction: baseline peak (graph order, nothing reused), the
 zero-overhead peak, the budget, the plan's judged peak, the predicted overhead (simulated
@@ -31,7 +32,7 @@ from memsched.frontend import lower  # noqa: E402
 from memsched.ir import Graph  # noqa: E402
 from memsched.memory import analyze_plan  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
-from passes.autodiff import build_training_step  # noqa: E402
+from passes.pipeline import training_steps  # noqa: E402
 from passes.order import order_pass  # noqa: E402
 from passes.recompute import recompute_pass  # noqa: E402
 from passes.reuse import reuse_pass  # noqa: E402
@@ -50,10 +51,10 @@ QUICK = {   # the same kind of peak (activations), fewer bytes or layers
 TARGET_OVERHEAD = 0.10
 
 
-def training_graph(name: str, options: dict) -> Graph:
-    """The SGD training step of a shape-only build of bundled model `name`."""
-    return build_training_step(lower(models.build(name, weights=False, **options)), loss="cross_entropy",
-                               optimizer="sgd")
+def training_graph(name: str, options: dict) -> tuple[Graph, dict[str, Graph]]:
+    """The SGD training step of a shape-only build of bundled model `name`, and the rewritten
+    steps reuse may pick instead (as `memsched compile` has them)."""
+    return training_steps(lower(models.build(name, weights=False, **options)), loss="cross_entropy", optimizer="sgd")
 
 
 def say(message: str) -> None:
@@ -62,12 +63,12 @@ def say(message: str) -> None:
 
 def bench_model(name: str, options: dict, fractions, time_limit: float, order_limit: float) -> list[dict]:
     started = time.perf_counter()
-    graph = training_graph(name, options)
+    graph, variants = training_graph(name, options)
     seconds = {"build": round(time.perf_counter() - started, 2)}
     baseline = Plan.initial(graph, hardware=HARDWARE)
     base_peak = analyze_plan(baseline).peak_bytes
     t = time.perf_counter()
-    plan = reuse_pass(baseline)
+    plan = reuse_pass(baseline, variants=variants)
     seconds["reuse"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
     plan = order_pass(plan, order_limit)
@@ -77,7 +78,8 @@ def bench_model(name: str, options: dict, fractions, time_limit: float, order_li
     rows = []
     for fraction in fractions:
         budget = int(fraction * zero)
-        row = {"model": name, "options": options, "ops": len(graph.ops), "fraction": fraction,
+        row = {"model": name, "options": options, "ops": len(graph.ops), "planned_ops": len(plan.graph.ops),
+               "reuse_variant": plan.notes["reuse"]["variant"], "fraction": fraction,
                "baseline_peak_bytes": base_peak, "zero_overhead_peak_bytes": zero, "budget_bytes": budget,
                "seconds": dict(seconds)}
         t = time.perf_counter()

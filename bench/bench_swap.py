@@ -54,11 +54,16 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def training_graph(name: str, size: int) -> Graph:
-    """The SGD training step of a bundled model, shape-only (no weights: instant at any size)."""
+def forward_graph(name: str, size: int) -> Graph:
+    """A bundled model, shape-only (no weights: instant at any size)."""
     axis, options, _, _ = CASES[name]
-    model = onnx.shape_inference.infer_shapes(models.build(name, weights=False, **options(size)), data_prop=True)
-    return build_training_step(Graph.from_onnx(model), loss="cross_entropy", optimizer="sgd")
+    return Graph.from_onnx(onnx.shape_inference.infer_shapes(models.build(name, weights=False, **options(size)),
+                                                             data_prop=True))
+
+
+def training_graph(name: str, size: int) -> Graph:
+    """The SGD training step of a bundled model, shape-only."""
+    return build_training_step(forward_graph(name, size), loss="cross_entropy", optimizer="sgd")
 
 
 def strategies() -> list[str]:
@@ -74,10 +79,9 @@ def no_plan(name: str, size: int, hw) -> dict | None:
 
 
 def full_plan(name: str, size: int, hw, used: list[str], time_limit: float) -> dict | None:
-    graph = training_graph(name, size)
-    try:
-        result = pipeline.compile(graph, hardware=hw, budget=hw.device_memory, strategies=used,
-                                  time_limit=time_limit)
+    try:   # from the forward model, as `memsched compile --train` plans it (reuse may rewrite the step)
+        result = pipeline.compile(forward_graph(name, size), train=True, loss="cross_entropy", optimizer="sgd",
+                                  hardware=hw, budget=hw.device_memory, strategies=used, time_limit=time_limit)
     except BudgetError:
         return None
     plan, swap = result.report["plan"], result.plan.notes.get("swap", {})

@@ -262,7 +262,7 @@ def print_run(summary: dict) -> None:
         out.print(f"check against a plain ONNX Runtime run ({check['steps']} step(s)): {_verdict(check)}, {kind}")
         given = check.get("given")
         if given is not None:
-            out.print(f"check against the model as given (fused updates round differently): {_verdict(given)}, "
+            out.print(f"check against the model as given (fused updates and split convolutions round differently): {_verdict(given)}, "
                       f"max |diff| {given['max_abs_diff']:.3g} (tolerance {given['tolerance']:g})")
 
 

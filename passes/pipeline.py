@@ -30,7 +30,8 @@ from memsched.schedule import Plan
 from memsched.simulate import Simulation, simulate
 from memsched.units import format_bytes, parse_bytes
 
-from .reuse import FUSED_KEY, unfused_graph
+from .concat_split import given_graph, reuse_variants
+from .reuse import FUSED_KEY
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")
 DEFAULT_STRATEGIES = ("order", "reuse")
@@ -101,6 +102,17 @@ def load_graph(model: "str | Path | Graph", dims: dict[str, int] | None = None, 
     return graph
 
 
+def training_steps(forward: Graph, loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
+                   freeze: tuple[str, ...] = ()) -> tuple[Graph, dict[str, Graph]]:
+    """The training step of `forward` as given, and the rewritten steps the reuse pass may
+    pick instead (`passes.concat_split`), all built with the same options."""
+    def step(g: Graph) -> Graph:
+        return load_graph(g, None, True, loss, optimizer, lr, freeze)
+
+    given = step(forward)
+    return given, reuse_variants(forward, given, step)
+
+
 def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, train: bool = False,
             loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
             freeze: tuple[str, ...] = (), hardware: "str | hardware_mod.Hardware" = "v100-16gb",
@@ -112,7 +124,10 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     strategies = parse_strategies(strategies)
     hw = hardware_mod.load(hardware)
     say("loading the model" + (" and building the training step" if train else ""))
-    graph = unfused_graph(load_graph(model, dims, train, loss, optimizer, lr, freeze))
+    forward = load_graph(model, dims)
+    graph, variants = training_steps(forward, loss, optimizer, lr, freeze) if train else (given_graph(forward), {})
+    if "reuse" not in strategies:
+        variants = {}
 
     baseline = Plan.initial(graph, hardware=hw)
     baseline_profile = validate(baseline)
@@ -131,7 +146,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
         return planned, judged
 
-    passes = _passes(fuse_updates=not data_parallel)   # data parallel all-reduces every gradient
+    passes = _passes(fuse_updates=not data_parallel, variants=variants)   # data parallel all-reduces every gradient
     for name in ("reuse", "order"):
         if name in strategies:
             plan, peak = run(name, lambda p, f=passes[name]: f(p, time_limit), plan)
@@ -284,9 +299,9 @@ def climb_relaxations(step_time_at: Callable[[float], float | None], grid: list[
 
 
 def baseline_of(plan: Plan) -> Plan:
-    """The baseline `plan` is judged against: its graph as given (fused updates undone), in
-    the given order, on the plan's hardware."""
-    return Plan.initial(unfused_graph(plan.graph), hardware=plan.hardware)
+    """The baseline `plan` is judged against: its graph as given (fused updates and concat
+    splits undone), in the given order, on the plan's hardware."""
+    return Plan.initial(given_graph(plan.graph), hardware=plan.hardware)
 
 
 def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], model,
@@ -298,7 +313,7 @@ def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], mo
     profile = validate(plan)
     baseline_sim = simulate(baseline, hw, costs)
     sim = simulate(plan, hw, costs)
-    graph = baseline.graph     # the model as given (the plan's may have fused updates)
+    graph = baseline.graph     # the model as given (the plan's may have fused updates, split convs)
     report = build_report(graph, hw, plan.budget, strategies, baseline_profile, baseline_sim, plan, profile,
                           sim, timings, model)
     report["tensors"] = tensor_decisions(plan)
@@ -317,16 +332,17 @@ def strategies_of(plan: Plan) -> tuple[str, ...]:
     return tuple(s for s in STRATEGIES if s in plan.notes)
 
 
-def _passes(fuse_updates: bool = True) -> dict[str, Callable]:
+def _passes(fuse_updates: bool = True, variants: dict[str, Graph] | None = None) -> dict[str, Callable]:
     """Strategy name -> pass; imported on use so loading the pipeline stays cheap.
-    `fuse_updates`: whether reuse may fuse SGD and momentum updates into their dW Gemms."""
+    `fuse_updates`: whether reuse may fuse SGD and momentum updates into their dW Gemms;
+    `variants`: rewritten training steps reuse may pick instead (passes.concat_split)."""
     from .order import order_pass
     from .placement import place_pass
     from .recompute import recompute_pass
     from .reuse import reuse_pass
     from .swap import swap_pass
 
-    return {"order": order_pass, "reuse": lambda plan, limit: reuse_pass(plan, fuse_updates),
+    return {"order": order_pass, "reuse": lambda plan, limit: reuse_pass(plan, fuse_updates, variants),
             "recompute": recompute_pass, "swap": swap_pass, "placement": place_pass}
 
 
