@@ -5,6 +5,7 @@ NVDIMM tier taking what DRAM cannot. Prints one JSON object on stdout (progress 
 
     python bench/bench_swap.py [--quick] [--time-limit S] [--only NAME ...]
     python bench/bench_swap.py --nvdimm resnet50:1004      # only the small-DRAM check
+    python bench/bench_swap.py --at unet3d:264 unet3d:256  # only the full plan at these sizes
 
 Sizes are searched by doubling, then bisection (planning cost does not grow with the batch:
 graphs are shape-only, weights=False). "no plan" is the framework's own order with nothing
@@ -226,6 +227,26 @@ def nvdimm_alone(name: str, size: int, hw, used: list[str], time_limit: float) -
     return bench_nvdimm(name, size, hw, used, time_limit, sum(planned["host_peak_bytes"].values()))
 
 
+def points(texts: list[str], hw, used: list[str], time_limit: float) -> dict:
+    """The full plan at given sizes, beside the largest size that fits with no plan."""
+    results: dict[str, dict] = {}
+    for name, size in map(_model_at, texts):
+        axis, _, start, step = CASES[name]
+        if name not in results:
+            say(f"{name}: largest {axis} with no plan")
+            results[name] = {"axis": axis, "no_plan": {"largest": largest(lambda s: no_plan(name, s, hw), start,
+                                                                          step)[0]}, "points": {}}
+        say(f"{name}: full plan at {axis} {size}")
+        point = full_plan(name, size, hw, used, time_limit)
+        base = results[name]["no_plan"]["largest"]
+        ratio = (size / base) ** (3 if axis == "size" else 1) if base else None
+        results[name]["points"][size] = {"fits": point is not None, "ratio": ratio,
+                                         **(_summary(size, point) if point else {})}
+        if point:
+            say(f"    overhead {point['overhead']:+.1%}")
+    return results
+
+
 def _model_at(text: str) -> tuple[str, int]:
     name, _, size = text.partition(":")
     if name not in CASES or not size.isdigit():
@@ -240,6 +261,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", choices=list(CASES), help="models to run")
     parser.add_argument("--nvdimm", metavar="MODEL:SIZE",
                         help="only the small-DRAM check, for MODEL at SIZE (no size search)")
+    parser.add_argument("--at", nargs="+", metavar="MODEL:SIZE",
+                        help="only the full plan at these sizes (no search for the full plan's largest)")
     args = parser.parse_args(argv)
     quick = args.quick
     time_limit = args.time_limit or (2.0 if quick else 10.0)
@@ -250,6 +273,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     if args.nvdimm:
         results, nvdimm = {}, nvdimm_alone(*_model_at(args.nvdimm), hw, used, time_limit)
+    elif args.at:
+        results, nvdimm = points(args.at, hw, used, time_limit), None
     else:
         results = {name: bench_model(name, hw, used, time_limit, tolerance) for name in names}
         nvdimm = nvdimm_after(results, names, hw, used, time_limit)
