@@ -156,6 +156,13 @@ def print_compile(report: dict) -> None:
     if solver.get("lower_bound_bytes"):
         gap = f", lower bound {format_bytes(solver['lower_bound_bytes'])}"
     out.print(f"solver: {solver['status']} in {solver['seconds']:.2f} s{gap}")
+    reuse = report["passes"].get("reuse") or {}
+    rewrites = [f"{reuse['fused_updates']} optimizer updates fused into their weight-gradient Gemms"] \
+        if reuse.get("fused_updates") else []
+    if reuse.get("variant") == "concat-split":
+        rewrites.append("convolutions over a Concat split per part")
+    if rewrites:
+        out.print("reuse rewrote the step: " + "; ".join(rewrites))
     fit = report["passes"].get("fit", {})
 
     def said(t: dict) -> str:

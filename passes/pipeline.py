@@ -170,34 +170,42 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     # Each round: fit the target, then place the fastest candidate whose arena holds the budget.
     # Where a faster one's arena overshot, fit again against a target lowered by its overshoot,
     # re-planning only the candidates that were faster than the placed one (a slower one cannot
-    # win); the fastest placed plan of all rounds wins.
+    # win); where nothing fits a lowered target, the next round tries halfway back to the target
+    # whose plans overshot. The fastest placed plan of all rounds wins.
     best = None      # (step time, placed plan, its round, its record in that round's tried)
     only = None      # the candidates a round re-plans (None: all)
     rounds = []      # per round: its target and what it tried, for the notes
+    overshot_at = None       # the last target whose plans fit but whose fastest arena overshot
+    smallest_arena = None    # the smallest arena over the budget seen
     for attempt in range(1, FIT_ROUNDS + 1):
         ranked, tried = [(zero_overhead, zero_overhead_peak, None, 0.0)], []
         if target is not None and zero_overhead_peak > target:
             ranked, tried, reached = fit(zero_overhead, zero_overhead_peak, target, strategies, time_limit, run,
                                          costs, only)
-            if not ranked and best is None:
+            if not ranked and overshot_at is None:    # nothing fits the budget itself
                 missing = [s for s in ("recompute", "swap") if s not in strategies]
                 hint = f"; add {' or '.join(missing)} to --strategies to go lower" if missing else ""
                 raise BudgetError(f"the budget of {format_bytes(budget_bytes)} ({budget_bytes:,} B) cannot be met "
                                   f"with {','.join(strategies) or 'no strategies'}: the smallest peak reached is "
                                   f"{format_bytes(reached)} ({reached:,} B){hint}", reached)
+            if not ranked:       # a lowered target too low to fit: halfway back next
+                rounds.append({"round": attempt, "target_bytes": target, "tried": tried})
+                target = (target + overshot_at) // 2
+                continue
         placed, overshoot = place_fastest(ranked, tried)
         rounds.append({"round": attempt, "target_bytes": target, "tried": tried})
         if placed is not None and (best is None or placed[1] < best[0]):
             best = (placed[1], placed[0], attempt, placed[2])
         if overshoot is None:
             break           # the round's fastest candidate was placed (or none fit at all)
+        smallest_arena = min(smallest_arena or budget_bytes + overshoot, budget_bytes + overshoot)
+        overshot_at = target
         target -= overshoot
         only = None if placed is None else {t["candidate"] for t in tried if t.get("arena_bytes", 0) > budget_bytes}
     if best is None:
         raise BudgetError(f"the plan's live bytes fit the budget of {format_bytes(budget_bytes)} but its arena "
                           f"does not after {FIT_ROUNDS} rounds: the smallest arena over it is "
-                          f"{format_bytes(budget_bytes + overshoot)} ({budget_bytes + overshoot:,} B)",
-                          budget_bytes + overshoot)
+                          f"{format_bytes(smallest_arena)} ({smallest_arena:,} B)", smallest_arena)
     _, plan, attempt, record = best
     chosen = rounds[attempt - 1]
     if record is not None:

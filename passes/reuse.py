@@ -17,6 +17,9 @@ Three decisions, none adding a FLOP or a transfer:
   w - lr * g becomes Gemm(A, B, C=w, alpha=-lr*alpha, beta=1), momentum's momentum * b + g
   becomes Gemm(A, B, C=b, alpha, beta=momentum) -- written over C: the gradient buffer never
   exists. Same FLOPs; the rounding is the Gemm's instead of the elementwise ops'.
+- Rewritten steps: the caller may hand in the same training step rewritten (`variants`, e.g.
+  passes.concat_split's convolutions split over their Concats); each is judged like the
+  graph itself, fused or not, and kept only where it does not lose.
 
 The dW and dX ops of each weight come from the roles passes.autodiff records in
 `graph.metadata["memsched.grad_roles"]` (several ops per role, X the layer's input); for

@@ -364,6 +364,9 @@ def test_cli_compile_then_run_a_split_unet(cli, tmp_path):
     given = report["check"]["given"]
     assert given["passed"] and 0 < given["max_abs_diff"] <= 1e-5
     assert report["measured"]["peak_bytes"] == compiled["plan"]["peak_bytes"]
+    text = cli("compile", model, "--train", "--hardware", "cpu", "--strategies", "order,reuse", "--time-limit", "1",
+               "-o", tmp_path / "again.onnx")
+    assert text.returncode == 0 and "reuse rewrote the step: convolutions over a Concat split per part" in text.stdout
 
 
 def test_cli_run_text(cli, emitted):
