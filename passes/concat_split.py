@@ -8,7 +8,10 @@ at once (twice the bytes of its output), and its gradient is that size again bef
 Slices hand it to the parts. Split, each part's input stays its own buffer, read by its own
 convolution, and each part gets its input gradient from its own transposed convolution.
 Same FLOPs plus one Add per extra part; the sum over input channels is rounded in k pieces
-(a run differs from the model as given by rounding only).
+(a run differs from the model as given by rounding only). The weight parts that the backward
+reads are split off W again right before it: held from the forward they would be live across
+the whole step. Autodiff gives each part's convolution the weight's dW and dX roles, so the
+dW/dX rule orders each part as a layer.
 
 The rewrite is made on the forward model (`split_concat_convs`) and the training step built
 again from it (`split_training_step`); what changed in the training step is recorded in its
@@ -27,7 +30,7 @@ import json
 from typing import Callable
 
 import numpy as np
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from memsched.ir import Graph, Op, Tensor
 
@@ -105,7 +108,7 @@ def _split_ops(graph: Graph, conv: Op, concat: Op) -> tuple[list[Op], list[Tenso
     sizes = [graph.tensors[x].shape[1] for x in parts]
     scope = conv.name
     sizes_name = f"{scope}/split_sizes"
-    sizes_tensor = Tensor(sizes_name, (len(sizes),), 7, "constant",   # 7: INT64
+    sizes_tensor = Tensor(sizes_name, (len(sizes),), TensorProto.INT64, "constant",
                           numpy_helper.from_array(np.asarray(sizes, dtype=np.int64), sizes_name))
     w_parts = [Tensor(f"{weight}/part{i}", (w.shape[0], c, *w.shape[2:]), w.dtype, "activation")
                for i, c in enumerate(sizes)]
