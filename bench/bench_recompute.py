@@ -32,8 +32,8 @@ from memsched.frontend import lower  # noqa: E402
 from memsched.ir import Graph  # noqa: E402
 from memsched.memory import analyze_plan  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
-from passes.pipeline import training_steps  # noqa: E402
 from passes.order import order_pass  # noqa: E402
+from passes.pipeline import training_steps  # noqa: E402
 from passes.recompute import recompute_pass  # noqa: E402
 from passes.reuse import reuse_pass  # noqa: E402
 

@@ -21,7 +21,7 @@ from passes.autodiff import build_training_step
 from passes.concat_split import (SPLIT_KEY, VARIANT, given_graph, reuse_variants, split_concat_convs,
                                  split_training_step, unsplit_graph)
 from passes.pipeline import baseline_of, compile, training_steps
-from passes.reuse import GRAD_ROLES_KEY, reuse_pass
+from passes.reuse import GRAD_ROLES_KEY, layer_groups, reuse_pass
 
 
 def concat_model(axis: int = 1, second_reader: bool = False, group: int = 1, batch: int = 1):
@@ -85,6 +85,18 @@ def test_the_split_training_step_gives_back_the_step_as_given():
     split = split_training_step(forward, given, build)
     assert json.loads(split.metadata[SPLIT_KEY])["convs"] == ["head"]
     assert "c" not in split.tensors and "head/part1/grad/ConvTranspose" in split.op_by_name
+    # the backward reads weight parts split off again, not the forward's (held across the step)
+    assert split.op_by_name["head/part1/grad/ConvTranspose"].inputs[1] == "head.weight/part1/backward"
+    assert split.op_by_name["head/SplitWeight/backward"].phase == "backward"
+    # each part is a layer of the weight for the dW/dX rule: its weight gradient dW, its input gradient dX
+    roles = json.loads(split.metadata[GRAD_ROLES_KEY])
+    assert roles["head/part1/grad/Conv"] == {"role": "dW", "layer": "head/part1", "param": "head.weight"}
+    assert roles["head/part1/grad/ConvTranspose"] == {"role": "dX", "layer": "head/part1", "param": "head.weight"}
+    groups = [g for g in layer_groups(split) if g.dx and "head/part" in g.dx[0].name]
+    # the weight's group per part, and the bias's with the part that adds it
+    assert sorted(g.dx[0].name for g in groups) == ["head/part0/grad/ConvTranspose"] * 2 + \
+        ["head/part1/grad/ConvTranspose"]
+    assert all(g.x_bytes > g.w_bytes for g in groups)      # conv-like: dW first
     back = unsplit_graph(split)
     assert [(op.name, op.op_type, op.inputs, op.outputs, op.attributes, op.phase) for op in back.ops] == \
         [(op.name, op.op_type, op.inputs, op.outputs, op.attributes, op.phase) for op in given.ops]
