@@ -26,7 +26,6 @@ the parts' channels (all shapes known).
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Callable
 
 import numpy as np
@@ -34,7 +33,7 @@ from onnx import TensorProto, numpy_helper
 
 from memsched.ir import Graph, Op, Tensor
 
-from .reuse import GRAD_ROLES_KEY, op_from_json, op_json, tensor_from_json, tensor_json, unfused_graph
+from .reuse import record_rewrite, undo_rewrite, unfused_graph
 
 SPLIT_KEY = "memsched.concat_split"   # what split_training_step changed, so it can be undone
 VARIANT = "concat-split"              # the reuse pass's name for the split step
@@ -141,21 +140,10 @@ def split_training_step(forward: Graph, given: Graph, build: Callable[[Graph], G
     split = _weights_split_again(build(split_forward), convs)
     if (split.inputs, split.outputs) != (given.inputs, given.outputs):
         return None
-    key = {op.name: _op_key(op) for op in split.ops}
-    removed = [(i, op) for i, op in enumerate(given.ops) if key.get(op.name) != _op_key(op)]
-    gone = {op.name for _, op in removed}
-    kept = {op.name for op in given.ops} - gone
-    added = [op.name for op in split.ops if op.name not in kept]
-    roles = json.loads(given.metadata.get(GRAD_ROLES_KEY, "{}"))
-    record = {"convs": convs, "added": added,
-              "ops": [dict(op_json(op), index=i, role=roles.get(op.name)) for i, op in removed],
-              "tensors": [tensor_json(t, given.base_dir) for name, t in given.tensors.items()
-                          if name not in split.tensors or not _same_tensor(t, split.tensors[name])]}
     try:
-        text = json.dumps(record, sort_keys=True)
-    except TypeError:       # an attribute JSON cannot hold (a tensor): keep the step as given
+        return record_rewrite(given, split, SPLIT_KEY, convs=convs)
+    except TypeError:       # an attribute JSON cannot hold (a subgraph, say): keep the step as given
         return None
-    return split.replace(metadata={**split.metadata, SPLIT_KEY: text})
 
 
 def _weights_split_again(step: Graph, convs: list[str]) -> Graph:
@@ -184,29 +172,4 @@ def _weights_split_again(step: Graph, convs: list[str]) -> Graph:
 
 def unsplit_graph(graph: Graph) -> Graph:
     """The training step before `split_training_step` (the one the baseline runs)."""
-    record = json.loads(graph.metadata.get(SPLIT_KEY, "null"))
-    if record is None:
-        return graph
-    added = set(record["added"])
-    ops = [op for op in graph.ops if op.name not in added]
-    roles = {k: v for k, v in json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}")).items() if k not in added}
-    for o in sorted(record["ops"], key=lambda o: o["index"]):
-        ops.insert(o["index"], op_from_json(o))
-        if o["role"] is not None:
-            roles[o["name"]] = o["role"]
-    used = {t for op in ops for t in op.present_inputs + op.present_outputs} | set(graph.inputs) | set(graph.outputs)
-    tensors = {name: t for name, t in graph.tensors.items() if name in used}
-    tensors.update({t["name"]: tensor_from_json(t) for t in record["tensors"]})
-    metadata = {k: v for k, v in graph.metadata.items() if k != SPLIT_KEY}
-    metadata[GRAD_ROLES_KEY] = json.dumps(roles, sort_keys=True)
-    return graph.replace(ops=ops, tensors=tensors, metadata=metadata)
-
-
-def _same_tensor(a: Tensor, b: Tensor) -> bool:
-    return (a.shape, a.dtype, a.kind, a.data) == (b.shape, b.dtype, b.kind, b.data)
-
-
-def _op_key(op: Op) -> tuple:
-    """What makes two ops the same op (attributes by their text: they may hold protos)."""
-    return (op.op_type, op.domain, tuple(op.inputs), tuple(op.outputs), op.phase, op.doc_string,
-            repr(sorted(op.attributes.items())))
+    return undo_rewrite(graph, SPLIT_KEY)

@@ -150,7 +150,6 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
         return graph, []
     tensors = graph.tensors
     roles = json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}"))
-    original_roles = dict(roles)
     removed: set[str] = set()
     new_ops: dict[str, Op] = {}
     fused = []
@@ -173,35 +172,70 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
     ops = [new_ops.get(op.name, op) for op in graph.ops if op.name not in removed]
     if len({op.name for op in ops}) < len(ops):
         return graph, []           # a name taken already (a graph not from passes.autodiff)
-    used = set(graph.inputs) | set(graph.outputs) | {t for op in ops for t in op.present_inputs + op.present_outputs}
-    replaced = [(i, op) for i, op in enumerate(graph.ops) if op.name in removed or op.name in new_ops]
-    record = {"ops": [dict(op_json(op), index=i, role=original_roles.get(op.name)) for i, op in replaced],
-              "tensors": [tensor_json(t, graph.base_dir) for name, t in tensors.items() if name not in used]}
     gone = removed | set(new_ops)
-    metadata = {**graph.metadata, FUSED_KEY: json.dumps(record, sort_keys=True),
-                GRAD_ROLES_KEY: json.dumps({k: v for k, v in roles.items() if k not in gone}, sort_keys=True)}
-    kept = {name: t for name, t in tensors.items() if name in used}
-    return graph.replace(ops=ops, tensors=kept, metadata=metadata), fused
+    used = set(graph.inputs) | set(graph.outputs) | {t for op in ops for t in op.present_inputs + op.present_outputs}
+    fused_graph = graph.replace(ops=ops, tensors={name: t for name, t in tensors.items() if name in used},
+                                metadata={**graph.metadata, GRAD_ROLES_KEY: json.dumps(
+                                    {k: v for k, v in roles.items() if k not in gone}, sort_keys=True)})
+    return record_rewrite(graph, fused_graph, FUSED_KEY), fused
 
 
 def unfused_graph(graph: Graph) -> Graph:
-    """The graph before `fuse_updates` (the one the baseline runs): the replaced ops back
-    at their places in the op order, their tensors and grad roles restored."""
-    record = json.loads(graph.metadata.get(FUSED_KEY, "null"))
+    """The graph before `fuse_updates` (the one the baseline runs)."""
+    return undo_rewrite(graph, FUSED_KEY)
+
+
+# ---- records that undo a rewrite ----------------------------------------------------------
+def record_rewrite(given: Graph, rewritten: Graph, key: str, **extra) -> Graph:
+    """`rewritten` (the step `given` with some ops replaced) with what changed recorded in its
+    metadata under `key`, for `undo_rewrite`: the ops of `given` it lacks or changed, with
+    their places in the op order and their grad roles; the names of the ops it added; the
+    tensors of `given` it lacks or changed; `extra` fields as they are. Raises TypeError where
+    an attribute has no JSON form (op_json)."""
+    key_of = {op.name: _op_key(op) for op in rewritten.ops}
+    removed = [(i, op) for i, op in enumerate(given.ops) if key_of.get(op.name) != _op_key(op)]
+    kept = {op.name for op in given.ops} - {op.name for _, op in removed}
+    roles = json.loads(given.metadata.get(GRAD_ROLES_KEY, "{}"))
+    record = {**extra, "added": [op.name for op in rewritten.ops if op.name not in kept],
+              "ops": [dict(op_json(op), index=i, role=roles.get(op.name)) for i, op in removed],
+              "tensors": [tensor_json(t, given.base_dir) for name, t in given.tensors.items()
+                          if name not in rewritten.tensors or not _same_tensor(t, rewritten.tensors[name])]}
+    return rewritten.replace(metadata={**rewritten.metadata, key: json.dumps(record, sort_keys=True)})
+
+
+def undo_rewrite(graph: Graph, key: str) -> Graph:
+    """The graph before the rewrite recorded under `key` (`record_rewrite`): the ops it added
+    taken out, the ones it replaced back at their places in the op order, their tensors and
+    grad roles restored; the graph itself where there is no such record."""
+    record = json.loads(graph.metadata.get(key, "null"))
     if record is None:
         return graph
-    originals = sorted(record["ops"], key=lambda o: o["index"])
-    replaced = {graph.producer[t].name for o in originals for t in o["outputs"] if t in graph.producer}
-    ops = [op for op in graph.ops if op.name not in replaced]
-    roles = {k: v for k, v in json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}")).items() if k not in replaced}
-    for o in originals:
+    if "added" in record:
+        added = set(record["added"])
+    else:   # a fused-update record written before records named the ops they added: its ops make the outputs
+        added = {graph.producer[t].name for o in record["ops"] for t in o["outputs"] if t in graph.producer}
+    ops = [op for op in graph.ops if op.name not in added]
+    roles = {k: v for k, v in json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}")).items() if k not in added}
+    for o in sorted(record["ops"], key=lambda o: o["index"]):
         ops.insert(o["index"], op_from_json(o))
         if o["role"] is not None:
             roles[o["name"]] = o["role"]
-    tensors = {**graph.tensors, **{t["name"]: tensor_from_json(t) for t in record["tensors"]}}
-    metadata = {k: v for k, v in graph.metadata.items() if k != FUSED_KEY}
+    used = {t for op in ops for t in op.present_inputs + op.present_outputs} | set(graph.inputs) | set(graph.outputs)
+    tensors = {name: t for name, t in graph.tensors.items() if name in used}
+    tensors.update({t["name"]: tensor_from_json(t) for t in record["tensors"]})
+    metadata = {k: v for k, v in graph.metadata.items() if k != key}
     metadata[GRAD_ROLES_KEY] = json.dumps(roles, sort_keys=True)
     return graph.replace(ops=ops, tensors=tensors, metadata=metadata)
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    return (a.shape, a.dtype, a.kind, a.data) == (b.shape, b.dtype, b.kind, b.data)
+
+
+def _op_key(op: Op) -> tuple:
+    """What makes two ops the same op (attributes by their text: they may hold protos)."""
+    return (op.op_type, op.domain, tuple(op.inputs), tuple(op.outputs), op.phase, op.doc_string,
+            repr(sorted(op.attributes.items())))
 
 
 def op_json(op: Op) -> dict:
