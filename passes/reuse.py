@@ -78,33 +78,35 @@ def reuse_pass(plan: Plan, fuse: bool = True, variants: dict[str, Graph] | None 
                  **_alias_notes(graph, aliases)}
         return dataclasses.replace(plan, aliases=aliases, offsets=None,
                                    notes={**plan.notes, "reuse": notes})
-    graphs = {"": (graph, order)}
-    graphs.update({f"{name}, ": (g, [op.name for op in g.ops]) for name, g in (variants or {}).items()})
-    fused_count = {}
-    for prefix, (g, g_order) in list(graphs.items()):
+    # prefix -> (graph, its given order, the variant it is or comes from, updates fused in it)
+    graphs = {"": (graph, order, None, 0)}
+    graphs.update({f"{name}, ": (g, [op.name for op in g.ops], name, 0) for name, g in (variants or {}).items()})
+    for prefix, (g, g_order, variant, _) in list(graphs.items()):
         fused_graph, fused = fuse_updates(g) if fuse else (g, [])
         if fused:     # judged beside the unfused graph: the fusion is kept only where it does not lose
-            graphs[f"{prefix}fused, "] = (fused_graph, carried_order(g, fused_graph, g_order))
-            fused_count[f"{prefix}fused, "] = len(fused)
+            graphs[f"{prefix}fused, "] = (fused_graph, carried_order(g, fused_graph, g_order), variant, len(fused))
     candidates, judged = {}, {}
-    for prefix, (g, given) in graphs.items():
+    for prefix, (g, given, variant, fused) in graphs.items():
         for name, candidate in {"given": given,
                                 "updates-in-backward": training_order(g, given, dwdx=False),
                                 "dw-dx-rule": training_order(g, given)}.items():
             schedule = order_schedule(candidate)
             aliases = choose_aliases(g, schedule, prefer if name == "given" else None)
-            candidates[prefix + name] = (g, candidate)
+            candidates[prefix + name] = (g, candidate, variant, fused)
             judged[prefix + name] = (analyze(g, schedule, aliases, plan.on_host).peak_bytes, schedule, aliases)
+
+    def rewrites(name: str) -> int:
+        _, _, variant, fused = candidates[name]
+        return (variant is not None) + (fused > 0)
+
     # the lowest peak; on a tie the graph rewritten the most (fewer buffers), then the later candidate
-    best = min(judged, key=lambda name: (judged[name][0], -name.count(", "), -list(judged).index(name)))
+    best = min(judged, key=lambda name: (judged[name][0], -rewrites(name), -list(judged).index(name)))
     peak, schedule, aliases = judged[best]
     input_peak = analyze(graph, plan.schedule, plan.aliases, plan.on_host).peak_bytes
-    graph, chosen = candidates[best]
-    prefix = best[:best.rfind(", ") + 2] if ", " in best else ""
+    graph, chosen, variant, fused = candidates[best]
     notes = {"order": best, "peak_bytes": peak, "input_peak_bytes": input_peak,
              "candidate_peaks": {name: j[0] for name, j in judged.items()},
-             "fused_updates": fused_count.get(prefix, 0),
-             "variant": next((name for name in variants or {} if best.startswith(f"{name}, ")), None),
+             "fused_updates": fused, "variant": variant,
              "updates_in_backward": _updates_in_backward(graph, chosen),
              **_dwdx_notes(graph, chosen), **_alias_notes(graph, aliases)}
     return dataclasses.replace(plan, graph=graph, schedule=schedule, aliases=aliases, offsets=None,
