@@ -103,14 +103,14 @@ def load_graph(model: "str | Path | Graph", dims: dict[str, int] | None = None, 
 
 
 def training_steps(forward: Graph, loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
-                   freeze: tuple[str, ...] = ()) -> tuple[Graph, dict[str, Graph]]:
-    """The training step of `forward` as given, and the rewritten steps the reuse pass may
-    pick instead (`passes.concat_split`), all built with the same options."""
+                   freeze: tuple[str, ...] = (), variants: bool = True) -> tuple[Graph, dict[str, Graph]]:
+    """The training step of `forward` as given, and (with `variants`) the rewritten steps the
+    reuse pass may pick instead (`passes.concat_split`), all built with the same options."""
     def step(g: Graph) -> Graph:
         return load_graph(g, None, True, loss, optimizer, lr, freeze)
 
     given = step(forward)
-    return given, reuse_variants(forward, given, step)
+    return given, reuse_variants(forward, given, step) if variants else {}
 
 
 def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, train: bool = False,
@@ -125,9 +125,8 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     hw = hardware_mod.load(hardware)
     say("loading the model" + (" and building the training step" if train else ""))
     forward = load_graph(model, dims)
-    graph, variants = training_steps(forward, loss, optimizer, lr, freeze) if train else (given_graph(forward), {})
-    if "reuse" not in strategies:
-        variants = {}
+    graph, variants = training_steps(forward, loss, optimizer, lr, freeze, variants="reuse" in strategies) \
+        if train else (given_graph(forward), {})
 
     baseline = Plan.initial(graph, hardware=hw)
     baseline_profile = validate(baseline)
