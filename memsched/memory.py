@@ -210,6 +210,17 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
     return MemoryProfile(residencies, live, by_kind, names)
 
 
+def writable_inputs(op) -> list[str]:
+    """The inputs rule 4 lets an output of `op` write over (where it runs in place at all): a
+    Gemm update only C (the product reads A and B while it writes), a scatter only its data,
+    any other op any input."""
+    if op.op_type == "Gemm":
+        return op.inputs[2:3]
+    if op.op_type in INPLACE_DATA_ONLY:
+        return op.inputs[:1]
+    return op.present_inputs
+
+
 def _check_alias(graph: Graph, op, output: str, source: str) -> None:
     """The static half of rule 4; `analyze` checks that the source dies at the op."""
     if source not in op.present_inputs:
@@ -218,12 +229,10 @@ def _check_alias(graph: Graph, op, output: str, source: str) -> None:
         raise ScheduleError(f"'{output}' may not alias '{source}': their sizes differ")
     if op.op_type not in INPLACE_OPS and op.phase != "update":
         raise ScheduleError(f"'{output}' may not alias '{source}': {op.op_type} does not run in place")
-    if op.op_type == "Gemm" and source not in op.inputs[2:3]:
-        raise ScheduleError(f"'{output}' may not alias '{source}': a Gemm update writes in place only over C, "
-                            f"the parameter or state it updates")
-    if op.op_type in INPLACE_DATA_ONLY and source != op.inputs[0]:
-        raise ScheduleError(f"'{output}' may not alias '{source}': {op.op_type} writes in place only over "
-                            f"its first input")
+    if source not in writable_inputs(op):
+        what, over = ("a Gemm update", "C, the parameter or state it updates") if op.op_type == "Gemm" \
+            else (op.op_type, "its first input")
+        raise ScheduleError(f"'{output}' may not alias '{source}': {what} writes in place only over {over}")
     if source in graph.outputs or source in graph.inputs:
         raise ScheduleError(f"'{output}' may not alias '{source}': it is a graph input or output")
 

@@ -43,7 +43,7 @@ from onnx import helper, numpy_helper
 
 from memsched.errors import ScheduleError
 from memsched.ir import Graph, Op, Tensor, tensor_value
-from memsched.memory import INPLACE_OPS, VIEW_OPS, analyze
+from memsched.memory import INPLACE_OPS, VIEW_OPS, analyze, writable_inputs
 from memsched.schedule import Plan, Schedule, order_schedule
 
 # where passes.autodiff records each backward op's role (dW, dX, update; see its package doc)
@@ -354,12 +354,10 @@ def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
     Parameters come first: taking their storage saves them for the rest of the step."""
     if op.op_type not in INPLACE_OPS and op.phase != "update":
         return []
-    if op.op_type == "Gemm":                  # a fused update: only over C, the parameter
-        data = op.inputs[2:3]
-    elif op.phase != "update" and op.op_type not in _ANY_INPUT:
+    if op.phase == "update" or op.op_type in _ANY_INPUT:
+        data = writable_inputs(op)            # the memory model's rule (a fused update: only over C)
+    else:                                     # other in-place ops: their data input (Where: its branches)
         data = op.inputs[1:3] if op.op_type == "Where" else op.inputs[:1]
-    else:
-        data = op.inputs
     nbytes = graph.tensors[output].nbytes
     if nbytes == 0 or output in graph.inputs:
         return []
