@@ -438,7 +438,9 @@ def test_linear_behind_a_transpose_makes_no_transposed_copy_of_its_weight():
     forward = {op.name: op for op in train.ops if op.phase == "forward"}
     assert not {"t", "t2", "t4"} & set(forward) and "t3" in forward   # w3t is read by w3sum too
     assert forward["mm2"].op_type == "Reshape" and forward["mm3"].op_type == "MatMul"
-    assert forward["mm4"].op_type == "Gemm" and forward["mm4"].inputs == ["y", "w4"]
+    # the Add of a [5] vector to mm4's product is its bias: the Gemm takes it as C, no Add runs
+    assert forward["mm4"].op_type == "Gemm" and forward["mm4"].inputs == ["y", "w4", "w3s"]
+    assert "shift" not in forward and forward["mm4"].outputs == ["logits"]
     gemms = [op for op in train.ops if op.phase == "forward" and op.op_type == "Gemm"]
     assert sorted(op.inputs[1] for op in gemms) == ["w", "w2", "w4"]
     assert all(op.attributes["transB"] == 1 for op in gemms)
@@ -447,6 +449,79 @@ def test_linear_behind_a_transpose_makes_no_transposed_copy_of_its_weight():
     assert not [op for op in train.ops if op.op_type == "Transpose" and train.tensors[op.outputs[0]].shape in
                 {(6, 4), (4, 6), (5, 6), (6, 5)}]
     assert {train.producer[f"{w}.grad"].op_type for w in ("w", "w2", "w4")} == {"Gemm"}   # named, not copied
+
+
+def test_linear_bias_add_runs_inside_the_gemm():
+    """MatMul(x, Transpose(W)) then Add(bias, .) (nn.Linear on [N, L, d] as exported): the forward
+    Gemm takes the bias as C and writes the Add's output through its Reshape, so no elementwise
+    pass over the product adds it. A bias of another size, or a product read twice, keeps its
+    Add. Gradients (x, W and both biases) match central differences."""
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["h"], name="mm"),
+             helper.make_node("Add", ["b", "h"], ["hb"], name="bias"),          # bias first, as exported
+             helper.make_node("Tanh", ["hb"], ["a"], name="act"),
+             helper.make_node("Transpose", ["w2"], ["w2t"], name="t2"),
+             helper.make_node("MatMul", ["a", "w2t"], ["y"], name="mm2"),
+             helper.make_node("Add", ["y", "b2"], ["z"], name="bias2"),         # [1, 5]: not a 1-D bias
+             helper.make_node("Transpose", ["w3"], ["w3t"], name="t3"),
+             helper.make_node("MatMul", ["z", "w3t"], ["u"], name="mm3"),
+             helper.make_node("Add", ["u", "b3"], ["v"], name="bias3"),
+             helper.make_node("Add", ["v", "u"], ["out"], name="twice"),        # u read twice: no fold
+             helper.make_node("Reshape", ["out", "rows"], ["logits"], name="flatten")]
+    graph = helper.make_graph(nodes, "linear_bias", [helper.make_tensor_value_info("x", DOUBLE, [2, 3, 4])],
+                              [helper.make_tensor_value_info("logits", DOUBLE, [6, 5])],
+                              [_init("w", rng.standard_normal((6, 4))), _init("b", rng.standard_normal(6)),
+                               _init("w2", rng.standard_normal((5, 6))), _init("b2", rng.standard_normal((1, 5))),
+                               _init("w3", rng.standard_normal((5, 5))), _init("b3", rng.standard_normal(5)),
+                               numpy_helper.from_array(np.array([6, 5], dtype=np.int64), "rows")])
+    feeds = {"x": rng.standard_normal((2, 3, 4)), "labels": np.array([0, 4, 2, 1, 3, 0], dtype=np.int64)}
+    train = check_gradients(make_model(graph), feeds, loss="cross_entropy")
+    forward = {op.name: op for op in train.ops if op.phase == "forward"}
+    assert "bias" not in forward and forward["mm"].op_type == "Reshape" and forward["mm"].outputs == ["hb"]
+    gemm = train.producer[forward["mm"].inputs[0]]
+    assert gemm.op_type == "Gemm" and gemm.inputs[1:] == ["w", "b"] and gemm.attributes["transB"] == 1
+    assert "h" not in train.tensors                                   # the product without its bias is never made
+    assert {"bias2", "bias3"} <= set(forward)                          # kept: a [1, 5] shift; a product read twice
+    assert {train.producer[f"{b}.grad"].op_type for b in ("b", "b3")} == {"ReduceSum"}
+
+
+def test_linear_takes_a_scalar_scale_of_its_input_as_alpha():
+    """BERT's FFN: GELU (x * (erf(x / sqrt2) + 1) * 0.5; tanh here, which has a double kernel) then
+    a Linear. The closing * 0.5 is read
+    only by the Linear's MatMul, so its Gemm reads x * (erf + 1) with alpha 0.5 (and the bias as C):
+    the scaled tensor is never made, forward or backward, and dW = 0.5 * dy^T @ m reads the
+    unscaled product. A scale read twice stays. Gradients match central differences."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["h"], name="mm"),
+             helper.make_node("Div", ["h", "sqrt2"], ["d"], name="div"),
+             helper.make_node("Tanh", ["d"], ["e"], name="erf"),
+             helper.make_node("Add", ["e", "one"], ["a"], name="add1"),
+             helper.make_node("Mul", ["h", "a"], ["m"], name="mul"),
+             helper.make_node("Mul", ["m", "half"], ["g"], name="half_of"),
+             helper.make_node("Transpose", ["w2"], ["w2t"], name="t2"),
+             helper.make_node("MatMul", ["g", "w2t"], ["y"], name="mm2"),
+             helper.make_node("Add", ["b2", "y"], ["z"], name="bias2"),
+             helper.make_node("Mul", ["z", "half"], ["s"], name="scale_twice"),   # read by two ops: kept
+             helper.make_node("Transpose", ["w3"], ["w3t"], name="t3"),
+             helper.make_node("MatMul", ["s", "w3t"], ["u"], name="mm3"),
+             helper.make_node("Add", ["u", "s"], ["logits"], name="skip")]
+    graph = helper.make_graph(nodes, "linear_scale", [helper.make_tensor_value_info("x", DOUBLE, [6, 4])],
+                              [helper.make_tensor_value_info("logits", DOUBLE, [6, 5])],
+                              [_init("w", rng.standard_normal((8, 4))), _init("w2", rng.standard_normal((5, 8))),
+                               _init("b2", rng.standard_normal(5)), _init("w3", rng.standard_normal((5, 5))),
+                               _init("sqrt2", np.array(np.sqrt(2.0))), _init("one", np.array(1.0)),
+                               _init("half", np.array(0.5))])
+    feeds = {"x": rng.standard_normal((6, 4)), "labels": np.array([0, 4, 2, 1, 3, 0], dtype=np.int64)}
+    train = check_gradients(make_model(graph), feeds, loss="cross_entropy")
+    forward = {op.name: op for op in train.ops if op.phase == "forward"}
+    assert "half_of" not in forward and "g" not in train.tensors
+    gemm = forward["mm2"]
+    assert gemm.op_type == "Gemm" and gemm.inputs == ["m", "w2", "b2"] and gemm.attributes["alpha"] == 0.5
+    dw = train.producer["w2.grad"]
+    assert dw.op_type == "Gemm" and "m" in dw.inputs and dw.attributes["alpha"] == 0.5
+    assert "scale_twice" in forward and forward["mm3"].inputs[0] == "s" and "alpha" not in forward["mm3"].attributes
 
 
 def test_conv_weight_gradient_at_batch_one_moves_no_data():

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from .registry import FLOAT_TYPES, rule
+from .rules_shape import folds_into_matmul, folds_into_matmul_scale
 
 
 def _x(op):
@@ -196,7 +197,13 @@ def _shape_of(em, op, i):
     return em.shape(op.inputs[i])
 
 
-@rule("Add", "Sum")
+def _add_forward(em, op, needed):
+    """Nothing where a Linear's Gemm takes this Add's bias as C (`folds_into_matmul`)."""
+    if op.op_type != "Add" or not folds_into_matmul(em.source, op):
+        em.keep(op)
+
+
+@rule("Add", "Sum", forward=_add_forward)
 def add(em, op, dys, wants):
     return [em.sum_to(dys[0], _shape_of(em, op, i)) if w else None for i, w in enumerate(wants)]
 
@@ -211,7 +218,13 @@ def sub(em, op, dys, wants):
     return grads
 
 
-@rule("Mul")
+def _mul_forward(em, op, needed):
+    """Nothing where a Linear's Gemm takes this scale as alpha (`folds_into_matmul_scale`)."""
+    if not folds_into_matmul_scale(em, op):
+        em.keep(op)
+
+
+@rule("Mul", forward=_mul_forward)
 def mul(em, op, dys, wants):
     a, b = op.inputs[:2]
     grads = [None, None]

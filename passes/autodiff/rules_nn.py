@@ -19,7 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from .registry import rule
-from .rules_shape import folds_into_gemm
+from .rules_shape import folded_bias, folded_scale, folds_into_gemm
 
 _STASH_DTYPE = TensorProto.FLOAT  # LayerNormalization's Mean/InvStdDev type (stash_type 1)
 
@@ -205,17 +205,26 @@ def _folded(em, b) -> bool:
 
 
 def _matmul_forward(em, op, needed):
-    """Gemm(x's rows, W, transB=1) where the right operand is a folded Transpose(W)."""
+    """Gemm(x's rows, W, transB=1) where the right operand is a folded Transpose(W); with
+    the bias as C where an Add of it is the product's one reader (`folded_bias`): the Gemm
+    then writes the Add's output."""
     if not _folded(em, op.inputs[1]):
         em.keep(op)
         return
     x, weight, out = op.inputs[0], _untransposed(em, op.inputs[1]), op.outputs[0]
+    absorbed = folded_bias(em.source, op)
+    bias = [absorbed[1]] if absorbed else []
+    if absorbed:
+        out = absorbed[0].outputs[0]
+    scale = folded_scale(em, op)
+    x, alpha = scale if scale else (x, 1.0)
+    scaled = {"alpha": alpha} if scale else {}
     if em.rank(x) == 2:
-        em.op("Gemm", [x, weight], outputs=[out], name=op.name, transB=1)
+        em.op("Gemm", [x, weight, *bias], outputs=[out], name=op.name, transB=1, **scaled)
         return
     with em.scope(op.name):
         rows = em.reshape(x, (int(np.prod(em.shape(x)[:-1])), em.shape(x)[-1]))
-        product = em.op("Gemm", [rows, weight], transB=1)
+        product = em.op("Gemm", [rows, weight, *bias], transB=1, **scaled)
     em.op("Reshape", [product, em.ints(em.shape(x)[:-1] + (em.shape(weight)[0],))], outputs=[out], name=op.name)
 
 
@@ -239,9 +248,10 @@ def matmul(em, op, dys, wants):
             grads[0] = em.reshape(product, shape_a)
         if wants[1]:
             dy_rows = em.reshape(dy, (rows, b2[-1]))
-            a_rows = em.reshape(a, (rows, a2[-1]))
+            scale = folded_scale(em, op)   # x = c * m, and the forward never made x: c * dy^T @ m
+            a_rows = em.reshape(scale[0] if scale else a, (rows, a2[-1]))
             if _folded(em, b):  # W's own layout (dy^T @ x), as the Transpose's rule expects: no copy
-                grads[1] = em.op("Gemm", [dy_rows, a_rows], transA=1)
+                grads[1] = em.op("Gemm", [dy_rows, a_rows], transA=1, **({"alpha": scale[1]} if scale else {}))
             else:
                 grads[1] = em.reshape(em.op("Gemm", [a_rows, dy_rows], transA=1), shape_b)
         return grads

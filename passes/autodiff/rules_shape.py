@@ -31,6 +31,68 @@ def folds_into_gemm(graph, transpose) -> bool:
                and len(graph.tensors[r.inputs[0]].shape) >= 2 for r in readers)
 
 
+def folded_bias(graph, matmul):
+    """(the Add, the bias) where `matmul` runs as a Gemm over W (`folds_into_gemm`) and its
+    product is read only by an Add of a 1-D bias of the product's last size (a Linear in a
+    training export: MatMul(x, Transpose(W)) then Add(bias, .)); else None. The forward's
+    Gemm then takes the bias as C, so no elementwise pass over the product adds it. The
+    gradients are unchanged: the Add's rule still sums dy into the bias, and the MatMul's
+    rule reads its inputs, never the product."""
+    transpose = graph.producer.get(matmul.inputs[1]) if matmul.op_type == "MatMul" else None
+    if transpose is None or not folds_into_gemm(graph, transpose):
+        return None
+    product = matmul.outputs[0]
+    readers = graph.consumers.get(product, [])
+    if len(readers) != 1 or product in graph.outputs:
+        return None
+    add = readers[0]
+    if add.op_type != "Add" or len(add.inputs) != 2 or add.inputs.count(product) != 1:
+        return None
+    bias = add.inputs[1 - add.inputs.index(product)]
+    have, want = graph.tensors[bias], graph.tensors[product]
+    if have.dtype != want.dtype or tuple(have.shape or ()) != tuple(want.shape[-1:]):
+        return None
+    return add, bias
+
+
+def folded_scale(em, matmul):
+    """(m, c) where `matmul` runs as a Gemm over W (`folds_into_gemm`) and its left operand is
+    Mul(m, c) of a scalar constant c, read by nothing else (the closing * 0.5 of GELU in a BERT
+    export, before the FFN's second Linear); else None. The Gemm then reads m with alpha c, so
+    no pass of its own scales m, and dW = c * dy^T @ m reads m too. dX is unchanged (dy @ W,
+    which the Mul's rule scales by c): the MatMul's product is the same, only computed in one
+    kernel."""
+    graph = em.source
+    transpose = graph.producer.get(matmul.inputs[1]) if matmul.op_type == "MatMul" else None
+    if transpose is None or not folds_into_gemm(graph, transpose):
+        return None
+    scaled = matmul.inputs[0]
+    mul = graph.producer.get(scaled)
+    if mul is None or mul.op_type != "Mul" or scaled in graph.outputs or len(graph.consumers.get(scaled, [])) != 1:
+        return None
+    for i in (0, 1):
+        value = em.value(mul.inputs[1 - i])
+        if value is not None and value.size == 1 and graph.tensors[mul.inputs[i]].shape == graph.tensors[scaled].shape:
+            return mul.inputs[i], float(value.reshape(()))
+    return None
+
+
+def folds_into_matmul_scale(em, mul) -> bool:
+    """Whether `mul` is a scale that the Gemm of the Linear reading it takes as alpha (`folded_scale`)."""
+    readers = em.source.consumers.get(mul.outputs[0], [])
+    return len(readers) == 1 and folded_scale(em, readers[0]) is not None
+
+
+def folds_into_matmul(graph, add) -> bool:
+    """Whether `add` is a bias Add that the forward's Gemm takes as C (`folded_bias`)."""
+    for name in add.inputs:
+        producer = graph.producer.get(name)
+        found = folded_bias(graph, producer) if producer is not None else None
+        if found is not None and found[0] is add:
+            return True
+    return False
+
+
 def _transpose_forward(em, op, needed):
     """Nothing where the MatMuls reading it run as Gemms over W itself."""
     if not folds_into_gemm(em.source, op):
