@@ -374,7 +374,8 @@ def plan_cost_peak(problem: remat.RematProblem, plan: list[list[int]]) -> tuple[
 def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, deadline: float) -> list[list[int]]:
     """Drop replays that the budget does not need, the dearest per byte first: every replay of
     a node at once, then single replays of a node replayed more than once (its readers there
-    read the replay before, kept alive longer)."""
+    read the computation before, kept alive longer; the first replay too, which the next one
+    can leave unread)."""
     plan = [list(stages) for stages in plan]
     dearest = sorted((v for v in range(problem.n) if plan[v]), key=lambda v: -problem.cost[v] / max(1, problem.size[v]))
     for v in dearest:
@@ -384,7 +385,7 @@ def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, deadl
         if plan_cost_peak(problem, plan)[1] > budget:
             plan[v] = stages
     for v in dearest:
-        for stage in list(plan[v][1:]):
+        for stage in list(plan[v]) if len(plan[v]) > 1 else ():
             if time.perf_counter() > deadline:
                 return plan
             plan[v].remove(stage)
