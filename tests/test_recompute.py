@@ -33,7 +33,7 @@ from passes import remat
 from passes.autodiff import build_training_step
 from passes.order import order_pass
 from passes.placement import place_pass
-from passes.recompute import (END, base_orders, plan_cost_peak, prune, recompute_pass, replay_blocker,
+from passes.recompute import (END, base_orders, improve, plan_cost_peak, prune, recompute_pass, replay_blocker,
                               shared_views, to_problem, to_schedule)
 from passes.reuse import choose_aliases, priority_order, reuse_pass
 
@@ -363,6 +363,47 @@ def test_prune_drops_a_second_replay_that_the_budget_does_not_need():
     assert prune(problem, twice, 106, deadline)[0] == [3]
     assert prune(problem, twice, 105, deadline)[0] == [3, 6]
     assert prune(problem, twice, 111, deadline)[0] == []
+
+
+def test_prune_drops_a_first_replay_that_the_next_one_leaves_unread():
+    """`a` (10 B) is read only by r2 at stage 5. Replayed at stages 1 and 5, the stage-1 copy is
+    read by nothing (r2 reads the newer one): dropping it keeps the peak (`big` and `c`, 101 B)
+    and saves a replay. Dropping the stage-5 replay instead, or both, holds `a` beside `big`."""
+    g = nx.DiGraph()
+    order = [("a", 10), ("big", 100), ("c", 1), ("f", 95), ("h", 1), ("r2", 1)]
+    for name, size in order:
+        g.add_node(name, cost=1.0, size=size)
+    g.add_edges_from([("big", "c"), ("c", "f"), ("f", "h"), ("a", "r2"), ("h", "r2")])
+    problem = remat.make_problem(g, [name for name, _ in order])
+    twice = [[1, 5]] + [[] for _ in order[1:]]
+    assert plan_cost_peak(problem, twice) == (2.0, 101)
+    assert plan_cost_peak(problem, [[1]] + twice[1:])[1] == 111
+    assert plan_cost_peak(problem, [[5]] + twice[1:]) == (1.0, 101)
+    assert prune(problem, twice, 101, time.perf_counter() + 60)[0] == [5]
+
+
+def test_local_search_beats_the_greedy_on_a_layered_training_graph():
+    """Four forward layers, each a dear `big` node (3 B) feeding a cheap `small` (1 B) and the
+    layer's output; the backward reads `small` and `big` of each layer. At 12 B the greedy,
+    cheapest per byte at each peak step, then pruned, adds 20 to the cost of computing each
+    node once (58); `improve` keeps a `big` output, lets the greedy replay others elsewhere,
+    and adds 15. Every plan is judged by the abstract model."""
+    ids = ("in", "big0", "small0", "out0", "big1", "small1", "out1", "big2", "small2", "out2",
+           "big3", "small3", "out3", "g3", "g2", "g1", "g0")
+    cost = (0.0, 8.0, 1.0, 2.0, 10.0, 1.0, 3.0, 10.0, 1.0, 2.0, 12.0, 1.0, 3.0, 1.0, 1.0, 1.0, 1.0)
+    size = (1, 3, 1, 1, 3, 1, 1, 3, 1, 1, 3, 1, 1, 1, 1, 1, 1)
+    preds = ((), (0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (9,), (10,), (11,),
+             (12, 11, 10), (13, 8, 7), (14, 5, 4), (15, 2, 1))
+    problem = remat.RematProblem(ids, cost, size, preds, 0, frozenset({0}))
+    budget, deadline = 12, time.perf_counter() + 60
+    greedy = remat.solve_greedy(problem, budget, 3)
+    assert greedy.fits
+    start = prune(problem, remat.plan_from_schedule(problem, greedy.schedule), budget, deadline)
+    assert plan_cost_peak(problem, start) == (20.0, 12)
+    better = improve(problem, start, budget, deadline)
+    assert plan_cost_peak(problem, better) == (15.0, 12)
+    assert problem.base_cost == 58.0
+    assert improve(problem, better, budget, deadline) == better   # nothing cheaper one move away
 
 
 def test_parameter_bound_graph_cannot_be_cut():
