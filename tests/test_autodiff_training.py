@@ -524,6 +524,51 @@ def test_linear_takes_a_scalar_scale_of_its_input_as_alpha():
     assert "scale_twice" in forward and forward["mm3"].inputs[0] == "s" and "alpha" not in forward["mm3"].attributes
 
 
+def test_attention_scale_runs_inside_the_query_gemm():
+    """scores = q @ k^T / c (a BERT export's attention): the query Linear's Gemm scales by 1/c
+    (alpha, and beta for its bias), q's Reshape and Transpose carry the scaled values, the
+    score MatMul writes the Div's output, and no Div runs forward or backward. Every gradient,
+    the query's weight and bias among them, matches central differences (c = 3: not a power
+    of two, so the fold rounds differently, within the check's tolerance)."""
+    rng = np.random.default_rng(4)
+
+    def linear(name, x, out):
+        return [helper.make_node("Transpose", [f"w{name}"], [f"w{name}t"], name=f"t{name}", perm=[1, 0]),
+                helper.make_node("MatMul", [x, f"w{name}t"], [f"{name}0"], name=f"mm{name}"),
+                helper.make_node("Add", [f"b{name}", f"{name}0"], [out], name=f"bias{name}")]
+
+    nodes = [*linear("q", "x", "q"), *linear("k", "x", "k"), *linear("v", "x", "v"),
+             helper.make_node("Reshape", ["q", "heads"], ["qh"], name="qr"),
+             helper.make_node("Transpose", ["qh"], ["qt"], name="qt", perm=[0, 2, 1, 3]),
+             helper.make_node("Reshape", ["k", "heads"], ["kh"], name="kr"),
+             helper.make_node("Transpose", ["kh"], ["kt"], name="kt", perm=[0, 2, 3, 1]),
+             helper.make_node("Reshape", ["v", "heads"], ["vh"], name="vr"),
+             helper.make_node("Transpose", ["vh"], ["vt"], name="vt", perm=[0, 2, 1, 3]),
+             helper.make_node("MatMul", ["qt", "kt"], ["scores"], name="scores"),
+             helper.make_node("Div", ["scores", "c"], ["scaled"], name="scale"),
+             helper.make_node("Softmax", ["scaled"], ["probs"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["probs", "vt"], ["ctx"], name="ctx"),
+             helper.make_node("Transpose", ["ctx"], ["ctxt"], name="ctxt", perm=[0, 2, 1, 3]),
+             helper.make_node("Reshape", ["ctxt", "rows"], ["flat"], name="flat"),
+             helper.make_node("Transpose", ["wo"], ["wot"], name="to", perm=[1, 0]),
+             helper.make_node("MatMul", ["flat", "wot"], ["logits"], name="mmo")]
+    inits = [_init(f"w{n}", rng.standard_normal((4, 4))) for n in "qkv"] + \
+            [_init(f"b{n}", rng.standard_normal(4)) for n in "qkv"] + \
+            [_init("wo", rng.standard_normal((5, 4))), _init("c", np.array(3.0)),
+             numpy_helper.from_array(np.array([2, 3, 2, 2], dtype=np.int64), "heads"),
+             numpy_helper.from_array(np.array([6, 4], dtype=np.int64), "rows")]
+    graph = helper.make_graph(nodes, "attention", [helper.make_tensor_value_info("x", DOUBLE, [2, 3, 4])],
+                              [helper.make_tensor_value_info("logits", DOUBLE, [6, 5])], inits)
+    feeds = {"x": rng.standard_normal((2, 3, 4)), "labels": np.array([0, 4, 2, 1, 3, 0], dtype=np.int64)}
+    train = check_gradients(make_model(graph), feeds, loss="cross_entropy")
+    assert not [op for op in train.ops if op.op_type == "Div"]
+    forward = {op.name: op for op in train.ops if op.phase == "forward"}
+    query = train.producer[forward["mmq"].inputs[0]]
+    assert query.op_type == "Gemm" and query.attributes["alpha"] == query.attributes["beta"] == 1 / 3
+    assert all("alpha" not in train.producer[forward[f"mm{n}"].inputs[0]].attributes for n in "kv")
+    assert forward["scores"].outputs == ["scaled"] and "scores" not in train.tensors
+
+
 def test_conv_weight_gradient_at_batch_one_moves_no_data():
     """At batch 1, [N, C, ...] -> [C, N, ...] is a Reshape (a view), not a Transpose copy: the
     only Transposes left in a conv's backward are of weight-sized tensors (dW's own layout)."""

@@ -46,6 +46,7 @@ class Emitter:
         self._read: set[str] = set()
         self._emitted: set[str] = set()
         self.saved: dict[str, dict[str, str]] = {}  # forward op -> tensors its backward reads
+        self.analyses: dict[str, object] = {}  # rules' analyses of the source graph, made once
 
     # ---- naming and scope -----------------------------------------------------------
     def fresh(self, base: str) -> str:

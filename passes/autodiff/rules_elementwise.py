@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from .registry import FLOAT_TYPES, rule
-from .rules_shape import folds_into_matmul, folds_into_matmul_scale
+from .rules_shape import folded_product, folds_into_matmul_scale, scaled_scores
 
 
 def _x(op):
@@ -198,14 +198,20 @@ def _shape_of(em, op, i):
 
 
 def _add_forward(em, op, needed):
-    """Nothing where a Linear's Gemm takes this Add's bias as C (`folds_into_matmul`)."""
-    if op.op_type != "Add" or not folds_into_matmul(em.source, op):
+    """Nothing where a Linear's Gemm takes this Add's bias as C (`folded_product`)."""
+    if op.op_type != "Add" or folded_product(em.source, op) is None:
         em.keep(op)
 
 
 @rule("Add", "Sum", forward=_add_forward)
 def add(em, op, dys, wants):
-    return [em.sum_to(dys[0], _shape_of(em, op, i)) if w else None for i, w in enumerate(wants)]
+    grads = [em.sum_to(dys[0], _shape_of(em, op, i)) if w else None for i, w in enumerate(wants)]
+    product = folded_product(em.source, op) if op.op_type == "Add" else None
+    query = scaled_scores(em)["linear"].get(em.source.producer[product].name, 1.0) if product else 1.0
+    if query != 1.0:   # dy is the scaled query's gradient: the bias's is dy's sum scaled the same
+        grads = [g if g is None or name == product else em.op("Mul", [g, em.scalar(query, g)])
+                 for name, g in zip(op.inputs, grads)]
+    return grads
 
 
 @rule("Sub")
@@ -235,10 +241,19 @@ def mul(em, op, dys, wants):
     return grads
 
 
-@rule("Div")
+def _div_forward(em, op, needed):
+    """Nothing where the query's Linear scaled attention's scores already (`scaled_scores`)."""
+    if op.name not in scaled_scores(em)["div"]:
+        em.keep(op)
+
+
+@rule("Div", forward=_div_forward)
 def div(em, op, dys, wants):
-    """y = a / b: da = dy / b, db = -dy * y / b."""
+    """y = a / b: da = dy / b, db = -dy * y / b (where the query's Linear did the division,
+    `scaled_scores`, dy passes on as it is: the scores' MatMul reads the scaled query)."""
     a, b = op.inputs[:2]
+    if op.name in scaled_scores(em)["div"]:
+        return [dys[0] if wants[0] else None, None]
     grads = [None, None]
     if wants[0]:
         grads[0] = em.sum_to(em.op("Div", [dys[0], b]), em.shape(a))

@@ -19,7 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from .registry import rule
-from .rules_shape import folded_bias, folded_scale, folds_into_gemm
+from .rules_shape import folded_bias, folded_scale, folds_into_gemm, scaled_scores
 
 _STASH_DTYPE = TensorProto.FLOAT  # LayerNormalization's Mean/InvStdDev type (stash_type 1)
 
@@ -209,7 +209,8 @@ def _matmul_forward(em, op, needed):
     the bias as C where an Add of it is the product's one reader (`folded_bias`): the Gemm
     then writes the Add's output."""
     if not _folded(em, op.inputs[1]):
-        em.keep(op)
+        divided = scaled_scores(em)["scores"].get(op.name)   # attention scores: the Div's output
+        em.keep(op, outputs=[divided] if divided else None)
         return
     x, weight, out = op.inputs[0], _untransposed(em, op.inputs[1]), op.outputs[0]
     absorbed = folded_bias(em.source, op)
@@ -218,7 +219,10 @@ def _matmul_forward(em, op, needed):
         out = absorbed[0].outputs[0]
     scale = folded_scale(em, op)
     x, alpha = scale if scale else (x, 1.0)
-    scaled = {"alpha": alpha} if scale else {}
+    query = scaled_scores(em)["linear"].get(op.name, 1.0)   # attention's query, scaled for its scores
+    scaled = {"alpha": alpha * query} if scale or query != 1.0 else {}
+    if query != 1.0 and bias:
+        scaled["beta"] = query
     if em.rank(x) == 2:
         em.op("Gemm", [x, weight, *bias], outputs=[out], name=op.name, transB=1, **scaled)
         return
@@ -241,17 +245,22 @@ def matmul(em, op, dys, wants):
     grads = [None, None]
     if len(b2) == 2:  # batch == a2[:-2]: the rows of A meet one weight matrix
         rows = int(np.prod(a2[:-1], dtype=np.int64))
+        query = scaled_scores(em)["linear"].get(op.name, 1.0)   # dy is the scaled query's gradient
         if wants[0]:  # each gradient flattens dy itself: dX and dW stay separate groups
             untransposed = _untransposed(em, b)
-            product = (em.op("MatMul", [dy, untransposed]) if untransposed is not None   # dy as it is
-                       else em.op("Gemm", [em.reshape(dy, (rows, b2[-1])), em.reshape(b, b2)], transB=1))
+            if untransposed is not None and query == 1.0:   # dy as it is
+                product = em.op("MatMul", [dy, untransposed])
+            else:
+                product = em.op("Gemm", [em.reshape(dy, (rows, b2[-1])), untransposed or em.reshape(b, b2)],
+                                transB=0 if untransposed else 1, **({"alpha": query} if query != 1.0 else {}))
             grads[0] = em.reshape(product, shape_a)
         if wants[1]:
             dy_rows = em.reshape(dy, (rows, b2[-1]))
             scale = folded_scale(em, op)   # x = c * m, and the forward never made x: c * dy^T @ m
             a_rows = em.reshape(scale[0] if scale else a, (rows, a2[-1]))
+            alpha = (scale[1] if scale else 1.0) * query
             if _folded(em, b):  # W's own layout (dy^T @ x), as the Transpose's rule expects: no copy
-                grads[1] = em.op("Gemm", [dy_rows, a_rows], transA=1, **({"alpha": scale[1]} if scale else {}))
+                grads[1] = em.op("Gemm", [dy_rows, a_rows], transA=1, **({"alpha": alpha} if alpha != 1.0 else {}))
             else:
                 grads[1] = em.reshape(em.op("Gemm", [a_rows, dy_rows], transA=1), shape_b)
         return grads

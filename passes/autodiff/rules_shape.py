@@ -83,14 +83,72 @@ def folds_into_matmul_scale(em, mul) -> bool:
     return len(readers) == 1 and folded_scale(em, readers[0]) is not None
 
 
-def folds_into_matmul(graph, add) -> bool:
-    """Whether `add` is a bias Add that the forward's Gemm takes as C (`folded_bias`)."""
+def scaled_scores(em) -> dict[str, dict]:
+    """Attention's scores scaled by a constant, folded into the query's Linear: {"div": {Div:
+    f}, "scores": {score MatMul: the Div's output}, "linear": {query Linear's MatMul: f}}.
+
+    Where Div(s, c) divides s = MatMul(q, k) (read only by the Div) by a scalar constant c, and
+    q comes through Reshapes and Transposes (each read once) from a Linear that runs as a Gemm
+    over W (`folds_into_gemm`; its bias folded or absent): scores / sqrt(d) in a BERT export.
+    The Linear's Gemm then scales by f = 1/c (alpha, and beta for its bias), so q and every
+    view of it hold q * f, the score MatMul writes the Div's output, and no pass over the
+    scores (the largest tensor of attention) divides them, forward or backward. The
+    backward follows: the Div passes its gradient on unchanged (the score MatMul's rule reads
+    the scaled q), and the Linear's gradients (dX, dW and the bias's) are scaled by f. Made
+    once per training step (`Emitter.analyses`)."""
+    if "scaled_scores" in em.analyses:
+        return em.analyses["scaled_scores"]
+    graph = em.source
+    found = {"div": {}, "scores": {}, "linear": {}}
+    for div in graph.ops:
+        if div.op_type != "Div" or len(div.inputs) != 2:
+            continue
+        value = em.value(div.inputs[1])
+        scores = div.inputs[0]
+        matmul = graph.producer.get(scores)
+        if (value is None or value.size != 1 or float(value.reshape(())) == 0.0 or matmul is None
+                or matmul.op_type != "MatMul" or scores in graph.outputs or len(graph.consumers[scores]) != 1):
+            continue
+        right = graph.producer.get(matmul.inputs[1])
+        if right is not None and folds_into_gemm(graph, right):
+            continue   # a Linear itself, run as a Gemm: not attention's scores
+        linear = _linear_behind_views(graph, matmul.inputs[0])
+        if linear is None or linear.name in found["linear"]:
+            continue
+        f = 1.0 / float(value.reshape(()))
+        found["div"][div.name] = f
+        found["scores"][matmul.name] = div.outputs[0]
+        found["linear"][linear.name] = f
+    em.analyses["scaled_scores"] = found
+    return found
+
+
+def _linear_behind_views(graph, t):
+    """The MatMul of a Linear run as a Gemm over W whose output (or bias Add's, where folded)
+    reaches `t` through Reshapes and Transposes, each tensor on the way read once; else None."""
+    while True:
+        producer = graph.producer.get(t)
+        if producer is None or t in graph.outputs or len(graph.consumers.get(t, [])) != 1:
+            return None
+        if producer.op_type not in ("Reshape", "Transpose"):
+            break
+        t = producer.inputs[0]
+    if producer.op_type == "Add":
+        product = folded_product(graph, producer)
+        return graph.producer[product] if product else None
+    weight = graph.producer.get(producer.inputs[1]) if producer.op_type == "MatMul" else None
+    return producer if weight is not None and folds_into_gemm(graph, weight) else None
+
+
+def folded_product(graph, add) -> str | None:
+    """The Linear product whose Gemm takes `add`'s bias as C (`folded_bias`), if any: the
+    forward then runs no such Add."""
     for name in add.inputs:
         producer = graph.producer.get(name)
         found = folded_bias(graph, producer) if producer is not None else None
         if found is not None and found[0] is add:
-            return True
-    return False
+            return name
+    return None
 
 
 def _transpose_forward(em, op, needed):
