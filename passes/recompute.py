@@ -32,7 +32,9 @@ the memory model (`memsched.memory`) judge every answer:
   for the warm start's replays), then `prune` of its answer.
 - Judging (`search`): the answer is mapped back (first occurrence `compute`, repeats
   `recompute`), given fresh in-place aliases if the plan had any (`passes.reuse.choose_aliases`;
-  replayed tensors are never written over in place, replayed views share) and analysed.
+  replayed views share; a replayed tensor is written over, or a replay writes over its
+  input, only where that residency dies there at every run and no view shares it, and only
+  where the judge accepts the lot) and analysed.
   In-place writes are what the abstract model cannot say. Unless the judged peak is within
   CLOSE_ENOUGH under the budget, the next abstract budget is the budget plus the gap just
   seen between the abstract and the judged peak (lower when the judge counted more; higher
@@ -223,6 +225,20 @@ def _with_order(plan: Plan, order: list[str]) -> Plan:
 def _aliases_for(plan: Plan, schedule: Schedule) -> dict[str, str]:
     """Fresh in-place aliases for `schedule`, where `plan` had some (reuse ran), else none."""
     return choose_aliases(plan.graph, schedule, plan.aliases) if plan.aliases else {}
+
+
+def _judged(plan: Plan, schedule: Schedule):
+    """(aliases, judged peak) of `schedule` with fresh in-place aliases where `plan` had some:
+    replays written over too (a GELU's replayed erf + 1 over the replayed erf) where the
+    judge accepts them, else none for replays."""
+    if plan.aliases:
+        aliases = choose_aliases(plan.graph, schedule, plan.aliases, replays=True)
+        try:
+            return aliases, analyze(plan.graph, schedule, aliases, plan.on_host).peak_bytes
+        except ScheduleError:
+            pass
+    aliases = _aliases_for(plan, schedule)
+    return aliases, analyze(plan.graph, schedule, aliases, plan.on_host).peak_bytes
 
 
 # ---- which ops may be replayed ---------------------------------------------------------------
@@ -558,8 +574,7 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
             result = exc.closest
             record["abstract"] = "infeasible"
         schedule = to_schedule(result.schedule, graph, shared)
-        aliases = _aliases_for(plan, schedule)
-        peak = analyze(graph, schedule, aliases, plan.on_host).peak_bytes
+        aliases, peak = _judged(plan, schedule)
         fits = peak <= budget
         record.update(fits=fits, judged_peak_bytes=peak, abstract_peak_bytes=result.peak_bytes,
                       method=result.method, status=result.status, added_cost_s=result.total_cost - problem.base_cost,
@@ -598,8 +613,7 @@ def polish(problem: remat.RematProblem, plan: Plan, best: tuple, budget: int, de
         return best
     ids = tuple(problem.ids[v] for v in remat.schedule_from_plan(problem, better))
     schedule = to_schedule(ids, plan.graph, shared_views(plan))
-    aliases = _aliases_for(plan, schedule)
-    peak = analyze(plan.graph, schedule, aliases, plan.on_host).peak_bytes
+    aliases, peak = _judged(plan, schedule)
     if peak > budget:
         return best
     total = problem.base_cost + added

@@ -384,31 +384,49 @@ def alias_table(graph: Graph) -> dict[str, list[str]]:
     return table
 
 
-def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | None = None) -> dict[str, str]:
+def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | None = None,
+                   replays: bool = False) -> dict[str, str]:
     """Greedy in-place aliases for `schedule`: each view shares its input's storage; each
     other output takes an eligible input whose storage nothing reads after its op (a
     parameter first, then a pair in `prefer`). Tensors that are swapped or freed are left
-    alone, and so are the outputs of replayed ops but views (a replayed view shares its
-    source's storage). `memsched.memory.analyze` is the judge of the result."""
+    alone. An op run more than once, or a source made more than once, aliases only with
+    `replays` (else replayed ops' outputs but views, which share whichever residency of
+    their source they read, are left alone): where the source's residency dies at every
+    run of the op, and neither is a view nor read by one (so no other tensor shares that
+    storage). `memsched.memory.analyze` is the judge of the result."""
     prefer = prefer or {}
     last_read: dict[str, int] = {}
     moved: set[str] = set()          # swapped or freed: each residency keeps storage of its own
-    # a writer's source must die at its op, which a tensor made more than once cannot promise;
-    # a view shares whichever residency of its source it reads, so replays do not bar views
-    replayed: set[str] = set()
+    runs: dict[str, list[int]] = {}  # op -> the steps that compute or recompute it
+    made: dict[str, int] = {}        # tensor -> computations of its producer so far
+    read_at: dict[tuple[int, str], tuple[str, int]] = {}   # (step, input) -> the residency it reads
+    last_read_of: dict[tuple[str, int], int] = {}          # residency -> its last read
     for i, step in enumerate(schedule):
         if step.kind in ("compute", "recompute"):
             op = graph.op_by_name[step.target]
+            runs.setdefault(op.name, []).append(i)
             for t in op.present_inputs:
                 last_read[t] = i
-            if step.kind == "recompute":
-                replayed.update(op.present_outputs)
+                read_at[(i, t)] = residency = (t, max(made.get(t, 0) - 1, 0))
+                last_read_of[residency] = i
+            for t in op.present_outputs:
+                made[t] = made.get(t, 0) + 1
         else:
             moved.add(step.target)
             if step.kind == "swap_out":
                 last_read[step.target] = i
     for t in graph.outputs:
         last_read[t] = len(schedule)         # held to the end of the step (memory rule 2)
+    # a writer's source must die at its op; where either is made more than once, only the
+    # residencies can say so (a view shares whichever residency of its source it reads)
+    replayed = {t for t, count in made.items() if count > 1}
+    viewed = {t for op in graph.ops if op.op_type in VIEW_OPS for t in op.present_inputs}
+
+    def dies_at_every_run(op, source: str) -> bool:
+        return (replays and source not in viewed and source not in graph.outputs and not graph.tensors[source].is_static
+                and graph.producer.get(source) is not None and graph.producer[source].op_type not in VIEW_OPS
+                and all(last_read_of[read_at[(i, source)]] == i for i in runs[op.name]))
+
     table = alias_table(graph)
     aliases: dict[str, str] = {}
     taken: set[str] = set()
@@ -419,13 +437,14 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
             continue
         op = graph.op_by_name[step.target]
         view = op.op_type in VIEW_OPS
-        barred = moved if view else moved | replayed
+        rerun = len(runs[op.name]) > 1
         # preferred pairs first, so another output of the op cannot take their source
         for out in sorted(op.present_outputs, key=lambda out: out not in prefer):
-            if out in barred:
+            if out in moved or (not view and rerun and not replays):
                 continue
-            sources = [x for x in table[out] if x not in barred and x not in taken
-                       and (view or buffer_last.get(root.get(x, x), last_read.get(x)) == i == last_read.get(x))]
+            sources = [x for x in table[out] if x not in moved and x not in taken and (
+                view or (dies_at_every_run(op, x) if rerun or x in replayed else
+                         buffer_last.get(root.get(x, x), last_read.get(x)) == i == last_read.get(x)))]
             if sources:
                 # a parameter first (its storage is saved to the end of the step), then `prefer`
                 static = graph.tensors[sources[0]].is_static
