@@ -26,10 +26,9 @@ the memory model (`memsched.memory`) judge every answer:
   where a U-Net's encoder is best replayed twice), each seed pruned (`prune`: drop the replays
   the budget does not need -- all of a node's, or a second replay of it, whose readers then
   read the first: the greedy replays a node again where the peak it was evicting for has
-  moved on); the cheapest seed improved by local search (`improve`: keep one replayed output,
-  let the greedy repair the budget elsewhere, prune, keep the move if cheaper); then
-  `remat.plan` (checkpoint-all, sqrt(n), greedy, CP-SAT warm-started from the best, with room
-  for the warm start's replays), then `prune` of its answer.
+  moved on; also a first replay the next one leaves unread); then `remat.plan`
+  (checkpoint-all, sqrt(n), greedy, CP-SAT warm-started from the best, with room for the
+  warm start's replays), then `prune` of its answer.
 - Judging (`search`): the answer is mapped back (first occurrence `compute`, repeats
   `recompute`), given fresh in-place aliases if the plan had any (`passes.reuse.choose_aliases`;
   replayed views share; a replayed tensor is written over, or a replay writes over its
@@ -42,6 +41,10 @@ the memory model (`memsched.memory`) judge every answer:
   answer, one may fit all the same); bisection once an abstract budget that fits and one
   that overshoots are known; at most MAX_ROUNDS rounds within the time limit. Every round's
   answer is judged, so a BudgetError names the smallest peak the judge saw.
+- Polishing (`polish`, method "auto"): the last POLISH_SHARE of the time limit improves the
+  best judged plan by local search (`improve`: keep one replayed output, let the greedy
+  repair the budget elsewhere, prune what moved, keep the move if cheaper) at the abstract
+  budget it was found at; the result stands where the judge agrees (method `...+search`).
 - Base orders (`base_orders`): the plan's own; the same with each parameter update moved
   after the parameter's other readers (so it overwrites the parameter) and after the
   backward readers of what the forward derived from that parameter (else a weight transpose
