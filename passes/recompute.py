@@ -605,8 +605,8 @@ def polish(problem: remat.RematProblem, plan: Plan, best: tuple, budget: int, de
     """`best` (as `search` returns it, on `plan`'s order) improved by `improve` at the abstract
     budget it was found at, until `deadline`, where the judge agrees that it fits; else `best`."""
     result, _, _, _, target = best
-    if result.total_cost <= problem.base_cost or time.perf_counter() >= deadline:
-        return best
+    if result.status == "optimal" or result.total_cost <= problem.base_cost or time.perf_counter() >= deadline:
+        return best   # nothing cheaper at that abstract budget, or no time
     start = remat.plan_from_schedule(problem, result.schedule)
     if start is None:
         return best
