@@ -26,7 +26,7 @@ the memory model (`memsched.memory`) judge every answer:
   where a U-Net's encoder is best replayed twice), each seed pruned (`prune`: drop the replays
   the budget does not need -- all of a node's, or a second replay of it, whose readers then
   read the first: the greedy replays a node again where the peak it was evicting for has
-  moved on; also a first replay the next one leaves unread); then `remat.plan`
+  moved on; and, whatever the budget, a replay nothing reads before the next one); then `remat.plan`
   (checkpoint-all, sqrt(n), greedy, CP-SAT warm-started from the best, with room for the
   warm start's replays), then `prune` of its answer.
 - Judging (`search`): the answer is mapped back (first occurrence `compute`, repeats
@@ -398,12 +398,16 @@ def plan_cost_peak(problem: remat.RematProblem, plan: list[list[int]]) -> tuple[
 
 
 def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, deadline: float,
-          nodes=None) -> list[list[int]]:
+          nodes=None, first: bool = False) -> list[list[int]]:
     """Drop replays that the budget does not need, the dearest per byte first: every replay of
-    a node at once, then single replays of a node replayed more than once (its readers there
-    read the computation before, kept alive longer; the first replay too, which the next one
-    can leave unread). `nodes`: only these nodes' replays (default: all)."""
-    plan = [list(stages) for stages in plan]
+    a node at once, then later single replays of a node replayed more than once (their readers
+    read the replay before, kept alive longer). First, replays that nothing reads before the
+    node's next replay go whatever the budget (they only cost time). `nodes`: only these
+    nodes' replays (default: all). `first`: the first of several replays may go too, its
+    readers then reading the node's computation before (the local search's pruning: plans
+    that fill the budget at more steps are cheaper, but leave less room to a swap pass run
+    after a relaxed recompute)."""
+    plan = _without_unread_replays(problem, plan)
     dearest = sorted((v for v in (range(problem.n) if nodes is None else nodes) if plan[v]),
                      key=lambda v: -problem.cost[v] / max(1, problem.size[v]))
     for v in dearest:
@@ -413,12 +417,30 @@ def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, deadl
         if plan_cost_peak(problem, plan)[1] > budget:
             plan[v] = stages
     for v in dearest:
-        for stage in list(plan[v]) if len(plan[v]) > 1 else ():
+        for stage in list(plan[v] if first else plan[v][1:]) if len(plan[v]) > 1 else ():
             if time.perf_counter() > deadline:
                 return plan
             plan[v].remove(stage)
             if plan_cost_peak(problem, plan)[1] > budget:
                 bisect.insort(plan[v], stage)
+    return plan
+
+
+def _without_unread_replays(problem: remat.RematProblem, plan: list[list[int]]) -> list[list[int]]:
+    """`plan` (copied) less each replay of a node that no reader uses before the node's next
+    replay (a reader computed, or replayed, at a stage from that replay's up to the next one's):
+    the greedy can leave one behind when a later replay serves every reader (BERT-base's
+    last-layer GELU Div was replayed, read by nothing, and replayed again). Dropping it frees
+    memory at its own step and changes nothing else."""
+    plan = [list(stages) for stages in plan]
+    for v in range(problem.n):
+        if len(plan[v]) < 2:
+            continue
+        kept = []
+        for stage, following in zip(plan[v], plan[v][1:]):
+            if any(stage <= u < following or any(stage <= t < following for t in plan[u]) for u in problem.succs[v]):
+                kept.append(stage)
+        plan[v] = kept + plan[v][-1:]
     return plan
 
 
@@ -455,7 +477,7 @@ def improve(problem: remat.RematProblem, plan: list[list[int]], budget: int, dea
                 continue
             grown = remat.plan_from_schedule(problem, found.schedule)
             moved = {u for u in range(problem.n) if grown[u] != plan[u]} | _ancestors(problem, v, ANCESTRY)
-            trial = prune(problem, grown, budget, deadline, moved)
+            trial = prune(problem, grown, budget, deadline, moved, first=True)
             added, peak = plan_cost_peak(problem, trial)
             if peak <= budget and added < cost * (1 - 1e-9):
                 plan, cost, improved = trial, added, True

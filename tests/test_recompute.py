@@ -387,7 +387,7 @@ def test_local_search_beats_the_greedy_on_a_layered_training_graph():
     layer's output; the backward reads `small` and `big` of each layer. At 12 B the greedy,
     cheapest per byte at each peak step, then pruned, adds 20 to the cost of computing each
     node once (58); `improve` keeps a `big` output, lets the greedy replay others elsewhere,
-    and adds 15. Every plan is judged by the abstract model."""
+    and adds 16. Every plan is judged by the abstract model."""
     ids = ("in", "big0", "small0", "out0", "big1", "small1", "out1", "big2", "small2", "out2",
            "big3", "small3", "out3", "g3", "g2", "g1", "g0")
     cost = (0.0, 8.0, 1.0, 2.0, 10.0, 1.0, 3.0, 10.0, 1.0, 2.0, 12.0, 1.0, 3.0, 1.0, 1.0, 1.0, 1.0)
@@ -401,7 +401,7 @@ def test_local_search_beats_the_greedy_on_a_layered_training_graph():
     start = prune(problem, remat.plan_from_schedule(problem, greedy.schedule), budget, deadline)
     assert plan_cost_peak(problem, start) == (20.0, 12)
     better = improve(problem, start, budget, deadline)
-    assert plan_cost_peak(problem, better) == (15.0, 12)
+    assert plan_cost_peak(problem, better) == (16.0, 12)
     assert problem.base_cost == 58.0
     assert improve(problem, better, budget, deadline) == better   # nothing cheaper one move away
 
