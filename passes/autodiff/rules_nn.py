@@ -19,7 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from .registry import rule
-from .rules_shape import folded_bias, folded_scale, folds_into_gemm, scaled_scores
+from .rules_shape import folded_bias, folded_scale, runs_as_gemm, scaled_scores
 
 _STASH_DTYPE = TensorProto.FLOAT  # LayerNormalization's Mean/InvStdDev type (stash_type 1)
 
@@ -198,17 +198,11 @@ def _untransposed(em, b):
     return producer.inputs[0]
 
 
-def _folded(em, b) -> bool:
-    """Whether the 2-D operand b is a Transpose(W) the forward folded into Gemms."""
-    producer = em.source.producer.get(b)
-    return producer is not None and folds_into_gemm(em.source, producer)
-
-
 def _matmul_forward(em, op, needed):
     """Gemm(x's rows, W, transB=1) where the right operand is a folded Transpose(W); with
     the bias as C where an Add of it is the product's one reader (`folded_bias`): the Gemm
     then writes the Add's output."""
-    if not _folded(em, op.inputs[1]):
+    if not runs_as_gemm(em.source, op):
         divided = scaled_scores(em)["scores"].get(op.name)   # attention scores: the Div's output
         em.keep(op, outputs=[divided] if divided else None)
         return
@@ -259,7 +253,7 @@ def matmul(em, op, dys, wants):
             scale = folded_scale(em, op)   # x = c * m, and the forward never made x: c * dy^T @ m
             a_rows = em.reshape(scale[0] if scale else a, (rows, a2[-1]))
             alpha = (scale[1] if scale else 1.0) * query
-            if _folded(em, b):  # W's own layout (dy^T @ x), as the Transpose's rule expects: no copy
+            if runs_as_gemm(em.source, op):  # W's own layout (dy^T @ x), as the Transpose's rule expects: no copy
                 grads[1] = em.op("Gemm", [dy_rows, a_rows], transA=1, **({"alpha": alpha} if alpha != 1.0 else {}))
             else:
                 grads[1] = em.reshape(em.op("Gemm", [a_rows, dy_rows], transA=1), shape_b)

@@ -31,6 +31,13 @@ def folds_into_gemm(graph, transpose) -> bool:
                and len(graph.tensors[r.inputs[0]].shape) >= 2 for r in readers)
 
 
+def runs_as_gemm(graph, matmul) -> bool:
+    """Whether `matmul` is a Linear the forward runs as a Gemm over W: a MatMul whose right
+    operand is a Transpose(W) that `folds_into_gemm`."""
+    transpose = graph.producer.get(matmul.inputs[1]) if matmul.op_type == "MatMul" else None
+    return transpose is not None and folds_into_gemm(graph, transpose)
+
+
 def folded_bias(graph, matmul):
     """(the Add, the bias) where `matmul` runs as a Gemm over W (`folds_into_gemm`) and its
     product is read only by an Add of a 1-D bias of the product's last size (a Linear in a
@@ -38,8 +45,7 @@ def folded_bias(graph, matmul):
     Gemm then takes the bias as C, so no elementwise pass over the product adds it. The
     gradients are unchanged: the Add's rule still sums dy into the bias, and the MatMul's
     rule reads its inputs, never the product."""
-    transpose = graph.producer.get(matmul.inputs[1]) if matmul.op_type == "MatMul" else None
-    if transpose is None or not folds_into_gemm(graph, transpose):
+    if not runs_as_gemm(graph, matmul):
         return None
     product = matmul.outputs[0]
     readers = graph.consumers.get(product, [])
@@ -63,8 +69,7 @@ def folded_scale(em, matmul):
     which the Mul's rule scales by c): the MatMul's product is the same, only computed in one
     kernel."""
     graph = em.source
-    transpose = graph.producer.get(matmul.inputs[1]) if matmul.op_type == "MatMul" else None
-    if transpose is None or not folds_into_gemm(graph, transpose):
+    if not runs_as_gemm(graph, matmul):
         return None
     scaled = matmul.inputs[0]
     mul = graph.producer.get(scaled)
@@ -109,8 +114,7 @@ def scaled_scores(em) -> dict[str, dict]:
         if (value is None or value.size != 1 or float(value.reshape(())) == 0.0 or matmul is None
                 or matmul.op_type != "MatMul" or scores in graph.outputs or len(graph.consumers[scores]) != 1):
             continue
-        right = graph.producer.get(matmul.inputs[1])
-        if right is not None and folds_into_gemm(graph, right):
+        if runs_as_gemm(graph, matmul):
             continue   # a Linear itself, run as a Gemm: not attention's scores
         linear = _linear_behind_views(graph, matmul.inputs[0])
         if linear is None or linear.name in found["linear"]:
@@ -136,8 +140,7 @@ def _linear_behind_views(graph, t):
     if producer.op_type == "Add":
         product = folded_product(graph, producer)
         return graph.producer[product] if product else None
-    weight = graph.producer.get(producer.inputs[1]) if producer.op_type == "MatMul" else None
-    return producer if weight is not None and folds_into_gemm(graph, weight) else None
+    return producer if runs_as_gemm(graph, producer) else None
 
 
 def folded_product(graph, add) -> str | None:
