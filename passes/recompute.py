@@ -561,13 +561,21 @@ def solve(problem: remat.RematProblem, late: list[bool], budget: int, seconds: f
     if result.status == "optimal":
         return result
     plan = prune(problem, remat.plan_from_schedule(problem, result.schedule), budget, started + seconds)
+    return _cheaper(problem, result, plan, "prune", started) or result
+
+
+def _cheaper(problem: remat.RematProblem, result: remat.Result, plan: list[list[int]], how: str,
+             started: float) -> remat.Result | None:
+    """`result` remade from `plan`, `how` (prune, search) added to its method, where `plan`
+    costs less; else None. Its status drops to feasible (CP-SAT's bound still holds) or
+    heuristic."""
     added, peak = plan_cost_peak(problem, plan)
     total = problem.base_cost + added
     if total >= result.total_cost:
-        return result
+        return None
     schedule = tuple(problem.ids[v] for v in remat.schedule_from_plan(problem, plan))
     status = "feasible" if result.lower_bound is not None else "heuristic"
-    return dataclasses.replace(result, method=f"{result.method}+prune", schedule=schedule, peak_bytes=peak,
+    return dataclasses.replace(result, method=f"{result.method}+{how}", schedule=schedule, peak_bytes=peak,
                                total_cost=total, overhead=total / problem.base_cost - 1 if problem.base_cost else 0.0,
                                status=status, seconds=time.perf_counter() - started)
 
@@ -627,25 +635,17 @@ def polish(problem: remat.RematProblem, plan: Plan, best: tuple, budget: int, de
     """`best` (as `search` returns it, on `plan`'s order) improved by `improve` at the abstract
     budget it was found at, until `deadline`, where the judge agrees that it fits; else `best`."""
     result, _, _, _, target = best
-    if result.status == "optimal" or result.total_cost <= problem.base_cost or time.perf_counter() >= deadline:
+    started = time.perf_counter()
+    if result.status == "optimal" or result.total_cost <= problem.base_cost or started >= deadline:
         return best   # nothing cheaper at that abstract budget, or no time
     start = remat.plan_from_schedule(problem, result.schedule)
-    if start is None:
+    better = _cheaper(problem, result, improve(problem, start, target, deadline), "search", started) \
+        if start is not None else None
+    if better is None:
         return best
-    better = improve(problem, start, target, deadline)
-    added, abstract_peak = plan_cost_peak(problem, better)
-    if problem.base_cost + added >= result.total_cost:
-        return best
-    ids = tuple(problem.ids[v] for v in remat.schedule_from_plan(problem, better))
-    schedule = to_schedule(ids, plan.graph, shared_views(plan))
+    schedule = to_schedule(better.schedule, plan.graph, shared_views(plan))
     aliases, peak = _judged(plan, schedule)
-    if peak > budget:
-        return best
-    total = problem.base_cost + added
-    return (dataclasses.replace(result, method=f"{result.method}+search", schedule=ids, peak_bytes=abstract_peak,
-                                total_cost=total, overhead=total / problem.base_cost - 1,
-                                status="feasible" if result.lower_bound is not None else "heuristic"),
-            schedule, aliases, peak, target)
+    return best if peak > budget else (better, schedule, aliases, peak, target)
 
 
 def _next_target(proposal: int, fits_at: int | None, over_at: int | None) -> int | None:
