@@ -407,8 +407,9 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
             runs.setdefault(op.name, []).append(i)
             for t in op.present_inputs:
                 last_read[t] = i
-                read_at[(i, t)] = residency = (t, max(made.get(t, 0) - 1, 0))
-                last_read_of[residency] = i
+                if replays:   # residencies matter only where replays may alias
+                    read_at[(i, t)] = residency = (t, max(made.get(t, 0) - 1, 0))
+                    last_read_of[residency] = i
             for t in op.present_outputs:
                 made[t] = made.get(t, 0) + 1
         else:
@@ -420,7 +421,7 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
     # a writer's source must die at its op; where either is made more than once, only the
     # residencies can say so (a view shares whichever residency of its source it reads)
     replayed = {t for t, count in made.items() if count > 1}
-    viewed = {t for op in graph.ops if op.op_type in VIEW_OPS for t in op.present_inputs}
+    viewed = {t for op in graph.ops if op.op_type in VIEW_OPS for t in op.present_inputs} if replays else set()
 
     def dies_at_every_run(op, source: str) -> bool:
         return (replays and source not in viewed and source not in graph.outputs and not graph.tensors[source].is_static
