@@ -244,6 +244,12 @@ class Emitter:
             return self.op(op_type, [x, self.ints(axes)], keepdims=int(keepdims))
         return self.op(op_type, [x], axes=axes, keepdims=int(keepdims))
 
+    def mean_square(self, x: str, axes, keepdims: bool) -> str:
+        """mean(x * x) over `axes` as ReduceSumSquare / count: x * x is never made (a
+        normalisation's variance over a 4.7 GB map would otherwise hold a third such map)."""
+        count = int(np.prod([self.shape(x)[int(a)] for a in axes]))
+        return self.op("Mul", [self.reduce("ReduceSumSquare", x, axes, keepdims), self.scalar(1 / count, x)])
+
     def reshape(self, x: str, shape) -> str:
         shape = tuple(int(d) for d in shape)
         return x if self.shape(x) == shape else self.op("Reshape", [x, self.ints(shape)])

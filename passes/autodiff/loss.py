@@ -78,7 +78,7 @@ def _mse(em, output):
     shape = em.shape(output)
     targets = em.add_input("targets", shape, em.dtype(output))
     diff = em.op("Sub", [output, targets])
-    mean = em.reduce("ReduceMean", em.op("Mul", [diff, diff]), range(len(shape)), keepdims=False)
+    mean = em.mean_square(diff, range(len(shape)), keepdims=False)
     em.op("Identity", [mean], outputs=[LOSS_NAME], kind="output")
     count = int(np.prod(shape))
 

@@ -369,7 +369,7 @@ def _batch_norm_forward(em, op, needed):
     with em.scope(op.name):
         mean = em.reduce("ReduceMean", x, axes, keepdims=True)
         centred = em.op("Sub", [x, mean])
-        var = em.reduce("ReduceMean", em.op("Mul", [centred, centred]), axes, keepdims=True)
+        var = em.mean_square(centred, axes, keepdims=True)
         inv_std = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, em.scalar(eps, x)])])])
         scale_b = em.reshape(scale, channel_shape)
         factor = em.op("Mul", [inv_std, scale_b])
@@ -458,7 +458,7 @@ def _layer_norm_forward(em, op, needed):
         with em.scope(op.name):
             mean = em.reduce("ReduceMean", x, axes, keepdims=True)
             centred = em.op("Sub", [x, mean])
-            var = em.reduce("ReduceMean", em.op("Mul", [centred, centred]), axes, keepdims=True)
+            var = em.mean_square(centred, axes, keepdims=True)
             eps = em.scalar(op.attributes.get("epsilon", 1e-5), x)
             inv_std = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, eps])])])
         em.saved[op.name] = {"mean": mean, "inv_std": inv_std}
