@@ -19,7 +19,7 @@ from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan
 from passes.autodiff import build_training_step
 from passes.concat_split import (SPLIT_KEY, VARIANT, given_graph, reuse_variants, split_concat_convs,
-                                 split_training_step, unsplit_graph)
+                                 split_training_step, split_upsamplings, unsplit_graph)
 from passes.pipeline import baseline_of, compile, training_steps
 from passes.reuse import GRAD_ROLES_KEY, layer_groups, reuse_pass
 
@@ -146,3 +146,70 @@ def test_a_split_plan_runs_like_the_step_as_given():
     run = run_plan(plan, steps=2, check=True, given=given_graph(plan.graph))
     assert run.check["passed"] and run.check["bit_identical"]       # against the emitted (split) step
     assert run.check["given"]["passed"] and 0 < run.check["given"]["max_abs_diff"] < 1e-5   # rounding only
+
+
+def upsampling_model(bias: bool = False, second_reader: bool = False, batch: int = 1):
+    """x (batch, 2, 4, 4) -> a 1x1 Conv + Relu skip s (3 channels); a 2x2 MaxPool of s then a
+    stride-2 ConvTranspose (W (3, 6, 2, 2)) up to u (6 channels, twice the skip's width);
+    Concat(s, u) read only by the head Conv (W (2, 9, 1, 1), bias 2)."""
+    rng = np.random.default_rng(1)
+
+    def init(name, shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.5).astype(np.float32), name)
+
+    inits = [init("ws", (3, 2, 1, 1)), init("up.weight", (3, 6, 2, 2)), init("head.weight", (2, 9, 1, 1)),
+             init("head.bias", (2,))] + ([init("up.bias", (6,))] if bias else [])
+    nodes = [
+        helper.make_node("Conv", ["x", "ws"], ["zs"], name="conv_s"),
+        helper.make_node("Relu", ["zs"], ["s"], name="relu_s"),
+        helper.make_node("MaxPool", ["s"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("ConvTranspose", ["p", "up.weight"] + (["up.bias"] if bias else []), ["u"], name="up",
+                         kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Concat", ["s", "u"], ["c"], name="concat", axis=1),
+        helper.make_node("Conv", ["c", "head.weight", "head.bias"], ["logits"], name="head"),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, 2, 4, 4])]
+    if second_reader:
+        nodes.append(helper.make_node("Relu", ["u"], ["u_relu"], name="second"))
+        outputs.append(helper.make_tensor_value_info("u_relu", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "upsampling", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                  [batch, 2, 4, 4])], outputs, inits)
+    return lower(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+
+
+def test_an_upsampling_into_the_concat_is_cut_into_pieces_no_wider_than_the_skip():
+    forward = upsampling_model()
+    pieces, names = split_upsamplings(forward)
+    assert names == ["up"] and "u" not in pieces.tensors
+    assert [op.op_type for op in pieces.ops if op.name.startswith("up")] == ["Split", "ConvTranspose", "ConvTranspose"]
+    assert pieces.tensors["up.weight/part0"].shape == pieces.tensors["up.weight/part1"].shape == (3, 3, 2, 2)
+    assert pieces.op_by_name["concat"].inputs == ["s", "u/part0", "u/part1"]
+    split, convs = split_concat_convs(forward)
+    assert convs == ["up", "head"]
+    assert [op.inputs[0] for op in split.ops if op.name.startswith("head/part")] == ["s", "u/part0", "u/part1"]
+    assert "c" not in split.tensors and "u" not in split.tensors
+
+
+@pytest.mark.parametrize("case", [dict(bias=True), dict(second_reader=True)])
+def test_no_upsampling_split_with_a_bias_or_a_second_reader(case):
+    forward = upsampling_model(**case)
+    assert split_upsamplings(forward) == (forward, [])
+    assert split_concat_convs(forward)[1] == ["head"]      # the head is still split over s and u
+
+
+def test_an_upsampling_split_step_gives_back_the_step_as_given_and_runs_like_it():
+    forward = upsampling_model(batch=2)
+    given = build(forward)
+    split = split_training_step(forward, given, build)
+    assert json.loads(split.metadata[SPLIT_KEY])["convs"] == ["up", "head"]
+    # the backward reads the upsampling's weight pieces split off again, like the head's parts
+    assert split.op_by_name["up/SplitWeight/backward"].phase == "backward"
+    assert "u" not in split.tensors and "u/part1/grad" not in split.tensors
+    back = unsplit_graph(split)
+    assert [(op.name, op.inputs, op.outputs) for op in back.ops] == [(op.name, op.inputs, op.outputs)
+                                                                     for op in given.ops]
+    result = compile(forward, train=True, lr=0.1, strategies="order,reuse", time_limit=2)
+    assert result.plan.notes["reuse"]["variant"] == VARIANT
+    run = run_plan(result.plan, steps=2, check=True, given=given_graph(result.plan.graph))
+    assert run.check["passed"] and run.check["given"]["passed"]
+    assert run.check["given"]["max_abs_diff"] < 1e-5
