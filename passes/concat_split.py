@@ -13,6 +13,11 @@ reads are split off W again right before it: held from the forward they would be
 the whole step. Autodiff gives each part's convolution the weight's dW and dX roles, so the
 dW/dX rule orders each part as a layer.
 
+First, an upsampling ConvTranspose that is one part of such a Concat is cut over its output
+channels into pieces no wider than the Concat's widest other part (`split_upsamplings`), so
+each piece becomes a part of its own: the upsampled map (a U-Net decoder's is twice the
+skip's width) and its gradient never exist whole either.
+
 The rewrite is made on the forward model (`split_concat_convs`) and the training step built
 again from it (`split_training_step`); what changed in the training step is recorded in its
 metadata (SPLIT_KEY) so that `unsplit_graph` gives back the training step as given, the one
@@ -141,15 +146,10 @@ def _upsampling_ops(graph: Graph, up: Op, pieces: list[int]) -> tuple[list[Op], 
     weight, out = up.inputs[1], up.outputs[0]
     w, y = graph.tensors[weight], graph.tensors[out]
     scope = up.name
-    sizes_name = f"{scope}/split_sizes"
-    sizes_tensor = Tensor(sizes_name, (len(pieces),), TensorProto.INT64, "constant",
-                          numpy_helper.from_array(np.asarray(pieces, dtype=np.int64), sizes_name))
-    w_parts = [Tensor(f"{weight}/part{i}", (w.shape[0], c, *w.shape[2:]), w.dtype, "activation")
-               for i, c in enumerate(pieces)]
+    split, sizes_tensor, w_parts = _weight_split(w, scope, pieces, up.phase,
+                                                 f"upsampling split: {weight} by output channels")
     y_parts = [Tensor(f"{out}/part{i}", (y.shape[0], c, *y.shape[2:]), y.dtype, "activation")
                for i, c in enumerate(pieces)]
-    split = Op(f"{scope}/SplitWeight", "Split", [weight, sizes_name], [t.name for t in w_parts], {"axis": 1},
-               phase=up.phase, doc_string=f"upsampling split: {weight} by output channels")
     ops = [split] + [Op(f"{scope}/part{i}", "ConvTranspose", [up.inputs[0], wp.name], [yp.name],
                         dict(up.attributes), phase=up.phase, doc_string=f"upsampling split: {up.name}, piece {i}")
                      for i, (wp, yp) in enumerate(zip(w_parts, y_parts))]
@@ -177,6 +177,19 @@ def _split_site(graph: Graph, conv: Op, consumers) -> Op | None:
     return concat
 
 
+def _weight_split(w: Tensor, scope: str, sizes: list[int], phase: str, why: str) -> tuple[Op, Tensor, list[Tensor]]:
+    """One Split of weight `w` over axis 1 (a Conv's input channels, a ConvTranspose's output
+    channels) into parts of `sizes`: (the Split `{scope}/SplitWeight`, its sizes constant, the parts)."""
+    sizes_name = f"{scope}/split_sizes"
+    sizes_tensor = Tensor(sizes_name, (len(sizes),), TensorProto.INT64, "constant",
+                          numpy_helper.from_array(np.asarray(sizes, dtype=np.int64), sizes_name))
+    parts = [Tensor(f"{w.name}/part{i}", (w.shape[0], c, *w.shape[2:]), w.dtype, "activation")
+             for i, c in enumerate(sizes)]
+    split = Op(f"{scope}/SplitWeight", "Split", [w.name, sizes_name], [t.name for t in parts], {"axis": 1},
+               phase=phase, doc_string=why)
+    return split, sizes_tensor, parts
+
+
 def _split_ops(graph: Graph, conv: Op, concat: Op) -> tuple[list[Op], list[Tensor]]:
     """The ops and new tensors that replace `conv` (and its Concat)."""
     weight, out = conv.inputs[1], conv.outputs[0]
@@ -186,14 +199,9 @@ def _split_ops(graph: Graph, conv: Op, concat: Op) -> tuple[list[Op], list[Tenso
     y = graph.tensors[out]
     sizes = [graph.tensors[x].shape[1] for x in parts]
     scope = conv.name
-    sizes_name = f"{scope}/split_sizes"
-    sizes_tensor = Tensor(sizes_name, (len(sizes),), TensorProto.INT64, "constant",
-                          numpy_helper.from_array(np.asarray(sizes, dtype=np.int64), sizes_name))
-    w_parts = [Tensor(f"{weight}/part{i}", (w.shape[0], c, *w.shape[2:]), w.dtype, "activation")
-               for i, c in enumerate(sizes)]
+    split, sizes_tensor, w_parts = _weight_split(w, scope, sizes, conv.phase,
+                                                 f"concat split: {weight} by the input channels of {concat.name}")
     y_parts = [Tensor(f"{out}/part{i}", y.shape, y.dtype, "activation") for i in range(len(parts))]
-    split = Op(f"{scope}/SplitWeight", "Split", [weight, sizes_name], [t.name for t in w_parts], {"axis": 1},
-               phase=conv.phase, doc_string=f"concat split: {weight} by the input channels of {concat.name}")
     ops = [split]
     for i, (x, wp, yp) in enumerate(zip(parts, w_parts, y_parts)):
         inputs = [x, wp.name] + ([bias] if bias and i == 0 else [])
