@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from onnx import numpy_helper
 
+from memsched.frontend import lower
+from passes.autodiff import build_training_step
 from tests.gradcheck import check_gradients, one_op_model
 
 rng = np.random.default_rng(0)
@@ -195,3 +197,15 @@ def test_training_dropout_scales_by_the_kept_mask():
     kept = grad != 0
     assert 0.3 < kept.mean() < 0.7
     np.testing.assert_allclose(grad[kept], 2 * weight[kept], rtol=1e-12)
+
+
+@pytest.mark.parametrize("op_type, inputs", [
+    ("BatchNormalization", [r(3, 2, 3, 3), r(2), r(2), r(2), pos(2)]),
+    ("LayerNormalization", [r(3, 4, 5), r(5), r(5)]),
+])
+def test_a_norms_variance_never_makes_the_squared_map(op_type, inputs):
+    """var = ReduceSumSquare(x - mean) / count: no input-sized x - mean times itself."""
+    step = build_training_step(lower(one_op_model(op_type, inputs)), loss="output", optimizer="sgd")
+    forward = [op for op in step.ops if op.phase == "forward"]
+    assert any(op.op_type == "ReduceSumSquare" for op in forward)
+    assert not [op.name for op in forward if op.op_type == "Mul" and op.inputs[0] == op.inputs[1]]
