@@ -70,8 +70,8 @@ def split_concat_convs(forward: Graph) -> tuple[Graph, list[str]]:
         if concat is None:
             continue
         new_ops, new_tensors = _split_ops(forward, conv, concat)
-        if any(t.name in tensors for t in new_tensors) or any(op.name in forward.op_by_name for op in new_ops):
-            continue   # a name taken already
+        if _names_taken(forward, tensors, new_ops, new_tensors):
+            continue
         tensors.update({t.name: t for t in new_tensors})
         tensors.pop(concat.outputs[0])
         replaced[conv.name] = new_ops
@@ -106,7 +106,7 @@ def split_upsamplings(forward: Graph) -> tuple[Graph, list[str]]:
             if pieces is None:
                 continue
             new_ops, new_tensors = _upsampling_ops(forward, up, pieces)
-            if any(t.name in tensors for t in new_tensors) or any(op.name in forward.op_by_name for op in new_ops):
+            if _names_taken(forward, tensors, new_ops, new_tensors):
                 continue
             tensors.update({t.name: t for t in new_tensors})
             tensors.pop(up_name)
@@ -128,10 +128,8 @@ def _upsampling_pieces(graph: Graph, up: Op | None, concat: Op, consumers, width
     """The output-channel widths to cut `up` into (None: it does not qualify, or one piece)."""
     if up is None or up.op_type != "ConvTranspose" or up.domain or int(up.attributes.get("group", 1)) != 1:
         return None
-    if len([t for t in up.inputs if t]) != 2 or len(up.outputs) != 1 or up.outputs[0] in graph.outputs:
-        return None
-    if [op.name for op in consumers.get(up.outputs[0], [])] != [concat.name] or \
-            concat.inputs.count(up.outputs[0]) != 1:
+    if len([t for t in up.inputs if t]) != 2 or len(up.outputs) != 1 or \
+            not _read_only_by(graph, consumers, up.outputs[0], concat):
         return None
     wshape = graph.tensors[up.inputs[1]].shape
     channels = wshape[1] if wshape is not None and len(wshape) > 2 else None
@@ -162,9 +160,8 @@ def _split_site(graph: Graph, conv: Op, consumers) -> Op | None:
         return None
     data, weight = conv.inputs[0], conv.inputs[1]
     concat = graph.producer.get(data)
-    if concat is None or concat.op_type != "Concat" or concat.domain or data in graph.outputs:
-        return None
-    if [op.name for op in consumers.get(data, [])] != [conv.name] or conv.inputs.count(data) != 1:
+    if concat is None or concat.op_type != "Concat" or concat.domain or \
+            not _read_only_by(graph, consumers, data, conv):
         return None
     shapes = [graph.tensors[t].shape for t in concat.inputs]
     wshape = graph.tensors[weight].shape
@@ -175,6 +172,18 @@ def _split_site(graph: Graph, conv: Op, consumers) -> Op | None:
     if (axis + rank if axis < 0 else axis) != 1 or sum(s[1] for s in shapes) != wshape[1]:
         return None
     return concat
+
+
+def _read_only_by(graph: Graph, consumers, tensor: str, op: Op) -> bool:
+    """Whether `op` reads `tensor` once and nothing else reads it (nor is it a graph output):
+    the one way a rewrite may drop the tensor."""
+    return tensor not in graph.outputs and [c.name for c in consumers.get(tensor, [])] == [op.name] and \
+        op.inputs.count(tensor) == 1
+
+
+def _names_taken(graph: Graph, tensors: dict[str, Tensor], new_ops: list[Op], new_tensors: list[Tensor]) -> bool:
+    """Whether a rewrite's new ops or tensors would take a name the graph (or an earlier rewrite) holds."""
+    return any(t.name in tensors for t in new_tensors) or any(op.name in graph.op_by_name for op in new_ops)
 
 
 def _weight_split(w: Tensor, scope: str, sizes: list[int], phase: str, why: str) -> tuple[Op, Tensor, list[Tensor]]:
