@@ -38,6 +38,7 @@ from onnx import TensorProto, numpy_helper
 
 from memsched.ir import Graph, Op, Tensor
 
+from .batch_split import unsplit_graph as unsplit_batch
 from .reuse import record_rewrite, undo_rewrite, unfused_graph
 
 SPLIT_KEY = "memsched.concat_split"   # what split_training_step changed, so it can be undone
@@ -52,9 +53,9 @@ def reuse_variants(forward: Graph, given: Graph, build: Callable[[Graph], Graph]
 
 
 def given_graph(graph: Graph) -> Graph:
-    """The training step as given, the one the baseline runs: fused updates and concat splits
-    undone (in the reverse of the order the reuse pass made them)."""
-    return unsplit_graph(unfused_graph(graph))
+    """The training step as given, the one the baseline runs: fused updates, concat splits and
+    batch splits (passes.batch_split) undone, in the reverse of the order they were made."""
+    return unsplit_batch(unsplit_graph(unfused_graph(graph)))
 
 
 def split_concat_convs(forward: Graph) -> tuple[Graph, list[str]]:

@@ -30,6 +30,7 @@ from memsched.schedule import Plan
 from memsched.simulate import Simulation, simulate
 from memsched.units import format_bytes, parse_bytes
 
+from .batch_split import batch_split_step
 from .concat_split import given_graph, reuse_variants
 from .reuse import FUSED_KEY
 
@@ -102,15 +103,20 @@ def load_graph(model: "str | Path | Graph", dims: dict[str, int] | None = None, 
     return graph
 
 
+def step_builder(loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
+                 freeze: tuple[str, ...] = ()) -> Callable[[Graph], Graph]:
+    """forward graph -> its training step, built with these options (the given step and every
+    rewritten one are built alike)."""
+    return lambda forward: load_graph(forward, None, True, loss, optimizer, lr, freeze)
+
+
 def training_steps(forward: Graph, loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
                    freeze: tuple[str, ...] = (), variants: bool = True) -> tuple[Graph, dict[str, Graph]]:
     """The training step of `forward` as given, and (with `variants`) the rewritten steps the
     reuse pass may pick instead (`passes.concat_split`), all built with the same options."""
-    def step(g: Graph) -> Graph:
-        return load_graph(g, None, True, loss, optimizer, lr, freeze)
-
-    given = step(forward)
-    return given, reuse_variants(forward, given, step) if variants else {}
+    build = step_builder(loss, optimizer, lr, freeze)
+    given = build(forward)
+    return given, reuse_variants(forward, given, build) if variants else {}
 
 
 def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, train: bool = False,
@@ -131,8 +137,6 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     baseline = Plan.initial(graph, hardware=hw)
     baseline_profile = validate(baseline)
     budget_bytes = parse_budget(budget, baseline_profile.peak_bytes)
-    plan = dataclasses.replace(baseline, budget=None)
-    peak = baseline_profile.peak_bytes   # the judged peak of `plan`
     costs = CostTable.load(costs) if isinstance(costs, (str, Path)) else costs
     timings: dict[str, float] = {}
 
@@ -145,7 +149,53 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
         return planned, judged
 
-    passes = _passes(fuse_updates=not data_parallel, variants=variants)   # data parallel all-reduces every gradient
+    def planned(step: Plan, step_variants: dict[str, Graph]) -> tuple[Plan | None, BudgetError | None]:
+        passes = _passes(fuse_updates=not data_parallel, variants=step_variants)   # data parallel all-reduces every gradient
+        try:
+            return plan_step(dataclasses.replace(step, budget=None), validate(step).peak_bytes, budget_bytes,
+                             strategies, passes, time_limit, costs, run), None
+        except BudgetError as err:
+            return None, err
+
+    plan, error = planned(baseline, variants)
+    split = None
+    if train and budget_bytes is not None and {"recompute", "swap"} & set(strategies) and \
+            (plan is None or {"recompute", "swap"} & set(plan.notes)):
+        split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze), budget_bytes)
+    if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
+        say(f"planning the step in {split[1]} micro-batches too")
+        other, other_error = planned(Plan.initial(split[0], hardware=hw), {})
+        plan, error = _faster(plan, error, other, other_error, split[1], hw, costs)
+    if plan is None:
+        raise error
+    say("simulating the baseline and the plan")
+    return assess(plan, baseline, strategies, timings, model, costs, data_parallel)
+
+
+def _faster(given: Plan | None, given_error: BudgetError | None, split: Plan | None,
+            split_error: BudgetError | None, chunks: int, hw, costs) -> tuple[Plan | None, BudgetError | None]:
+    """The faster of the plan of the step as given and the plan of its micro-batched step (the
+    simulator's step time; None where one did not fit), with what both gave in its notes
+    ("batch_split"); where neither fit, the error that reached the smaller peak."""
+    if given is None and split is None:
+        errors = [e for e in (given_error, split_error) if e is not None]
+        return None, min(errors, key=lambda e: e.smallest_feasible_bytes or float("inf"))
+    times = {name: simulate(p, hw, costs).step_time for name, p in (("given", given), ("split", split))
+             if p is not None}
+    chosen = min(times, key=lambda name: (times[name], name != "given"))
+    note = {"chunks": chunks, "chosen": chosen == "split",
+            "step_time_s": {"given": times.get("given"), "split": times.get("split")},
+            "errors": {name: str(e) for name, e in (("given", given_error), ("split", split_error)) if e is not None}}
+    plan = split if chosen == "split" else given
+    return dataclasses.replace(plan, notes={**plan.notes, "batch_split": note}), None
+
+
+def plan_step(plan: Plan, peak: int, budget_bytes: int | None, strategies, passes: dict[str, Callable],
+              time_limit: float, costs, run) -> Plan:
+    """`plan` (a training step or model in some order, no budget; `peak` its judged peak)
+    through reuse -> order -> fit -> placement: the fastest placed plan that holds
+    `budget_bytes`, with its budget set. `run(name, apply, start)` applies and judges a pass.
+    Raises BudgetError when none holds it."""
     for name in ("reuse", "order"):
         if name in strategies:
             plan, peak = run(name, lambda p, f=passes[name]: f(p, time_limit), plan)
@@ -212,9 +262,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     others = [r for r in rounds if r is not chosen]
     plan = dataclasses.replace(plan, notes={**plan.notes, "fit": {
         "rounds": attempt, "target_bytes": chosen["target_bytes"], "tried": chosen["tried"], "other_rounds": others}})
-    plan = dataclasses.replace(plan, budget=budget_bytes)
-    say("simulating the baseline and the plan")
-    return assess(plan, baseline, strategies, timings, model, costs, data_parallel)
+    return dataclasses.replace(plan, budget=budget_bytes)
 
 
 def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float, run, costs=None,
@@ -376,7 +424,8 @@ def build_report(graph: Graph, hw, budget_bytes: int | None, strategies, baselin
         "plan": {"peak_bytes": profile.peak_bytes, "arena_bytes": notes.get("placement", {}).get("arena_bytes"),
                  "step_time_s": sim.step_time, "overhead": overhead, "stall_s": sim.stall,
                  "recomputed_ops": recomputed, "swapped_bytes": {tier: t["out"] for tier, t in sim.traffic.items()},
-                 "host_peak_bytes": sim.host_peak, "steps": len(plan.schedule), "aliases": len(plan.aliases)},
+                 "host_peak_bytes": sim.host_peak, "steps": len(plan.schedule), "aliases": len(plan.aliases),
+                 "micro_batches": notes["batch_split"]["chunks"] if notes.get("batch_split", {}).get("chosen") else 1},
         "solver": solver,
         "fits_device": profile.peak_bytes <= hw.device_memory,
         "passes": {name: _jsonable(value) for name, value in notes.items()},

@@ -1,0 +1,206 @@
+"""Batch split: the per-sample front of a network runs in micro-batches (chunks).
+
+    f(Concat_i x_i) = Concat_i f(x_i)      for every op f that treats samples independently
+
+A convolution's input plus its output can be larger than the device by itself (VGG-16 at
+batch 1065: 27 GB at the first block), and then no order, recompute or swap plan fits: each
+op must hold its operands whole. Split over the batch, each chunk's ops hold a chunk's
+operands, and each chunk's activations are tensors of their own that the swap and recompute
+passes can move one by one (the last chunk's may stay while the earlier ones are on the host).
+
+`split_batch(forward, chunks)` rewrites the forward model: the batch inputs are Split on axis
+0 into `chunks` near-equal pieces, every op of the region runs once per chunk (chunk-major:
+the whole region for chunk 0, then chunk 1, ...), and a Concat on axis 0 gives back each
+region tensor that an op outside it (or the graph's output) reads. Autodiff then builds the
+step from it: each chunk's backward is its own, and a weight read by every chunk gets its
+gradient summed over the chunks (the same sum over samples, rounded in pieces).
+
+The region: ops of PER_SAMPLE types whose every input is either a region tensor (a chunked
+input or a region op's output) or an initializer without a batch axis, grown in graph order
+from the batch inputs. It stops at the first op that couples samples (a BatchNormalization on
+batch statistics, the loss) and at ops whose parameters outweigh their batch tensors (a VGG
+classifier's Gemm: 411 MB of weight beside 17 MB of activations; split, it would only add
+partial weight gradients). As with the concat split, the training step records what changed
+(SPLIT_KEY) so that `unsplit_graph` gives back the step as given.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from onnx import TensorProto, numpy_helper
+
+from memsched.ir import Graph, Op, Tensor
+
+from .reuse import record_rewrite, undo_rewrite
+
+SPLIT_KEY = "memsched.batch_split"    # what split_training_step changed, so it can be undone
+# Ops whose output sample n depends on input sample n alone (batch on axis 0), whatever the
+# other attributes; Flatten, Softmax and MaxPool are checked further in _per_sample.
+PER_SAMPLE = frozenset({
+    "Conv", "ConvTranspose", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "Softplus", "Erf",
+    "HardSigmoid", "Identity", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Flatten",
+    "Add", "Sub", "Mul", "Div", "Gemm", "MatMul", "Softmax", "LogSoftmax"})
+
+
+def batch_size(forward: Graph) -> int | None:
+    """The batch (axis 0) shared by the model's data inputs, or None where there is none to split."""
+    sizes = {forward.tensors[name].shape[0] for name in _batch_inputs(forward)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def split_batch(forward: Graph, chunks: int) -> tuple[Graph, list[str]]:
+    """`forward` with its per-sample region run in `chunks` micro-batches (module docstring);
+    returns (graph, the region's ops), the graph itself and [] where nothing splits."""
+    batch = batch_size(forward)
+    if batch is None or chunks < 2 or chunks > batch:
+        return forward, []
+    region = _region(forward, batch)
+    if not region:
+        return forward, []
+    sizes = [batch // chunks + (1 if i < batch % chunks else 0) for i in range(chunks)]
+    tensors = dict(forward.tensors)
+    chunked: dict[str, list[str]] = {}     # tensor -> its chunks' names
+    ops: list[Op] = []
+    clashes: set[str] = set()     # new names the model already holds
+
+    def add_chunks(name: str) -> list[str]:
+        t = forward.tensors[name]
+        names = [f"{name}/chunk{i}" for i in range(chunks)]
+        clashes.update(n for n in names if n in forward.tensors)
+        for part, size in zip(names, sizes):
+            tensors[part] = Tensor(part, (size, *t.shape[1:]), t.dtype, "activation")
+        chunked[name] = names
+        return names
+
+    for name in _batch_inputs(forward):
+        sizes_name = f"{name}/chunk_sizes"
+        clashes.update({sizes_name} & set(forward.tensors))
+        tensors[sizes_name] = Tensor(sizes_name, (chunks,), TensorProto.INT64, "constant",
+                                     numpy_helper.from_array(np.asarray(sizes, dtype=np.int64), sizes_name))
+        ops.append(Op(f"{name}/SplitBatch", "Split", [name, sizes_name], add_chunks(name), {"axis": 0},
+                      doc_string=f"batch split: {name} in {chunks} chunks"))
+    region_ops = [op for op in forward.ops if op.name in region]
+    for op in region_ops:
+        for out in op.outputs:
+            add_chunks(out)
+    for i in range(chunks):
+        for op in region_ops:
+            ops.append(Op(f"{op.name}/chunk{i}", op.op_type, [chunked[t][i] if t in chunked else t for t in op.inputs],
+                          [chunked[t][i] for t in op.outputs], dict(op.attributes), op.domain, op.phase,
+                          doc_string=f"batch split: {op.name}, chunk {i}"))
+    consumers = forward.consumers
+    outside = [t for op in region_ops for t in op.outputs
+               if t in forward.outputs or any(c.name not in region for c in consumers.get(t, []))]
+    for name in outside:
+        ops.append(Op(f"{name}/ConcatBatch", "Concat", chunked[name], [name], {"axis": 0},
+                      doc_string=f"batch split: the chunks of {name}"))
+    if clashes or any(op.name in forward.op_by_name for op in ops):
+        return forward, []
+    for name in set(chunked) - set(outside) - set(forward.inputs):
+        tensors.pop(name)
+    ops += [op for op in forward.ops if op.name not in region]
+    return forward.replace(ops=ops, tensors=tensors), [op.name for op in region_ops]
+
+
+def chunk_count(forward: Graph, budget: int) -> int:
+    """How many micro-batches: the fewest whose chunk of the region's activations (every
+    tensor its ops make) fits in `budget` beside the model's parameters, so each chunk's
+    front is a batch the device could hold whole. 1 (no split) where the region's activations
+    fit as they are; 0 where the parameters alone take the budget."""
+    batch = batch_size(forward)
+    region = _region(forward, batch) if batch is not None else set()
+    activations = sum(forward.tensors[t].nbytes for op in forward.ops if op.name in region for t in op.outputs)
+    free = budget - sum(t.nbytes for t in forward.tensors.values() if t.is_static)
+    if free <= 0:
+        return 0
+    return min(batch or 1, -(-activations // free)) if activations else 1
+
+
+def batch_split_step(forward: Graph, given: Graph, build: Callable[[Graph], Graph],
+                     budget: int) -> tuple[Graph, int] | None:
+    """(the training step in micro-batches, how many) for a step `given` (built from `forward`
+    by `build`) over `budget`: None where the region's activations fit it whole or nothing splits."""
+    chunks = chunk_count(forward, budget)
+    step = split_training_step(forward, given, build, chunks) if chunks >= 2 else None
+    return (step, chunks) if step is not None else None
+
+
+def split_training_step(forward: Graph, given: Graph, build: Callable[[Graph], Graph], chunks: int) -> Graph | None:
+    """The training step of `forward` with its per-sample region in `chunks` micro-batches,
+    `build` being how `given` was built from `forward`; None where nothing splits. The step
+    records how to get `given` back (`unsplit_graph`)."""
+    split_forward, region = split_batch(forward, chunks)
+    if not region:
+        return None
+    split = build(split_forward)
+    if (split.inputs, split.outputs) != (given.inputs, given.outputs):
+        return None
+    try:
+        return record_rewrite(given, split, SPLIT_KEY, chunks=chunks, region=region)
+    except TypeError:       # an attribute JSON cannot hold: keep the step as given
+        return None
+
+
+def unsplit_graph(graph: Graph) -> Graph:
+    """The training step before `split_training_step` (the one the baseline runs)."""
+    return undo_rewrite(graph, SPLIT_KEY)
+
+
+def _batch_inputs(forward: Graph) -> list[str]:
+    """The model's data inputs (not initializers) with a known leading axis to split."""
+    return [name for name in forward.inputs
+            if not forward.tensors[name].is_static and forward.tensors[name].shape
+            and isinstance(forward.tensors[name].shape[0], int) and forward.tensors[name].shape[0] > 1]
+
+
+def _region(forward: Graph, batch: int) -> set[str]:
+    """The ops to run per chunk: grown in graph order from the batch inputs (module docstring)."""
+    batched = set(_batch_inputs(forward))
+    region: set[str] = set()
+    for op in forward.ops:
+        if not _per_sample(forward, op, batched, batch):
+            continue
+        region.add(op.name)
+        batched.update(op.outputs)
+    return region
+
+
+def _per_sample(graph: Graph, op: Op, batched: set[str], batch: int) -> bool:
+    """Whether `op` may run per chunk: a PER_SAMPLE type in the form that keeps samples apart,
+    reading batch tensors of the region and initializers that cannot reach across samples,
+    its outputs batch-leading, and its batch tensors outweighing its parameters."""
+    if op.domain or op.op_type not in PER_SAMPLE or not op.outputs:
+        return False
+    inputs = [t for t in op.inputs if t]
+    data = [t for t in inputs if t in batched]
+    fixed = [t for t in inputs if t not in batched]
+    if not data or any(not graph.tensors[t].is_static or graph.tensors[t].shape is None for t in fixed):
+        return False
+    shapes = [graph.tensors[t].shape for t in op.outputs]
+    if any(s is None or s[:1] != (batch,) for s in shapes):
+        return False
+    kind, rank = op.op_type, len(shapes[0])
+    if kind in ("Softmax", "LogSoftmax", "Flatten") and int(op.attributes.get("axis", 1)) in (0, -rank):
+        return False
+    if kind == "MaxPool" and len(op.outputs) > 1:       # its indices count over the whole batch
+        return False
+    if kind in ("Conv", "ConvTranspose", "Gemm", "MatMul") and inputs[0] not in batched or \
+            kind in ("Gemm", "MatMul") and inputs[1] in batched:
+        return False
+    if kind == "Gemm" and int(op.attributes.get("transA", 0)):
+        return False
+    if kind in ("Add", "Sub", "Mul", "Div", "Gemm") and any(not _broadcast_safe(graph.tensors[t].shape, rank)
+                                                            for t in fixed):
+        return False
+    if kind == "MatMul" and len(graph.tensors[inputs[1]].shape) > 2:
+        return False
+    params = sum(graph.tensors[t].nbytes for t in fixed)
+    activations = sum(graph.tensors[t].nbytes for t in [*data, *op.outputs])
+    return activations >= params
+
+
+def _broadcast_safe(shape: tuple[int, ...], rank: int) -> bool:
+    """Whether a tensor of `shape`, broadcast against a batch tensor of `rank`, reaches no
+    further than one sample: it falls short of the batch axis or is 1 along it."""
+    return len(shape) < rank or shape[0] == 1

@@ -1,0 +1,130 @@
+"""Batch split (passes.batch_split): the per-sample front of a network runs in micro-batches.
+
+The hand-made model: x (4, 2, 8, 8) float32 -> Conv 3x3 (W (3, 2, 3, 3) 216 B, bias 12 B)
+-> z (4, 3, 8, 8) 3,072 B -> Relu a 3,072 B -> MaxPool 2x2 p (4, 3, 4, 4) 768 B -> Flatten
+f (4, 48) 768 B -> Gemm (W (5, 48) 960 B, bias 20 B) -> logits (4, 5). The front (Conv to
+Flatten) makes 7,680 B of activations beside 1,208 B of parameters; the Gemm's parameters
+(980 B) outweigh its batch tensors (768 + 80 B), so it stays whole.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from memsched.executor import run_plan
+from memsched.frontend import lower
+from memsched.memory import validate
+from memsched.schedule import Plan
+from passes.batch_split import SPLIT_KEY, chunk_count, split_batch, split_training_step
+from passes.concat_split import given_graph
+from passes.pipeline import compile, step_builder
+from passes.placement import place_pass
+
+BUILD = step_builder(lr=0.1)
+ALL = "order,reuse,recompute,swap"
+
+
+def cnn(batch: int = 4, front: str = "", pool_indices: bool = False):
+    """The module docstring's model; `front`: "bn" puts a BatchNormalization on batch statistics
+    after the Conv, "batch-bias" adds an initializer with a batch-sized leading axis to z."""
+    rng = np.random.default_rng(0)
+
+    def init(name, shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.5).astype(np.float32), name)
+
+    inits = [init("conv.weight", (3, 2, 3, 3)), init("conv.bias", (3,)), init("fc.weight", (5, 48)),
+             init("fc.bias", (5,))]
+    nodes = [helper.make_node("Conv", ["x", "conv.weight", "conv.bias"], ["z0" if front else "z"], name="conv",
+                              pads=[1, 1, 1, 1])]
+    if front == "bn":
+        inits += [init("bn.scale", (3,)), init("bn.b", (3,)), init("bn.mean", (3,)),
+                  numpy_helper.from_array(np.ones(3, np.float32), "bn.var")]
+        nodes.append(helper.make_node("BatchNormalization", ["z0", "bn.scale", "bn.b", "bn.mean", "bn.var"],
+                                      ["z"], name="bn", training_mode=0))
+    elif front == "batch-bias":
+        inits.append(init("shift", (batch, 3, 8, 8)))
+        nodes.append(helper.make_node("Add", ["z0", "shift"], ["z"], name="shift_add"))
+    pool_out = ["p", "p_indices"] if pool_indices else ["p"]
+    nodes += [helper.make_node("Relu", ["z"], ["a"], name="relu"),
+              helper.make_node("MaxPool", ["a"], pool_out, name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+              helper.make_node("Flatten", ["p"], ["f"], name="flatten", axis=1),
+              helper.make_node("Gemm", ["f", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1)]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, 5])]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 2, 8, 8])],
+                              outputs, inits)
+    return lower(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+
+
+def test_the_per_sample_front_runs_once_per_chunk():
+    split, region = split_batch(cnn(), 3)
+    assert region == ["conv", "relu", "pool", "flatten"]
+    assert [op.name for op in split.ops] == [
+        "x/SplitBatch", *[f"{op}/chunk{i}" for i in range(3) for op in region], "f/ConcatBatch", "fc"]
+    assert [split.tensors[f"z/chunk{i}"].shape for i in range(3)] == [(2, 3, 8, 8), (1, 3, 8, 8), (1, 3, 8, 8)]
+    assert split.op_by_name["f/ConcatBatch"].attributes == {"axis": 0}
+    assert "z" not in split.tensors and split.tensors["f"].shape == (4, 48)     # only f is made whole again
+
+
+def test_the_split_model_computes_what_the_model_does():
+    forward = cnn()
+    split, _ = split_batch(forward, 2)
+    x = np.random.default_rng(1).standard_normal((4, 2, 8, 8)).astype(np.float32)
+    outputs = [ort.InferenceSession(g.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
+               .run(["logits"], {"x": x})[0] for g in (forward, split)]
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("front, pool_indices, region", [
+    ("bn", False, ["conv"]),                       # batch statistics couple the samples
+    ("batch-bias", False, ["conv"]),               # a batch-sized initializer reaches across samples
+    ("", True, ["conv", "relu"]),                  # MaxPool's indices count over the whole batch
+])
+def test_ops_that_couple_samples_end_the_front(front, pool_indices, region):
+    assert split_batch(cnn(front=front, pool_indices=pool_indices), 2)[1] == region
+
+
+def test_nothing_splits_at_batch_one_or_into_more_chunks_than_samples():
+    forward = cnn(batch=1)
+    assert split_batch(forward, 2) == (forward, [])
+    assert split_batch(cnn(), 5)[1] == []
+    assert chunk_count(forward, 2000) == 1
+
+
+@pytest.mark.parametrize("budget, chunks", [(9000, 1), (8000, 2), (4000, 3), (1208, 0)])
+def test_the_chunks_are_the_fewest_whose_front_fits_beside_the_parameters(budget, chunks):
+    # 7,680 B of front activations; free = budget - 1,208 B of parameters
+    assert chunk_count(cnn(), budget) == chunks
+
+
+def test_a_split_step_runs_like_the_step_as_given():
+    forward = cnn()
+    given = BUILD(forward)
+    step = split_training_step(forward, given, BUILD, 2)
+    assert SPLIT_KEY in step.metadata
+    assert [op.name for op in given_graph(step).ops] == [op.name for op in given.ops]
+    # each chunk's weight gradient is its own, summed for the update
+    assert {"conv/chunk0/grad/Conv", "conv/chunk1/grad/Conv"} <= {op.name.rsplit("_", 1)[0] for op in step.ops
+                                                                 if op.op_type == "Conv"}
+    assert (validate(Plan.initial(given)).peak_bytes, validate(Plan.initial(step)).peak_bytes) == (16032, 12992)
+    run = run_plan(place_pass(Plan.initial(step), 5), steps=2, check=True, given=given_graph(step))
+    assert run.check["given"]["passed"] and run.check["given"]["max_abs_diff"] < 1e-5   # the sums round in pieces
+
+
+def test_compile_plans_micro_batches_where_the_step_as_given_cannot_fit():
+    forward = cnn()
+    result = compile(forward, train=True, lr=0.1, strategies=ALL, budget=5500, time_limit=2)
+    note = result.plan.notes["batch_split"]
+    assert note["chosen"] and note["chunks"] == 2 and note["step_time_s"]["given"] is None
+    assert "cannot be met" in note["errors"]["given"]
+    assert result.report["plan"]["micro_batches"] == 2
+    assert result.report["plan"]["arena_bytes"] <= 5500 and result.report["plan"]["peak_bytes"] <= 5500
+    assert [op.name for op in result.baseline.graph.ops] == [op.name for op in BUILD(forward).ops]
+    run = run_plan(result.plan, steps=2, check=True, given=given_graph(result.plan.graph))
+    assert run.check["given"]["passed"]
+
+
+def test_compile_keeps_the_step_whole_where_it_fits_as_it_is():
+    result = compile(cnn(), train=True, lr=0.1, strategies=ALL, budget=9000, time_limit=2)
+    assert "batch_split" not in result.plan.notes and result.report["plan"]["micro_batches"] == 1
