@@ -132,6 +132,16 @@ def progress():
         yield lambda message: status.update(message)
 
 
+def _micro_batches(note: dict, baseline_time: float) -> str:
+    """What planning the step in micro-batches (passes.batch_split) gave beside the step as given."""
+    def said(name: str) -> str:
+        time = note["step_time_s"].get(name)
+        return f"{(time / baseline_time - 1) * 100:+.1f}%" if time is not None else "no fit"
+    head = f"planned in {note['chunks']} micro-batches" if note["chosen"] else \
+        f"kept whole (not split into {note['chunks']} micro-batches)"
+    return f"{head}: step as given {said('given')}, in micro-batches {said('split')}"
+
+
 def print_compile(report: dict) -> None:
     """Baseline vs plan, the solver's word, and the one-line verdict."""
     out = console()
@@ -163,6 +173,9 @@ def print_compile(report: dict) -> None:
         rewrites.append("convolutions over a Concat split per part")
     if rewrites:
         out.print("reuse rewrote the step: " + "; ".join(rewrites))
+    split = report["passes"].get("batch_split")
+    if split:
+        out.print(_micro_batches(split, base["step_time_s"]))
     fit = report["passes"].get("fit", {})
 
     def said(t: dict) -> str:

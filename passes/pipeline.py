@@ -6,6 +6,9 @@
                  its budget) tries recompute alone, swap alone, and recompute to a relaxed
                  budget then swap the rest (the strategies asked for), and keeps the plan
                  the simulator predicts fastest
+      where the plan needs recompute or swap (or nothing fits), the step in micro-batches
+      (passes.batch_split: the per-sample front run chunk by chunk) is planned the same way,
+      and the faster of the two plans is kept
     each pass's result is judged by the memory model; both plans are simulated.
 
 The result carries both plans and the report dict (the `compile`/`report` JSON of DESIGN.md).

@@ -8,11 +8,14 @@ Flatten) makes 7,680 B of activations beside 1,208 B of parameters; the Gemm's p
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from memsched import views
 from memsched.executor import run_plan
 from memsched.frontend import lower
 from memsched.memory import validate
@@ -112,7 +115,7 @@ def test_a_split_step_runs_like_the_step_as_given():
     assert run.check["given"]["passed"] and run.check["given"]["max_abs_diff"] < 1e-5   # the sums round in pieces
 
 
-def test_compile_plans_micro_batches_where_the_step_as_given_cannot_fit():
+def test_compile_plans_micro_batches_where_the_step_as_given_cannot_fit(capsys):
     forward = cnn()
     result = compile(forward, train=True, lr=0.1, strategies=ALL, budget=5500, time_limit=2)
     note = result.plan.notes["batch_split"]
@@ -123,6 +126,8 @@ def test_compile_plans_micro_batches_where_the_step_as_given_cannot_fit():
     assert [op.name for op in result.baseline.graph.ops] == [op.name for op in BUILD(forward).ops]
     run = run_plan(result.plan, steps=2, check=True, given=given_graph(result.plan.graph))
     assert run.check["given"]["passed"]
+    views.print_compile(json.loads(json.dumps(result.report)))
+    assert "planned in 2 micro-batches: step as given no fit, in micro-batches +" in capsys.readouterr().out
 
 
 def test_compile_keeps_the_step_whole_where_it_fits_as_it_is():
