@@ -190,8 +190,8 @@ def _per_sample(graph: Graph, op: Op, batched: set[str], batch: int) -> bool:
         return False
     if kind == "Gemm" and int(op.attributes.get("transA", 0)):
         return False
-    if kind in ("Add", "Sub", "Mul", "Div", "Gemm") and any(not _broadcast_safe(graph.tensors[t].shape, rank)
-                                                            for t in fixed):
+    broadcast = fixed if kind in ("Add", "Sub", "Mul", "Div") else inputs[2:] if kind == "Gemm" else []
+    if any(not _broadcast_safe(graph.tensors[t].shape, rank) for t in broadcast):
         return False
     if kind == "MatMul" and len(graph.tensors[inputs[1]].shape) > 2:
         return False

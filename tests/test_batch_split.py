@@ -133,3 +133,10 @@ def test_compile_plans_micro_batches_where_the_step_as_given_cannot_fit(capsys):
 def test_compile_keeps_the_step_whole_where_it_fits_as_it_is():
     result = compile(cnn(), train=True, lr=0.1, strategies=ALL, budget=9000, time_limit=2)
     assert "batch_split" not in result.plan.notes and result.report["plan"]["micro_batches"] == 1
+
+
+def test_a_gemm_joins_the_front_once_its_batch_tensors_outweigh_its_weights():
+    # batch 16: f (16, 48) 3,072 B + logits 320 B against 980 B of weight and bias
+    split, region = split_batch(cnn(batch=16), 2)
+    assert region == ["conv", "relu", "pool", "flatten", "fc"]
+    assert split.ops[-1].name == "logits/ConcatBatch" and split.outputs == ["logits"]
