@@ -90,7 +90,7 @@ def full_plan(name: str, size: int, hw, used: list[str], time_limit: float) -> d
             "no_plan_step_time_s": result.report["baseline"]["step_time_s"], "stall_s": plan["stall_s"],
             "peak_bytes": plan["peak_bytes"], "baseline_peak_bytes": result.report["baseline"]["peak_bytes"],
             "swapped_bytes": swap.get("swapped_bytes", {}), "host_peak_bytes": swap.get("host_peak_bytes", {}),
-            "recomputed_ops": len(plan["recomputed_ops"]),
+            "recomputed_ops": len(plan["recomputed_ops"]), "micro_batches": plan["micro_batches"],
             "swap_status": swap.get("status"), "solver_chosen": swap.get("solver", {}).get("chosen"),
             "pass_seconds": result.report["pass_seconds"], "notes": swap}
 
@@ -167,7 +167,7 @@ def _summary(size, result) -> dict:
     if result is None:
         return {"largest": size}
     keep = ("overhead", "step_time_s", "no_plan_step_time_s", "stall_s", "peak_bytes", "baseline_peak_bytes",
-            "swapped_bytes", "host_peak_bytes", "recomputed_ops", "swap_status", "solver_chosen", "pass_seconds")
+            "swapped_bytes", "host_peak_bytes", "recomputed_ops", "micro_batches", "swap_status", "solver_chosen", "pass_seconds")
     return {"largest": size, **{k: result[k] for k in keep}}
 
 
