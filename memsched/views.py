@@ -282,8 +282,8 @@ def print_run(summary: dict) -> None:
         out.print(f"check against a plain ONNX Runtime run ({check['steps']} step(s)): {_verdict(check)}, {kind}")
         given = check.get("given")
         if given is not None:
-            out.print("check against the model as given (fused updates and split convolutions round differently): "
-                      f"{_verdict(given)}, max |diff| {given['max_abs_diff']:.3g} (tolerance {given['tolerance']:g})")
+            out.print("check against the model as given (fused updates, split convolutions and micro-batches "
+                      f"round differently): {_verdict(given)}, max |diff| {given['max_abs_diff']:.3g} (tolerance {given['tolerance']:g})")
 
 
 def _verdict(check: dict) -> str:

@@ -19,11 +19,14 @@ from memsched import views
 from memsched.executor import run_plan
 from memsched.frontend import lower
 from memsched.memory import validate
+from memsched.onnx_utils import save_model_atomic
 from memsched.schedule import Plan
 from passes.batch_split import SPLIT_KEY, chunk_count, split_batch, split_training_step
 from passes.concat_split import given_graph
 from passes.pipeline import compile, step_builder
 from passes.placement import place_pass
+
+from .conftest import run_cli
 
 BUILD = step_builder(lr=0.1)
 ALL = "order,reuse,recompute,swap"
@@ -140,3 +143,16 @@ def test_a_gemm_joins_the_front_once_its_batch_tensors_outweigh_its_weights():
     split, region = split_batch(cnn(batch=16), 2)
     assert region == ["conv", "relu", "pool", "flatten", "fc"]
     assert split.ops[-1].name == "logits/ConcatBatch" and split.outputs == ["logits"]
+
+
+def test_the_cli_compiles_micro_batches_and_runs_them_against_the_step_as_given(tmp_path):
+    model, scheduled = tmp_path / "cnn.onnx", tmp_path / "scheduled.onnx"
+    save_model_atomic(cnn().to_onnx(), model)
+    result = run_cli("compile", model, "--train", "--lr", "0.1", "--budget", "5500B", "--strategies", ALL,
+                     "--time-limit", "2", "-o", scheduled, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["plan"]["micro_batches"] == 2
+    run = run_cli("run", scheduled, "--check", "--json")
+    assert run.returncode == 0, run.stderr
+    check = json.loads(run.stdout)["check"]
+    assert check["passed"] and check["given"]["passed"] and check["given"]["max_abs_diff"] < 1e-5
