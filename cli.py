@@ -439,7 +439,7 @@ def cmd_run(args) -> int:
     from memsched.executor import run_plan
     from memsched.summary import predicted_step_time, run_summary
     from memsched.views import print_run, step_progress
-    from passes.concat_split import given_graph
+    from passes.batch_split import given_graph
 
     plan = read_plan(args.plan)
     given = given_graph(plan.graph) if args.check else plan.graph     # only a check runs the model as given

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
-from onnx import TensorProto, numpy_helper
-
 from memsched.ir import Graph, Op, Tensor
 
-from .reuse import record_rewrite, undo_rewrite
+from .concat_split import even_sizes, names_taken, sizes_constant
+from .concat_split import unsplit_graph as unsplit_concat
+from .reuse import record_rewrite, undo_rewrite, unfused_graph
 
 SPLIT_KEY = "memsched.batch_split"    # what split_training_step changed, so it can be undone
 # Ops whose output sample n depends on input sample n alone (batch on axis 0), whatever the
@@ -41,6 +40,12 @@ PER_SAMPLE = frozenset({
     "Conv", "ConvTranspose", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "Softplus", "Erf",
     "HardSigmoid", "Identity", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Flatten",
     "Add", "Sub", "Mul", "Div", "Gemm", "MatMul", "Softmax", "LogSoftmax"})
+
+
+def given_graph(graph: Graph) -> Graph:
+    """The training step as given, the one the baseline runs: fused updates, concat splits and
+    batch splits undone, in the reverse of the order they were made."""
+    return unsplit_graph(unsplit_concat(unfused_graph(graph)))
 
 
 def batch_size(forward: Graph) -> int | None:
@@ -58,27 +63,21 @@ def split_batch(forward: Graph, chunks: int) -> tuple[Graph, list[str]]:
     region = _region(forward, batch)
     if not region:
         return forward, []
-    sizes = [batch // chunks + (1 if i < batch % chunks else 0) for i in range(chunks)]
-    tensors = dict(forward.tensors)
+    sizes = even_sizes(batch, chunks)
+    new_tensors: list[Tensor] = []
     chunked: dict[str, list[str]] = {}     # tensor -> its chunks' names
     ops: list[Op] = []
-    clashes: set[str] = set()     # new names the model already holds
 
     def add_chunks(name: str) -> list[str]:
         t = forward.tensors[name]
-        names = [f"{name}/chunk{i}" for i in range(chunks)]
-        clashes.update(n for n in names if n in forward.tensors)
-        for part, size in zip(names, sizes):
-            tensors[part] = Tensor(part, (size, *t.shape[1:]), t.dtype, "activation")
-        chunked[name] = names
-        return names
+        chunked[name] = [f"{name}/chunk{i}" for i in range(chunks)]
+        new_tensors.extend(Tensor(part, (size, *t.shape[1:]), t.dtype, "activation")
+                           for part, size in zip(chunked[name], sizes))
+        return chunked[name]
 
     for name in _batch_inputs(forward):
-        sizes_name = f"{name}/chunk_sizes"
-        clashes.update({sizes_name} & set(forward.tensors))
-        tensors[sizes_name] = Tensor(sizes_name, (chunks,), TensorProto.INT64, "constant",
-                                     numpy_helper.from_array(np.asarray(sizes, dtype=np.int64), sizes_name))
-        ops.append(Op(f"{name}/SplitBatch", "Split", [name, sizes_name], add_chunks(name), {"axis": 0},
+        new_tensors.append(sizes_constant(f"{name}/chunk_sizes", sizes))
+        ops.append(Op(f"{name}/SplitBatch", "Split", [name, new_tensors[-1].name], add_chunks(name), {"axis": 0},
                       doc_string=f"batch split: {name} in {chunks} chunks"))
     region_ops = [op for op in forward.ops if op.name in region]
     for op in region_ops:
@@ -95,10 +94,11 @@ def split_batch(forward: Graph, chunks: int) -> tuple[Graph, list[str]]:
     for name in outside:
         ops.append(Op(f"{name}/ConcatBatch", "Concat", chunked[name], [name], {"axis": 0},
                       doc_string=f"batch split: the chunks of {name}"))
-    if clashes or any(op.name in forward.op_by_name for op in ops):
+    if names_taken(forward, forward.tensors, ops, new_tensors):
         return forward, []
-    for name in set(chunked) - set(outside) - set(forward.inputs):
-        tensors.pop(name)
+    tensors = {name: t for name, t in forward.tensors.items()
+               if name not in chunked or name in outside or name in forward.inputs}
+    tensors.update({t.name: t for t in new_tensors})
     ops += [op for op in forward.ops if op.name not in region]
     return forward.replace(ops=ops, tensors=tensors), [op.name for op in region_ops]
 

@@ -38,8 +38,7 @@ from onnx import TensorProto, numpy_helper
 
 from memsched.ir import Graph, Op, Tensor
 
-from .batch_split import unsplit_graph as unsplit_batch
-from .reuse import record_rewrite, undo_rewrite, unfused_graph
+from .reuse import record_rewrite, undo_rewrite
 
 SPLIT_KEY = "memsched.concat_split"   # what split_training_step changed, so it can be undone
 VARIANT = "concat-split"              # the reuse pass's name for the split step
@@ -50,12 +49,6 @@ def reuse_variants(forward: Graph, given: Graph, build: Callable[[Graph], Graph]
     `forward` by `build`): the concat split, where a convolution qualifies."""
     split = split_training_step(forward, given, build)
     return {VARIANT: split} if split is not None else {}
-
-
-def given_graph(graph: Graph) -> Graph:
-    """The training step as given, the one the baseline runs: fused updates, concat splits and
-    batch splits (passes.batch_split) undone, in the reverse of the order they were made."""
-    return unsplit_batch(unsplit_graph(unfused_graph(graph)))
 
 
 def split_concat_convs(forward: Graph) -> tuple[Graph, list[str]]:
@@ -71,7 +64,7 @@ def split_concat_convs(forward: Graph) -> tuple[Graph, list[str]]:
         if concat is None:
             continue
         new_ops, new_tensors = _split_ops(forward, conv, concat)
-        if _names_taken(forward, tensors, new_ops, new_tensors):
+        if names_taken(forward, tensors, new_ops, new_tensors):
             continue
         tensors.update({t.name: t for t in new_tensors})
         tensors.pop(concat.outputs[0])
@@ -107,7 +100,7 @@ def split_upsamplings(forward: Graph) -> tuple[Graph, list[str]]:
             if pieces is None:
                 continue
             new_ops, new_tensors = _upsampling_ops(forward, up, pieces)
-            if _names_taken(forward, tensors, new_ops, new_tensors):
+            if names_taken(forward, tensors, new_ops, new_tensors):
                 continue
             tensors.update({t.name: t for t in new_tensors})
             tensors.pop(up_name)
@@ -136,8 +129,7 @@ def _upsampling_pieces(graph: Graph, up: Op | None, concat: Op, consumers, width
     channels = wshape[1] if wshape is not None and len(wshape) > 2 else None
     if not channels or width <= 0 or channels <= width:
         return None
-    count = -(-channels // width)
-    return [channels // count + (1 if i < channels % count else 0) for i in range(count)]
+    return even_sizes(channels, -(-channels // width))
 
 
 def _upsampling_ops(graph: Graph, up: Op, pieces: list[int]) -> tuple[list[Op], list[Tensor]]:
@@ -182,20 +174,29 @@ def _read_only_by(graph: Graph, consumers, tensor: str, op: Op) -> bool:
         op.inputs.count(tensor) == 1
 
 
-def _names_taken(graph: Graph, tensors: dict[str, Tensor], new_ops: list[Op], new_tensors: list[Tensor]) -> bool:
+def names_taken(graph: Graph, tensors: dict[str, Tensor], new_ops: list[Op], new_tensors: list[Tensor]) -> bool:
     """Whether a rewrite's new ops or tensors would take a name the graph (or an earlier rewrite) holds."""
     return any(t.name in tensors for t in new_tensors) or any(op.name in graph.op_by_name for op in new_ops)
+
+
+def even_sizes(total: int, count: int) -> list[int]:
+    """`total` cut into `count` sizes that differ by at most one, the larger first."""
+    return [total // count + (1 if i < total % count else 0) for i in range(count)]
+
+
+def sizes_constant(name: str, sizes: list[int]) -> Tensor:
+    """The int64 constant a Split reads for the sizes of its pieces."""
+    return Tensor(name, (len(sizes),), TensorProto.INT64, "constant",
+                  numpy_helper.from_array(np.asarray(sizes, dtype=np.int64), name))
 
 
 def _weight_split(w: Tensor, scope: str, sizes: list[int], phase: str, why: str) -> tuple[Op, Tensor, list[Tensor]]:
     """One Split of weight `w` over axis 1 (a Conv's input channels, a ConvTranspose's output
     channels) into parts of `sizes`: (the Split `{scope}/SplitWeight`, its sizes constant, the parts)."""
-    sizes_name = f"{scope}/split_sizes"
-    sizes_tensor = Tensor(sizes_name, (len(sizes),), TensorProto.INT64, "constant",
-                          numpy_helper.from_array(np.asarray(sizes, dtype=np.int64), sizes_name))
+    sizes_tensor = sizes_constant(f"{scope}/split_sizes", sizes)
     parts = [Tensor(f"{w.name}/part{i}", (w.shape[0], c, *w.shape[2:]), w.dtype, "activation")
              for i, c in enumerate(sizes)]
-    split = Op(f"{scope}/SplitWeight", "Split", [w.name, sizes_name], [t.name for t in parts], {"axis": 1},
+    split = Op(f"{scope}/SplitWeight", "Split", [w.name, sizes_tensor.name], [t.name for t in parts], {"axis": 1},
                phase=phase, doc_string=why)
     return split, sizes_tensor, parts
 

@@ -33,8 +33,8 @@ from memsched.schedule import Plan
 from memsched.simulate import Simulation, simulate
 from memsched.units import format_bytes, parse_bytes
 
-from .batch_split import batch_split_step
-from .concat_split import given_graph, reuse_variants
+from .batch_split import batch_split_step, given_graph
+from .concat_split import reuse_variants
 from .reuse import FUSED_KEY
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")

@@ -22,7 +22,7 @@ from memsched.memory import validate
 from memsched.onnx_utils import save_model_atomic
 from memsched.schedule import Plan
 from passes.batch_split import SPLIT_KEY, chunk_count, split_batch, split_training_step
-from passes.concat_split import given_graph
+from passes.batch_split import given_graph
 from passes.pipeline import compile, step_builder
 from passes.placement import place_pass
 

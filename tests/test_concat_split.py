@@ -18,8 +18,9 @@ from memsched.frontend import lower
 from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan
 from passes.autodiff import build_training_step
-from passes.concat_split import (SPLIT_KEY, VARIANT, given_graph, reuse_variants, split_concat_convs,
-                                 split_training_step, split_upsamplings, unsplit_graph)
+from passes.batch_split import given_graph
+from passes.concat_split import (SPLIT_KEY, VARIANT, reuse_variants, split_concat_convs, split_training_step,
+                                 split_upsamplings, unsplit_graph)
 from passes.pipeline import baseline_of, compile, training_steps
 from passes.reuse import GRAD_ROLES_KEY, layer_groups, reuse_pass
 
