@@ -441,6 +441,72 @@ def hoist(problem: Problem, order: list[str]) -> list[str]:
     return result
 
 
+def drain(problem: Problem, order: list[str]) -> list[str]:
+    """`order` with buffers drained: after each op, the readers still to come of each buffer
+    it makes or reads run right away -- with what they still wait for -- where all of them may
+    (no op of another phase joins, but an update in the backward) and together they free more
+    bytes than they keep. A U-Net decoder's partial sum then follows its second part, not its
+    third; the upsampling's backward follows the gradient of each of its pieces; a ReLU's mask
+    follows the dW that was the activation's other reader. The peak with everything kept, which
+    the order pass minimises, rarely sees these; a plan that must swap or replay under a budget
+    does: each big tensor dies young instead of waiting, resident or in flight, for an op the
+    order put later for no reason (`passes.recompute.base_orders`)."""
+    graph = problem.graph
+    phase = [graph.op_by_name[name].phase for name in problem.names]
+    position = {problem.index[name]: k for k, name in enumerate(order)}
+    made: dict[int, list[int]] = {}
+    for b, p in enumerate(problem.producer):
+        if p >= 0:
+            made.setdefault(p, []).append(b)
+    reads = [_buffer_indices(problem, graph.op_by_name[name].present_inputs) for name in problem.names]
+    emitted: set[int] = set()
+    result: list[str] = []
+
+    def readers_now(trigger: int, b: int) -> list[int] | None:
+        """The unrun readers of buffer b and their unrun ancestors, in order, if they may run
+        after `trigger` and free more than they keep; else None."""
+        group: set[int] = set()
+        stack = [r for r in problem.readers[b] if r not in emitted]
+        while stack:
+            r = stack.pop()
+            if r in emitted or r in group:
+                continue
+            if phase[r] != phase[trigger] and not (phase[trigger] == "backward" and phase[r] == "update"):
+                return None
+            group.add(r)
+            stack.extend(problem.preds[r])
+        ran = emitted | group
+        freed = sum(problem.nbytes[x] for x in {x for r in group for x in reads[r]}
+                    if not problem.held[x] and problem.producer[x] not in group
+                    and all(r in ran for r in problem.readers[x]))
+        kept = sum(problem.nbytes[x] for r in group for x in made.get(r, [])
+                   if problem.held[x] or any(r2 not in ran for r2 in problem.readers[x]))
+        return sorted(group, key=position.__getitem__) if group and freed > kept else None
+
+    for name in order:
+        first = problem.index[name]
+        if first in emitted:
+            continue
+        queue = [first]
+        while queue:
+            op = queue.pop(0)
+            if op not in emitted:
+                emitted.add(op)
+                result.append(problem.names[op])
+            for b in made.get(op, []) + reads[op]:
+                group = None if problem.held[b] else readers_now(op, b)
+                if group:
+                    emitted.update(group)
+                    result.extend(problem.names[r] for r in group)
+                    queue.extend(group)
+    return result
+
+
+def _buffer_indices(problem: Problem, names: list[str]) -> list[int]:
+    """The modelled buffers behind `names` (views resolved), once each."""
+    return list(dict.fromkeys(problem.buffer[t] for t in names if t in problem.buffer))
+
+
 # ---- lower bound -------------------------------------------------------------------------
 def reachability(problem: Problem) -> tuple[list[int], list[int]]:
     """Per op, bitsets (bit i = op index i) of its ancestors and of its descendants, itself

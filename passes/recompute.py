@@ -50,8 +50,10 @@ the memory model (`memsched.memory`) judge every answer:
   backward readers of what the forward derived from that parameter (else a weight transpose
   is pinned from the forward to dX); and the graph's stored order with updates in the
   backward (`passes.reuse.training_order`), since the order pass minimises the peak without
-  replays and can leave a late layer's update at the end, where no replay helps. The
-  cheapest plan the judge accepts wins.
+  replays and can leave a late layer's update at the end, where no replay helps; and each of
+  these drained (`passes.order.drain`: a big tensor's readers run together as soon as they
+  can), which is what the swap pass after this one needs most. The cheapest plan the judge
+  accepts wins.
 
 Which ops may be replayed (`replay_blocker`): forward, loss and backward ops
 (REPLAYABLE_PHASES: each is a pure function of the step's inputs and parameters; a backward
@@ -83,6 +85,7 @@ from memsched.simulate import simulate
 from memsched.units import format_bytes
 
 from . import remat
+from .order import Problem as OrderProblem, drain
 from .reuse import alias_table, choose_aliases, compute_order, priority_order, training_order
 
 MAX_ROUNDS = 6
@@ -178,7 +181,10 @@ def base_orders(plan: Plan, order: list[str]) -> dict[str, list[str]]:
       outputs from the forward to the backward;
     - "training": the graph's stored order with updates in the backward and the dW/dX rule
       (`passes.reuse.training_order`): the order pass minimises the peak *without* replays and
-      may leave work where replays cannot help (a late layer's update at the end, say)."""
+      may leave work where replays cannot help (a late layer's update at the end, say);
+    - each of those drained (`passes.order.drain`): the readers of a big tensor run together as
+      soon as they can, so that it dies young -- what a plan that replays or swaps it wants,
+      and what the peak with everything kept, the order pass's goal, does not see."""
     graph = plan.graph
     candidates = {"given": order}
     edges = _late_update_edges(plan)
@@ -188,6 +194,8 @@ def base_orders(plan: Plan, order: list[str]) -> dict[str, list[str]]:
         except ScheduleError:
             pass   # the precedences close a cycle: no such order
     candidates["training"] = training_order(graph, [op.name for op in graph.ops])
+    problem = OrderProblem.build(graph, bool(plan.aliases))
+    candidates.update({f"{name}+drain": drain(problem, candidate) for name, candidate in list(candidates.items())})
     bases: dict[str, list[str]] = {}
     for name, candidate in candidates.items():
         if candidate not in bases.values():

@@ -11,8 +11,8 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule
-from passes.order import (WHOLE_FIRST_OPS, WHOLE_GRAPH_OPS, Problem, Search, Judge, cut_bound, hoist, order_pass,
-                          reachability, sink, structural_bound)
+from passes.order import (WHOLE_FIRST_OPS, WHOLE_GRAPH_OPS, Problem, Search, Judge, cut_bound, drain, hoist,
+                          order_pass, reachability, sink, structural_bound)
 from passes.placement import place_pass
 from passes.reuse import choose_aliases, reuse_pass
 
@@ -154,6 +154,92 @@ def test_hoist_runs_a_reduction_as_soon_as_it_can():
     assert moved == ["big", "red", "other", "final"]
     assert list(analyze(graph, order_schedule(order)).live_bytes) == [208, 358, 354, 162]
     assert list(analyze(graph, order_schedule(moved)).live_bytes) == [208, 212, 162, 162]
+
+
+def test_drain_sums_two_parts_before_the_third_is_made():
+    """A convolution split over its Concat (passes.concat_split): the given order makes all
+    three parts, then sums; drained, the first sum follows the second part, and the third part
+    is made beside the first sum alone (the first sum's step holds all three parts given)."""
+    g = GraphBuilder()
+    g.input("x", 8)
+    for i in range(3):
+        g.op(f"part{i}", "Conv", ["x"], [(f"P{i}", 100)])
+    g.op("sum1", "Add", ["P0", "P1"], [("S1", 100)])
+    g.op("sum2", "Add", ["S1", "P2"], [("Y", 100)])
+    g.output("Y")
+    graph = g.graph()
+    order = [op.name for op in graph.ops]
+    moved = drain(Problem.build(graph, False), order)
+    assert moved == ["part0", "part1", "sum1", "part2", "sum2"]
+    assert list(analyze(graph, order_schedule(order)).live_bytes) == [108, 208, 308, 400, 300]
+    assert list(analyze(graph, order_schedule(moved)).live_bytes) == [108, 208, 308, 208, 300]
+
+
+def test_drain_runs_a_gradients_readers_with_what_they_wait_for():
+    """A backward gradient G (100) read by a view and by dW (through the view) and dX: the
+    given order runs another layer's big backward op first; drained, the view, the second
+    view dW waits for, dW and dX follow G, and G is gone before the other op."""
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("fwd", "Conv", ["x"], [("A", 10)])
+    g.op("grad", "Conv", ["A"], [("G", 100)], phase="backward", kind="gradient")
+    g.op("other", "Conv", ["x"], [("O", 150)], phase="backward", kind="gradient")
+    g.op("view_g", "Reshape", ["G"], [("V", 100)], phase="backward", kind="gradient")
+    g.op("view_a", "Reshape", ["A"], [("VA", 10)], phase="backward", kind="gradient")
+    g.op("dw", "Conv", ["V", "VA"], [("DW", 4)], phase="backward", kind="gradient")
+    g.op("dx", "ConvTranspose", ["G"], [("DX", 10)], phase="backward", kind="gradient")
+    g.op("join", "Concat", ["O", "DW", "DX"], [("out", 8)], phase="backward", kind="gradient")
+    g.output("out")
+    graph = g.graph()
+    order = [op.name for op in graph.ops]
+    problem = Problem.build(graph, True)
+    moved = drain(problem, order)
+    assert moved == ["fwd", "grad", "view_g", "view_a", "dw", "dx", "other", "join"]
+    assert graph.is_topological(moved)
+    before, after = (Judge(Plan.initial(graph), True).peak(o) for o in (order, moved))
+    assert after < before
+
+
+def test_drain_keeps_the_backward_out_of_the_forward():
+    """A forward activation whose last reader is a backward op that frees it: draining it
+    after the forward reader would pull that backward op into the forward (keeping its output
+    from there on, as the checkpoint of a recompute plan would), so nothing moves."""
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("act", "Conv", ["x"], [("A", 100)])
+    g.op("use", "Conv", ["A"], [("U", 8)])
+    g.op("big", "Conv", ["U"], [("B", 200)])
+    g.op("mask", "Greater", ["A"], [("M", 4)], phase="backward", kind="gradient")
+    g.op("join", "Concat", ["B", "M"], [("out", 8)], phase="backward", kind="gradient")
+    g.output("out")
+    graph = g.graph()
+    order = [op.name for op in graph.ops]
+    assert drain(Problem.build(graph, False), order) == order
+
+
+def test_drain_leaves_readers_that_keep_more_than_they_free():
+    """The last reader of A (100) makes E (300): run early it would free 100 bytes and keep
+    300 across the big op, so it stays where it is."""
+    g = GraphBuilder()
+    g.input("x", 8)
+    g.op("act", "Conv", ["x"], [("A", 100)])
+    g.op("use", "Conv", ["A"], [("U", 8)])
+    g.op("big", "Conv", ["U"], [("B", 200)])
+    g.op("expand", "Expand", ["A"], [("E", 300)])
+    g.op("join", "Concat", ["B", "E"], [("out", 8)])
+    g.output("out")
+    graph = g.graph()
+    order = [op.name for op in graph.ops]
+    assert drain(Problem.build(graph, False), order) == order
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_drain_gives_a_topological_order_of_every_op(seed):
+    graph = random_dag(seed, 60)
+    order = [op.name for op in graph.ops]
+    for inplace in (False, True):
+        moved = drain(Problem.build(graph, inplace), order)
+        assert sorted(moved) == sorted(order) and graph.is_topological(moved)
 
 
 def test_min_cut_proves_what_the_structure_cannot():

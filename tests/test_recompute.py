@@ -31,6 +31,7 @@ from memsched.schedule import Plan, compute, order_schedule, recompute, swap_in,
 from memsched.simulate import simulate
 from passes import remat
 from passes.autodiff import build_training_step
+from passes.concat_split import split_training_step
 from passes.order import order_pass
 from passes.placement import place_pass
 from passes.recompute import (END, base_orders, improve, plan_cost_peak, prune, recompute_pass, replay_blocker,
@@ -89,7 +90,8 @@ def assert_recompute_plan(before: Plan, after: Plan) -> None:
     ratio = simulate(after, hw).step_time / simulate(before, hw).step_time - 1
     assert notes["overhead"] == pytest.approx(ratio)
     assert notes["status"] in ("optimal", "feasible", "heuristic")
-    assert notes["rounds"] and all(r["base_order"] in ("given", "late-updates", "training") for r in notes["rounds"])
+    bases = ("given", "late-updates", "training")
+    assert notes["rounds"] and all(r["base_order"] in bases + tuple(f"{b}+drain" for b in bases) for r in notes["rounds"])
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
@@ -246,6 +248,27 @@ def test_late_updates_order_puts_each_update_after_what_its_replays_feed(graphs)
     limited = [v for v in range(problem.n) if v not in problem.fixed and problem.deadline[v] is not None
                and isinstance(problem.ids[v], str) and graph.op_by_name[problem.ids[v]].phase == "forward"]
     assert limited and all(c <= problem.deadline[v] for v in limited for c in problem.succs[v])
+
+
+def test_drained_bases_sum_each_split_convolutions_parts_as_they_come():
+    """On a 3-D U-Net whose decoder convolutions are split over their Concats, the reuse pass's
+    order (the training order) makes every part before the first sum; its drained base sums
+    the first two parts before the third is made (`passes.order.drain`), and is a topological
+    order of every op."""
+    forward = lower(models.build("unet3d", batch=1, size=16, width=4, depth=2))
+    split = split_training_step(forward, build_training_step(forward, optimizer="sgd"),
+                                lambda f: build_training_step(f, optimizer="sgd"))
+    plan = reused(split)
+    bases = base_orders(plan, [s.target for s in plan.schedule])
+    training, drained = bases["given"], bases["given+drain"]
+    assert sorted(drained) == sorted(training) and plan.graph.is_topological(drained)
+    sums = [op for op in plan.graph.ops if op.name.endswith("/Sum1")]
+    assert len(sums) == 2
+    for total in sums:
+        second = plan.graph.producer[total.inputs[1]].name
+        third = second[:-1] + "2"
+        assert training.index(third) < training.index(total.name)
+        assert drained.index(total.name) == drained.index(second) + 1 < drained.index(third)
 
 
 def test_late_updates_base_lets_each_update_overwrite_its_parameter(graphs):
