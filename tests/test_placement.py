@@ -109,6 +109,27 @@ def test_local_search_over_the_greedy_sequence_reaches_the_bound():
     assert improved_offsets(HARD, 6, GREEDY_ORDERS["size"], deadline=0.0) == (greedy_offsets(HARD, 6), 0)
 
 
+def test_beyond_the_model_size_cpsat_places_the_largest_and_best_fit_the_rest(monkeypatch):
+    """HARD's buffers scaled up, beside three small ones at step 3, where the big ones leave
+    128 kB free: with room for only four buffers in the CP-SAT model, the four big ones go
+    there (every greedy misses their optimum) and best fit puts the small ones in that gap."""
+    big = [((name, 0), first, last, 1000 * nbytes) for (name, _), first, last, nbytes in HARD]
+    small = [((f"s{i}", 0), 3, 3, 64) for i in range(3)]
+    items = big + small
+    monkeypatch.setattr(placement, "MAX_CPSAT_BUFFERS", 4)
+    monkeypatch.setattr(placement, "LOCAL_SEARCH_TRIES", 0)
+    greedy, _ = best_greedy(items, 6)
+    assert max(greedy[k] + b for k, _, _, b in items) == 832_000
+    offsets, info = place_buffers(items, 6, time_limit=5)
+    assert info["method"] == "cp-sat NoOverlap2D (4 largest), best fit (the rest)"
+    assert info["cpsat"] == "optimal on the 4 largest of 7 buffers" and info["status"] == "optimal"
+    assert max(offsets[k] + b for k, _, _, b in items) == 768_000 == aligned_peak(items, 6)
+    for i, (key, first, last, nbytes) in enumerate(items):     # no two live at once overlap
+        for other, first2, last2, nbytes2 in items[i + 1:]:
+            if first <= last2 and first2 <= last:
+                assert offsets[key] + nbytes <= offsets[other] or offsets[other] + nbytes2 <= offsets[key]
+
+
 def test_no_time_keeps_the_greedy():
     offsets, info = place_buffers(HARD, 6, time_limit=0)
     assert offsets == greedy_offsets(HARD, 6) == best_greedy(HARD, 6)[0]
