@@ -50,10 +50,10 @@ the memory model (`memsched.memory`) judge every answer:
   backward readers of what the forward derived from that parameter (else a weight transpose
   is pinned from the forward to dX); and the graph's stored order with updates in the
   backward (`passes.reuse.training_order`), since the order pass minimises the peak without
-  replays and can leave a late layer's update at the end, where no replay helps; and each of
-  these drained (`passes.order.drain`: a big tensor's readers run together as soon as they
-  can), which is what the swap pass after this one needs most. The cheapest plan the judge
-  accepts wins.
+  replays and can leave a late layer's update at the end, where no replay helps. The
+  cheapest plan the judge accepts wins. With `drained`, each of these drained as well
+  (`passes.order.drain`: a big tensor's readers run together as soon as they can), which a
+  swap after the replays may need; compile plans with and without and keeps the faster.
 
 Which ops may be replayed (`replay_blocker`): forward, loss and backward ops
 (REPLAYABLE_PHASES: each is a pure function of the step's inputs and parameters; a backward
@@ -102,13 +102,14 @@ REPLAYABLE_PHASES = frozenset({"forward", "loss", "backward"})   # not updates: 
 END = ("end",)              # id of the sink that holds graph outputs to the end of the step
 
 
-def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto") -> Plan:
+def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", drained: bool = False) -> Plan:
     """`plan` with recompute steps so that its judged peak is within `plan.budget`, at the least
     added compute time found within `time_limit` seconds; notes["recompute"] says how.
 
     Needs a budget, a hardware profile (op times) and a schedule of compute steps only (run
     it after order/reuse, before swap and placement). `method`: "auto" (all solvers and the
     seeds), or one of `remat.METHODS` alone (for benchmarks; "cpsat" keeps the seeds).
+    `drained`: plan on the drained base orders too (`base_orders`).
     Raises BudgetError naming the smallest peak reached when no plan fits.
     """
     started = time.perf_counter()
@@ -131,7 +132,7 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto") -
         return dataclasses.replace(plan, notes={**plan.notes, "recompute": notes})
 
     best, rounds, base_name, problem, base_of_best = None, [], None, None, None
-    bases = base_orders(plan, order)
+    bases = base_orders(plan, order, drained)
     searched = deadline - (POLISH_SHARE * (deadline - started) if method == "auto" else 0.0)
     for i, (name, base) in enumerate(bases.items()):
         share = 1.0 / (len(bases) - i)   # of the time left; a base that ends early leaves it to the next
@@ -169,7 +170,7 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto") -
     return dataclasses.replace(new_plan, notes={**plan.notes, "recompute": notes})
 
 
-def base_orders(plan: Plan, order: list[str]) -> dict[str, list[str]]:
+def base_orders(plan: Plan, order: list[str], drained: bool = False) -> dict[str, list[str]]:
     """Op orders to plan replays on, each new one only where it differs from those before:
     - "given": the plan's own;
     - "late-updates": the given order with each update that may overwrite its parameter moved
@@ -181,10 +182,12 @@ def base_orders(plan: Plan, order: list[str]) -> dict[str, list[str]]:
       outputs from the forward to the backward;
     - "training": the graph's stored order with updates in the backward and the dW/dX rule
       (`passes.reuse.training_order`): the order pass minimises the peak *without* replays and
-      may leave work where replays cannot help (a late layer's update at the end, say);
-    - each of those drained (`passes.order.drain`): the readers of a big tensor run together as
-      soon as they can, so that it dies young -- what a plan that replays or swaps it wants,
-      and what the peak with everything kept, the order pass's goal, does not see."""
+      may leave work where replays cannot help (a late layer's update at the end, say).
+    With `drained`, also each of those drained (`passes.order.drain`, named "+drain"): the
+    readers of a big tensor run together as soon as they can, so that it dies young -- what
+    the swap after the replays may need, and what neither the peak with everything kept (the
+    order pass's goal) nor the replays' cost (this pass's) sees, so compile's fit plans with
+    and without them and lets the simulator choose."""
     graph = plan.graph
     candidates = {"given": order}
     edges = _late_update_edges(plan)
@@ -194,8 +197,9 @@ def base_orders(plan: Plan, order: list[str]) -> dict[str, list[str]]:
         except ScheduleError:
             pass   # the precedences close a cycle: no such order
     candidates["training"] = training_order(graph, [op.name for op in graph.ops])
-    problem = OrderProblem.build(graph, bool(plan.aliases))
-    candidates.update({f"{name}+drain": drain(problem, candidate) for name, candidate in list(candidates.items())})
+    if drained:
+        problem = OrderProblem.build(graph, bool(plan.aliases))
+        candidates.update({f"{name}+drain": drain(problem, candidate) for name, candidate in list(candidates.items())})
     bases: dict[str, list[str]] = {}
     for name, candidate in candidates.items():
         if candidate not in bases.values():
