@@ -215,7 +215,8 @@ def plan_step(plan: Plan, peak: int, budget_bytes: int | None, strategies, passe
         or None), or (None, that overshoot) when none holds it."""
         overshoot = None
         for candidate, _, record, step_time in ranked:
-            placed, _ = run("placement", lambda p: passes["placement"](p, min(time_limit, 10.0)), candidate)
+            placed, _ = run("placement", lambda p: passes["placement"](dataclasses.replace(p, budget=budget_bytes),
+                                                                      min(time_limit, 10.0)), candidate)
             arena = placed.notes["placement"]["arena_bytes"]
             if record is not None:
                 tried[record]["arena_bytes"] = arena

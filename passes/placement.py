@@ -78,7 +78,7 @@ def place_pass(plan: Plan, time_limit: float = 10.0) -> Plan:
     profile = analyze_plan(plan)
     items = [b for b in buffers(profile) if b[3] > 0]
     n_steps = len(profile.live_bytes)
-    offsets, info = place_buffers(items, n_steps, time_limit)
+    offsets, info = place_buffers(items, n_steps, time_limit, plan.budget)
     roots = buffer_roots(profile)
     by_residency = {key: offsets.get(root, 0) for key, root in roots.items()}
     arena = check_placement(profile, by_residency)
@@ -91,9 +91,13 @@ def place_pass(plan: Plan, time_limit: float = 10.0) -> Plan:
     return dataclasses.replace(plan, offsets=by_residency, notes={**plan.notes, "placement": info})
 
 
-def place_buffers(items: list[Buffer], n_steps: int, time_limit: float) -> tuple[dict, dict]:
+def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
+                  budget: int | None = None) -> tuple[dict, dict]:
     """Offsets for `items` (the best greedy, the local search over its sequence, then CP-SAT
-    where they may help); returns (offsets, info)."""
+    where they may help); returns (offsets, info). Beyond MAX_CPSAT_BUFFERS, the largest-first
+    model runs only where the arena is over `budget` (if given): offsets decide when a copy
+    in may start (after the copy out of whatever held its addresses), so a tighter packing
+    than the budget needs can only add waits."""
     started = time.perf_counter()
     greedy, name = best_greedy(items, n_steps, started + time_limit / 2)
     arena = _arena_aligned(items, greedy, ALIGNMENT)
@@ -118,6 +122,9 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float) -> tuple
         return greedy, info
     movable = [b for b in items if not _whole_step(b, n_steps)]
     if len(movable) > MAX_CPSAT_BUFFERS:
+        if budget is not None and arena <= budget:
+            info["cpsat"] = f"skipped: the arena holds the budget ({len(movable)} buffers)"
+            return greedy, info
         offsets, status, seconds = largest_first_offsets(items, n_steps, greedy, time_limit)
         info.update(cpsat=f"{status} on the {MAX_CPSAT_BUFFERS} largest of {len(movable)} buffers",
                     cpsat_seconds=round(seconds, 3))

@@ -124,6 +124,9 @@ def test_beyond_the_model_size_cpsat_places_the_largest_and_best_fit_the_rest(mo
     assert info["method"] == "cp-sat NoOverlap2D (4 largest), best fit (the rest)"
     assert info["cpsat"] == "optimal on the 4 largest of 7 buffers" and info["status"] == "optimal"
     assert max(offsets[k] + b for k, _, _, b in items) == 768_000 == aligned_peak(items, 6)
+    # an arena the greedy already fits within the budget is kept as it is
+    kept, info = place_buffers(items, 6, time_limit=5, budget=832_000)
+    assert kept == greedy and info["cpsat"].startswith("skipped: the arena holds the budget")
     for i, (key, first, last, nbytes) in enumerate(items):     # no two live at once overlap
         for other, first2, last2, nbytes2 in items[i + 1:]:
             if first <= last2 and first2 <= last:
