@@ -324,7 +324,12 @@ def _last_reads(problem: Problem, order: list[str]) -> tuple[dict[str, int], set
 
 def _buffers(problem: Problem, names: list[str]) -> list[str]:
     """The modelled tensors (storage buffers) behind `names`, once each, statics left out."""
-    return list(dict.fromkeys(problem.tensors[problem.buffer[t]] for t in names if t in problem.buffer))
+    return [problem.tensors[k] for k in _buffer_indices(problem, names)]
+
+
+def _buffer_indices(problem: Problem, names: list[str]) -> list[int]:
+    """The indices of those tensors (views resolved), once each."""
+    return list(dict.fromkeys(problem.buffer[t] for t in names if t in problem.buffer))
 
 
 def _balance(problem: Problem, op, k: int, last_read, freeable, nbytes) -> tuple[list[str], int, int]:
@@ -500,11 +505,6 @@ def drain(problem: Problem, order: list[str]) -> list[str]:
                     result.extend(problem.names[r] for r in group)
                     queue.extend(group)
     return result
-
-
-def _buffer_indices(problem: Problem, names: list[str]) -> list[int]:
-    """The modelled buffers behind `names` (views resolved), once each."""
-    return list(dict.fromkeys(problem.buffer[t] for t in names if t in problem.buffer))
 
 
 # ---- lower bound -------------------------------------------------------------------------
