@@ -35,7 +35,6 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,6 +42,8 @@ from pathlib import Path
 import networkx as nx
 
 from memsched.errors import BudgetError, UserError
+
+from .solver import solve
 
 CHECKPOINT_ALL = "checkpoint_all"
 SQRT_N = "sqrt_n"
@@ -744,8 +745,6 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
     Status: "optimal" (proven within the plan space), "feasible" (better than the warm start,
     not proven; lower_bound says how far it can still go), "heuristic" (nothing better found).
     """
-    from ortools.sat.python import cp_model
-
     started = time.perf_counter()
     hint = plan_from_schedule(problem, warm_start.schedule) if warm_start is not None else None
     forced = {v for v, stages in enumerate(hint) if stages} if hint else set()
@@ -757,20 +756,16 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
         return None
     if hint is not None:
         add_hint(rm, problem, hint)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s - (time.perf_counter() - started))
-    solver.parameters.num_workers = os.cpu_count() or 1
-    solver.parameters.random_seed = 0
-    status = solver.solve(rm.model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    solved = solve(rm.model, max(time_limit_s, time.perf_counter() - started + 0.05), started=started)
+    if not solved.has_solution:
         return None
-    seq = schedule_from_plan(problem, read_plan(rm, solver))
-    lower = problem.base_cost + solver.best_objective_bound / rm.cost_scale
+    seq = schedule_from_plan(problem, read_plan(rm, solved.solver))
+    lower = problem.base_cost + solved.bound / rm.cost_scale
     result = _result(problem, CPSAT, seq, budget_bytes, "feasible", started, lower)
     if not result.fits:
         raise RuntimeError(f"internal error: CP-SAT plan peaks at {result.peak_bytes} bytes, "
                            f"over the budget {budget_bytes}")
-    if status == cp_model.OPTIMAL:
+    if solved.status == "optimal":
         label = "optimal"
     elif warm_start is not None and warm_start.fits and result.total_cost >= warm_start.total_cost:
         label = "heuristic"

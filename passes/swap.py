@@ -64,7 +64,7 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
     choices, _ = found
 
     results = [("heuristic", choices)]
-    solved = solve(problem, choices, time_limit - (time.perf_counter() - started))
+    solved = solve(problem, choices, time_limit, started)
     if solved.choices is not None:
         results.append(("cp-sat", solved.choices))
     best, rejected = None, None

@@ -44,10 +44,12 @@ class Solved:
     seconds: float
 
 
-def solve(problem: Problem, hint: list[Choice], time_limit: float) -> Solved:
+def solve(problem: Problem, hint: list[Choice], time_limit: float, started: float | None = None) -> Solved:
     """Build the model with `hint` (a valid heuristic answer) as a complete hint and solve it
-    in what is left of `time_limit` seconds (never less than a tenth of a second)."""
-    begin = time.perf_counter()
+    in what is left of `time_limit` seconds counted from `started` (default now; never less
+    than a tenth of a second of wall time)."""
+    entered = time.perf_counter()
+    begin = entered if started is None else started
     for g, c in zip(problem.gaps, hint):          # the hint's slots must be on offer
         if c.mode != "keep":
             if c.j not in g.J and c.j != g.q:
@@ -56,10 +58,10 @@ def solve(problem: Problem, hint: list[Choice], time_limit: float) -> Solved:
                 g.K = sorted({*g.K, c.k})
     model = _Model(problem)
     model.hint(hint, timeline(problem, hint))
-    remaining = max(0.1, time_limit - (time.perf_counter() - begin))
+    limit = max(time_limit, time.perf_counter() - begin + 0.1)
     # presolve off: on graphs of thousands of steps it can use the whole limit before searching
-    result = cpsat.solve(model.m, remaining, presolve=False)
-    seconds = time.perf_counter() - begin
+    result = cpsat.solve(model.m, limit, presolve=False, started=begin)
+    seconds = time.perf_counter() - entered
     if not result.has_solution:
         return Solved(None, result.status, None, None, seconds)
     solver = result.solver

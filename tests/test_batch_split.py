@@ -118,14 +118,19 @@ def test_a_split_step_runs_like_the_step_as_given():
     assert run.check["given"]["passed"] and run.check["given"]["max_abs_diff"] < 1e-5   # the sums round in pieces
 
 
+# The step as given reaches 5,984 B at best; split in two, its plans place in 5,588-5,824 B
+# depending on where a loaded machine's wall clock cuts the 2 s searches: 5,900 B leaves room.
+SPLIT_BUDGET = 5900
+
+
 def test_compile_plans_micro_batches_where_the_step_as_given_cannot_fit(capsys):
     forward = cnn()
-    result = compile(forward, train=True, lr=0.1, strategies=ALL, budget=5800, time_limit=2)
+    result = compile(forward, train=True, lr=0.1, strategies=ALL, budget=SPLIT_BUDGET, time_limit=2)
     note = result.plan.notes["batch_split"]
     assert note["chosen"] and note["chunks"] == 2 and note["step_time_s"]["given"] is None
     assert "cannot be met" in note["errors"]["given"]
     assert result.report["plan"]["micro_batches"] == 2
-    assert result.report["plan"]["arena_bytes"] <= 5800 and result.report["plan"]["peak_bytes"] <= 5800
+    assert result.report["plan"]["arena_bytes"] <= SPLIT_BUDGET and result.report["plan"]["peak_bytes"] <= SPLIT_BUDGET
     assert [op.name for op in result.baseline.graph.ops] == [op.name for op in BUILD(forward).ops]
     run = run_plan(result.plan, steps=2, check=True, given=given_graph(result.plan.graph))
     assert run.check["given"]["passed"]
@@ -148,7 +153,7 @@ def test_a_gemm_joins_the_front_once_its_batch_tensors_outweigh_its_weights():
 def test_the_cli_compiles_micro_batches_and_runs_them_against_the_step_as_given(tmp_path):
     model, scheduled = tmp_path / "cnn.onnx", tmp_path / "scheduled.onnx"
     save_model_atomic(cnn().to_onnx(), model)
-    result = run_cli("compile", model, "--train", "--lr", "0.1", "--budget", "5800B", "--strategies", ALL,
+    result = run_cli("compile", model, "--train", "--lr", "0.1", "--budget", f"{SPLIT_BUDGET}B", "--strategies", ALL,
                      "--time-limit", "2", "-o", scheduled, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["plan"]["micro_batches"] == 2

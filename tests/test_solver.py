@@ -1,0 +1,42 @@
+"""The shared CP-SAT settings: the deterministic limit is a share of the caller's whole limit,
+whenever the solve starts, and a search the wall clock cut is never called reproducible."""
+from __future__ import annotations
+
+import random
+import time
+
+from ortools.sat.python import cp_model
+
+from passes.solver import DETERMINISTIC_SHARE, solve
+
+
+def weighted_completion(n: int = 60) -> cp_model.CpModel:
+    """One machine, n jobs, least weighted completion time: no proof within a fraction of a second."""
+    rng = random.Random(3)
+    model = cp_model.CpModel()
+    horizon = 100 * n
+    ends, intervals, weights = [], [], []
+    for i in range(n):
+        start = model.NewIntVar(0, horizon, f"s{i}")
+        end = model.NewIntVar(0, horizon, f"e{i}")
+        intervals.append(model.NewIntervalVar(start, rng.randint(1, 99), end, f"i{i}"))
+        ends.append(end)
+        weights.append(rng.randint(1, 20))
+    model.AddNoOverlap(intervals)
+    model.Minimize(sum(w * e for w, e in zip(weights, ends)))
+    return model
+
+
+def test_time_spent_before_the_solve_shortens_the_wall_limit_only():
+    tiny = cp_model.CpModel()
+    tiny.NewBoolVar("x")
+    result = solve(tiny, 4.0, started=time.perf_counter() - 1.0)
+    params = result.solver.parameters
+    assert params.max_deterministic_time == DETERMINISTIC_SHARE * 4.0
+    assert 2.9 < params.max_time_in_seconds <= 3.0
+    assert result.status == "optimal" and result.deterministic
+
+
+def test_a_search_the_wall_clock_ends_is_not_reproducible():
+    result = solve(weighted_completion(), 10.0, started=time.perf_counter() - 9.9)
+    assert result.status in ("feasible", "unknown") and not result.deterministic
