@@ -92,7 +92,16 @@ def full_plan(name: str, size: int, hw, used: list[str], time_limit: float) -> d
             "swapped_bytes": swap.get("swapped_bytes", {}), "host_peak_bytes": swap.get("host_peak_bytes", {}),
             "recomputed_ops": len(plan["recomputed_ops"]), "micro_batches": plan["micro_batches"],
             "swap_status": swap.get("status"), "solver_chosen": swap.get("solver", {}).get("chosen"),
-            "pass_seconds": result.report["pass_seconds"], "notes": swap}
+            "pass_seconds": result.report["pass_seconds"], "fit": fit_summary(result.plan.notes.get("fit", {})),
+            "notes": swap}
+
+
+def fit_summary(fit: dict) -> dict:
+    """What fit tried in the chosen round (predicted step time before placement, arena where
+    placed), so that a row's figure can be traced to the candidate it came from."""
+    keys = ("step_time_s", "peak_bytes", "arena_bytes", "smallest_peak_bytes", "chosen")
+    return {"rounds": fit.get("rounds"), "target_bytes": fit.get("target_bytes"),
+            "tried": {t["candidate"]: {k: t[k] for k in keys if k in t} for t in fit.get("tried", [])}}
 
 
 def largest(fits, start: int, step: int, lo_known: int | None = None, tolerance: float = 0.0):
@@ -167,7 +176,8 @@ def _summary(size, result) -> dict:
     if result is None:
         return {"largest": size}
     keep = ("overhead", "step_time_s", "no_plan_step_time_s", "stall_s", "peak_bytes", "baseline_peak_bytes",
-            "swapped_bytes", "host_peak_bytes", "recomputed_ops", "micro_batches", "swap_status", "solver_chosen", "pass_seconds")
+            "swapped_bytes", "host_peak_bytes", "recomputed_ops", "micro_batches", "swap_status", "solver_chosen", "pass_seconds",
+            "fit")
     return {"largest": size, **{k: result[k] for k in keep}}
 
 
