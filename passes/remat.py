@@ -756,7 +756,7 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
         return None
     if hint is not None:
         add_hint(rm, problem, hint)
-    solved = solve(rm.model, max(time_limit_s, time.perf_counter() - started + 0.05), started=started)
+    solved = solve(rm.model, time_limit_s, started=started, min_seconds=0.05)
     if not solved.has_solution:
         return None
     seq = schedule_from_plan(problem, read_plan(rm, solved.solver))

@@ -42,13 +42,13 @@ def workers() -> int:
 
 
 def solve(model: cp_model.CpModel, time_limit: float, presolve: bool = True,
-          started: float | None = None) -> SolveResult:
+          started: float | None = None, min_seconds: float = 0.01) -> SolveResult:
     """Solve `model` within `time_limit` wall seconds; never raises on a time-out.
 
     `started` (a `time.perf_counter()` reading) is when the caller's `time_limit` began: the
-    wall limit is what is left of it, while the deterministic limit is a share of all of it,
-    so the time spent before the solve (building the model, a heuristic) moves only the wall
-    limit and a loaded machine still gets the same plan. `presolve=False` suits the
+    wall limit is what is left of it (never under `min_seconds`), while the deterministic
+    limit is a share of all of it, so the time spent before the solve (building the model, a
+    heuristic) moves only the wall limit and a loaded machine still gets the same plan. `presolve=False` suits the
     scheduling models, whose presolve (probing a Cumulative over hundreds of variable
     intervals) can take the whole time limit before any search; it is safe only with a
     hint that is a solution: OR-Tools 9.12-9.15 abort the process ("Check failed:
@@ -58,7 +58,7 @@ def solve(model: cp_model.CpModel, time_limit: float, presolve: bool = True,
     solver = cp_model.CpSolver()
     params = solver.parameters
     spent = 0.0 if started is None else time.perf_counter() - started
-    params.max_time_in_seconds = max(0.01, float(time_limit) - spent)
+    params.max_time_in_seconds = max(min_seconds, float(time_limit) - spent)
     params.max_deterministic_time = max(0.005, DETERMINISTIC_SHARE * float(time_limit))
     params.num_workers = workers()
     params.interleave_search = True

@@ -58,9 +58,8 @@ def solve(problem: Problem, hint: list[Choice], time_limit: float, started: floa
                 g.K = sorted({*g.K, c.k})
     model = _Model(problem)
     model.hint(hint, timeline(problem, hint))
-    limit = max(time_limit, time.perf_counter() - begin + 0.1)
     # presolve off: on graphs of thousands of steps it can use the whole limit before searching
-    result = cpsat.solve(model.m, limit, presolve=False, started=begin)
+    result = cpsat.solve(model.m, time_limit, presolve=False, started=begin, min_seconds=0.1)
     seconds = time.perf_counter() - entered
     if not result.has_solution:
         return Solved(None, result.status, None, None, seconds)

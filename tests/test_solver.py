@@ -40,3 +40,10 @@ def test_time_spent_before_the_solve_shortens_the_wall_limit_only():
 def test_a_search_the_wall_clock_ends_is_not_reproducible():
     result = solve(weighted_completion(), 10.0, started=time.perf_counter() - 9.9)
     assert result.status in ("feasible", "unknown") and not result.deterministic
+
+
+def test_a_caller_past_its_limit_still_gets_its_least_wall_time_and_the_same_deterministic_limit():
+    tiny = cp_model.CpModel()
+    tiny.NewBoolVar("x")
+    params = solve(tiny, 1.0, started=time.perf_counter() - 5.0, min_seconds=0.1).solver.parameters
+    assert params.max_time_in_seconds == 0.1 and params.max_deterministic_time == DETERMINISTIC_SHARE * 1.0
