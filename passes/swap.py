@@ -58,10 +58,10 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
     source = costs if costs is not None else hw
     problem = find_problem(plan, profile, hw, source, plan.budget)
     found = heuristic(problem)
-    if found is None:       # the greedy order missed; the floor plan fits (or nothing does)
+    if found is None:       # the greedy orders missed; the floor plan fits (or nothing does)
         problem, chosen = _floor(plan, profile, hw, source)
-        found = heuristic(problem) or improve(problem, chosen)
-    choices, _ = found
+        found = heuristic(problem) or (*improve(problem, chosen), "floor")
+    choices, _, order = found
 
     results = [("heuristic", choices)]
     solved = solve(problem, choices, time_limit, started)
@@ -83,8 +83,8 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
     name, picked, sim, result = best
     accepted = solved.choices is not None and rejected is None
     status = solved.status if accepted and solved.status in ("optimal", "feasible") else "heuristic"
-    solver = {"status": status, "chosen": name, "seconds": solved.seconds, "time_limit_s": time_limit,
-              "model_delay_s": _seconds(problem, solved.delay), "lower_bound_delay_s": _seconds(problem, solved.bound),
+    solver = {"status": status, "chosen": name, "heuristic_order": order, "seconds": solved.seconds,
+              "time_limit_s": time_limit, "model_delay_s": _seconds(problem, solved.delay), "lower_bound_delay_s": _seconds(problem, solved.bound),
               "solver_status": solved.status, "candidates": len(problem.gaps), "rejected": rejected}
     notes = _notes(result, problem.gaps, picked, sim, unlimited, solver)
     return dataclasses.replace(result, notes={**plan.notes, "swap": notes})

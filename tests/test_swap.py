@@ -12,9 +12,10 @@ from memsched.schedule import Plan
 from memsched.simulate import simulate
 from passes.swap import swap_pass
 from passes.swap_gaps import find_problem
+from passes.swap_heuristic import heuristic, improve, select
 
 from .simgraphs import hardware, lower
-from .swapgraphs import relu_chain, weight_chain, weights_only, with_tiers
+from .swapgraphs import relu_chain, toy_hardware, training_mlp, weight_chain, weights_only, with_tiers
 
 FAST = 2.0     # CP-SAT seconds; these models are tiny
 
@@ -216,3 +217,20 @@ def test_a_view_and_its_source_move_as_one_buffer():
     validate(swapped)
     assert analyze_plan(swapped).peak_bytes <= 3072
     assert [s.target for s in swapped.schedule if s.kind == "swap_out"] == ["v"]
+
+
+def test_the_heuristic_keeps_the_order_of_tensors_with_the_least_delay():
+    """An MLP step where TFLMS's order (idle time per byte) frees tensors whose copies the
+    link cannot hide, and the longest idle time first hides them all: the heuristic runs
+    each order and keeps the one the time model delays least."""
+    hw = toy_hardware()
+    plan = Plan.initial(training_mlp([4, 16, 8], batch=7), budget=2400, hardware=hw)
+    problem = find_problem(plan, analyze_plan(plan), hw, hw, plan.budget)
+    per_byte = improve(problem, select(problem, order="idle per transfer time"))[1].delay
+    by_idle = improve(problem, select(problem, order="idle"))[1].delay
+    assert per_byte > 0 and by_idle == 0
+    choices, timing, order = heuristic(problem)
+    assert (order, timing.delay) == ("idle", 0)
+    swapped, sim = planned(plan.graph, 2400, hw)
+    assert swapped.notes["swap"]["solver"]["heuristic_order"] == "idle"
+    assert sim.stall == 0.0 and sim.step_time == simulate(dataclasses.replace(plan, budget=None)).step_time
