@@ -11,7 +11,7 @@ from memsched.memory import analyze_plan, buffers, check_placement, validate
 from memsched.schedule import Plan
 from passes import placement
 from passes.placement import (ALIGNMENT, GREEDY_ORDERS, aligned_peak, best_greedy, cpsat_offsets, greedy_offsets,
-                              improved_offsets, place_buffers, place_pass)
+                              improved_offsets, largest_counts, place_buffers, place_pass)
 
 from .graphs import GraphBuilder
 
@@ -131,6 +131,25 @@ def test_beyond_the_model_size_cpsat_places_the_largest_and_best_fit_the_rest(mo
         for other, first2, last2, nbytes2 in items[i + 1:]:
             if first <= last2 and first2 <= last:
                 assert offsets[key] + nbytes <= offsets[other] or offsets[other] + nbytes2 <= offsets[key]
+
+
+def test_where_the_largest_miss_the_budget_every_large_buffer_goes_to_cpsat(monkeypatch):
+    """The items above with room for two buffers in the model: the two largest placed
+    optimally leave the other two big ones (25% and more of the peak each) to best fit,
+    which misses the optimum. Without a budget that is the answer; with one it misses, the
+    model runs again over every buffer of LARGE_SHARE of the peak or more: all four big ones."""
+    big = [((name, 0), first, last, 1000 * nbytes) for (name, _), first, last, nbytes in HARD]
+    items = big + [((f"s{i}", 0), 3, 3, 64) for i in range(3)]
+    monkeypatch.setattr(placement, "MAX_CPSAT_BUFFERS", 2)
+    monkeypatch.setattr(placement, "LOCAL_SEARCH_TRIES", 0)
+    assert largest_counts(items, 768_000) == [2, 4]
+    offsets, info = place_buffers(items, 6, time_limit=5)
+    assert info["cpsat"] == "optimal on the 2 largest of 7 buffers"
+    assert max(offsets[k] + b for k, _, _, b in items) == 832_000
+    offsets, info = place_buffers(items, 6, time_limit=5, budget=768_000)
+    assert info["cpsat"] == "optimal on the 2 largest, then optimal on the 4 largest of 7 buffers"
+    assert info["method"] == "cp-sat NoOverlap2D (4 largest), best fit (the rest)"
+    assert max(offsets[k] + b for k, _, _, b in items) == 768_000
 
 
 def test_no_time_keeps_the_greedy():
