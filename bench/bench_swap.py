@@ -176,8 +176,8 @@ def _summary(size, result) -> dict:
     if result is None:
         return {"largest": size}
     keep = ("overhead", "step_time_s", "no_plan_step_time_s", "stall_s", "peak_bytes", "baseline_peak_bytes",
-            "swapped_bytes", "host_peak_bytes", "recomputed_ops", "micro_batches", "swap_status", "solver_chosen", "pass_seconds",
-            "fit")
+            "swapped_bytes", "host_peak_bytes", "recomputed_ops", "micro_batches", "swap_status", "solver_chosen",
+            "pass_seconds", "fit")
     return {"largest": size, **{k: result[k] for k in keep}}
 
 

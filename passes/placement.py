@@ -129,20 +129,20 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
         if budget is not None and arena <= budget:
             info["cpsat"] = f"skipped: the arena holds the budget ({len(movable)} buffers)"
             return greedy, info
-        deadline, tried = time.perf_counter() + time_limit, []
+        deadline, tried, spent = time.perf_counter() + time_limit, [], 0.0
         for count in largest_counts(movable, bound):
             left = deadline - time.perf_counter()
             if tried and (left <= 0 or budget is None or arena <= budget):
                 break           # the model with more buffers runs only for a budget still missed
             offsets, status, seconds = largest_first_offsets(items, n_steps, greedy, left, count)
             tried.append(f"{status} on the {count} largest")
-            info["cpsat_seconds"] = round(info.get("cpsat_seconds", 0.0) + seconds, 3)
+            spent += seconds
             found = _arena_aligned(items, offsets, ALIGNMENT) if offsets is not None else None
             if found is not None and found < arena:
                 info["method"] = f"cp-sat NoOverlap2D ({count} largest), best fit (the rest)"
                 info["status"] = "optimal" if found <= bound else "heuristic"
                 greedy, arena = offsets, found
-        info["cpsat"] = f"{', then '.join(tried)} of {len(movable)} buffers"
+        info.update(cpsat=f"{', then '.join(tried)} of {len(movable)} buffers", cpsat_seconds=round(spent, 3))
         return greedy, info
     offsets, status, proven, seconds = cpsat_offsets(items, n_steps, greedy, bound, time_limit)
     info.update(cpsat=status, cpsat_seconds=round(seconds, 3))

@@ -84,8 +84,9 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
     accepted = solved.choices is not None and rejected is None
     status = solved.status if accepted and solved.status in ("optimal", "feasible") else "heuristic"
     solver = {"status": status, "chosen": name, "heuristic_order": order, "seconds": solved.seconds,
-              "time_limit_s": time_limit, "model_delay_s": _seconds(problem, solved.delay), "lower_bound_delay_s": _seconds(problem, solved.bound),
-              "solver_status": solved.status, "candidates": len(problem.gaps), "rejected": rejected}
+              "time_limit_s": time_limit, "model_delay_s": _seconds(problem, solved.delay),
+              "lower_bound_delay_s": _seconds(problem, solved.bound), "solver_status": solved.status,
+              "candidates": len(problem.gaps), "rejected": rejected}
     notes = _notes(result, problem.gaps, picked, sim, unlimited, solver)
     return dataclasses.replace(result, notes={**plan.notes, "swap": notes})
 

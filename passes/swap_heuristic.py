@@ -229,7 +229,7 @@ SELECT_ORDERS = {
 }
 
 
-def _priority(problem: Problem, g: Gap, order: str = "idle per transfer time") -> tuple:
+def _priority(problem: Problem, g: Gap, order: str) -> tuple:
     """Lower is better: statics that start on the host (no copy out); then tensors whose copies
     are mostly bandwidth rather than per-transfer latency (tiny tensors free little and cost a
     latency each); then by the SELECT_ORDERS entry `order`."""
