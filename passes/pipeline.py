@@ -226,7 +226,7 @@ def plan_step(plan: Plan, peak: int, budget_bytes: int | None, strategies, passe
         return None, overshoot
 
     # Each round: fit the target, then place the fastest candidate whose arena holds the budget.
-    # Where a faster one's arena overshot, fit again against a lower target (lowered_target),
+    # Where a faster one's arena overshot, fit again against a target lowered by its overshoot,
     # re-planning only the candidates that were faster than the placed one (a slower one cannot
     # win); where nothing fits a lowered target, the next round tries halfway back to the target
     # whose plans overshot. The fastest placed plan of all rounds wins.
@@ -258,7 +258,7 @@ def plan_step(plan: Plan, peak: int, budget_bytes: int | None, strategies, passe
             break           # the round's fastest candidate was placed (or none fit at all)
         smallest_arena = min(smallest_arena or budget_bytes + overshoot, budget_bytes + overshoot)
         overshot_at = target
-        target = lowered_target(budget_bytes, target, overshoot)
+        target -= overshoot
         only = None if placed is None else {t["candidate"] for t in tried if t.get("arena_bytes", 0) > budget_bytes}
     if best is None:
         raise BudgetError(f"the plan's live bytes fit the budget of {format_bytes(budget_bytes)} but its arena "
@@ -272,15 +272,6 @@ def plan_step(plan: Plan, peak: int, budget_bytes: int | None, strategies, passe
     plan = dataclasses.replace(plan, notes={**plan.notes, "fit": {
         "rounds": attempt, "target_bytes": chosen["target_bytes"], "tried": chosen["tried"], "other_rounds": others}})
     return dataclasses.replace(plan, budget=budget_bytes)
-
-
-def lowered_target(budget: int, target: int, overshoot: int) -> int:
-    """The next fit round's target after a plan for `target` placed `overshoot` bytes over
-    `budget`: lower by the overshoot, and from the third round on by at least all the rounds
-    before it together. The arena's excess over the peak grows as the target drops (more
-    tensors leave and come back): ResNet-18 batch 32 at 50% had its fastest candidate over by
-    2.0 MB at the budget, 0.7 MB at 4 MB under it, and under by 1.1 MB at 8 MB under."""
-    return target - max(overshoot, budget - target)
 
 
 def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float, run, costs=None,

@@ -145,14 +145,6 @@ def test_report_reads_a_scheduled_plan_back(mlp_path, tmp_path):
     assert not_a_plan.returncode == 1 and "holds no memsched plan" in not_a_plan.stderr
 
 
-def test_later_fit_rounds_lower_the_target_by_at_least_the_rounds_before():
-    from passes.pipeline import lowered_target
-
-    assert lowered_target(1000, 1000, 30) == 970          # round 1: by its overshoot
-    assert lowered_target(1000, 970, 5) == 940            # then by at least the 30 before
-    assert lowered_target(1000, 970, 50) == 920           # or by the overshoot, where larger
-
-
 def test_a_compiled_plan_fits_its_budget_with_its_arena(capsys):
     """The budget holds the real footprint: where placement's fragmentation overshoots, compile
     plans again against a lower target (notes['fit'] says how many rounds it took)."""
