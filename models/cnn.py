@@ -1,4 +1,4 @@
-"""Image classifiers as torchvision defines them: VGG-16, ResNet-18/50, MobileNetV2.
+"""Image classifiers as torchvision defines them: VGG-16, ResNet-18/50, MobileNetV2, GoogLeNet.
 
 The graphs mirror torch.onnx.export (TorchScript, opset 17) of the torchvision modules
 exported without constant folding into the convolutions, i.e. as a training export sees
@@ -188,3 +188,70 @@ def mobilenetv2(*, batch: int = 32, size: int = 224, classes: int = 1000,
     return b.finish(x, [batch, classes])
 
 
+
+
+# (ch1x1, ch3x3red, ch3x3, ch5x5red, ch5x5, pool_proj) of torchvision's Inception blocks
+_GOOGLENET_CFG = {
+    "inception3a": (64, 96, 128, 16, 32, 32), "inception3b": (128, 128, 192, 32, 96, 64),
+    "inception4a": (192, 96, 208, 16, 48, 64), "inception4b": (160, 112, 224, 24, 64, 64),
+    "inception4c": (128, 128, 256, 24, 64, 64), "inception4d": (112, 144, 288, 32, 64, 64),
+    "inception4e": (256, 160, 320, 32, 128, 128), "inception5a": (256, 160, 320, 32, 128, 128),
+    "inception5b": (384, 192, 384, 48, 128, 128),
+}
+_GOOGLENET_POOLS = {"inception3b": ("maxpool3", 3), "inception4e": ("maxpool4", 2)}
+
+
+def _basic_conv(b: GraphBuilder, scope: str, x: str, cin: int, cout: int, kernel: int,
+                stride: int = 1, pad: int = 0) -> str:
+    """torchvision GoogLeNet's BasicConv2d: bias-free conv, BN (eps 0.001), ReLU."""
+    weight = b.param(f"{scope}.conv.weight", [cout, cin, kernel, kernel], std=0.01)
+    x = b.op("Conv", f"{scope}.conv", [x, weight], dilations=[1, 1], group=1,
+             kernel_shape=[kernel, kernel], pads=[pad] * 4, strides=[stride, stride])
+    x = b.batch_norm(f"{scope}.bn", x, cout, epsilon=1e-3)
+    return relu(b, scope, x)
+
+
+def _ceil_max_pool(b: GraphBuilder, scope: str, x: str, kernel: int, stride: int,
+                   pad: int = 0) -> str:
+    return b.op("MaxPool", scope, [x], ceil_mode=1, kernel_shape=[kernel, kernel],
+                pads=[pad] * 4, strides=[stride, stride])
+
+
+def googlenet(*, batch: int = 32, size: int = 224, classes: int = 1000, width: float = 1.0,
+              dtype: str = "float32", seed: int = 0, weights: bool = True,
+              bn_training: bool = False) -> onnx.ModelProto:
+    """torchvision googlenet without its auxiliary classifiers (an eval-mode export, which
+    also leaves out Dropout): BasicConv2d stem, nine Inception blocks whose four branches
+    (1x1; 1x1 then 3x3; 1x1 then 3x3; 3x3 max pool (stride 1, ceil mode) then 1x1) meet in
+    a Concat, ceil-mode max pools between stages, a linear head; 6,624,904 params at width 1.
+
+    `width` scales every channel count (at least 1), for light graphs of the same structure.
+    Convs and the linear are drawn from N(0, 0.01), torchvision's init (truncated there)."""
+    def ch(c: int) -> int:
+        return max(1, int(round(c * width)))
+
+    b = GraphBuilder("googlenet", dtype=dtype, seed=seed, weights=weights, bn_training=bn_training)
+    x = b.input("input", [batch, 3, size, size])
+    x = _basic_conv(b, "conv1", x, 3, ch(64), 7, stride=2, pad=3)
+    x = _ceil_max_pool(b, "maxpool1", x, 3, 2)
+    x = _basic_conv(b, "conv2", x, ch(64), ch(64), 1)
+    x = _basic_conv(b, "conv3", x, ch(64), ch(192), 3, pad=1)
+    x = _ceil_max_pool(b, "maxpool2", x, 3, 2)
+    channels = ch(192)
+    for name, cfg in _GOOGLENET_CFG.items():
+        c1, c3r, c3, c5r, c5, cp = (ch(c) for c in cfg)
+        branch1 = _basic_conv(b, f"{name}.branch1", x, channels, c1, 1)
+        branch2 = _basic_conv(b, f"{name}.branch2.0", x, channels, c3r, 1)
+        branch2 = _basic_conv(b, f"{name}.branch2.1", branch2, c3r, c3, 3, pad=1)
+        branch3 = _basic_conv(b, f"{name}.branch3.0", x, channels, c5r, 1)
+        branch3 = _basic_conv(b, f"{name}.branch3.1", branch3, c5r, c5, 3, pad=1)
+        branch4 = _ceil_max_pool(b, f"{name}.branch4.0", x, 3, 1, pad=1)
+        branch4 = _basic_conv(b, f"{name}.branch4.1", branch4, channels, cp, 1)
+        x = b.op("Concat", name, [branch1, branch2, branch3, branch4], axis=1)
+        channels = c1 + c3 + c5 + cp
+        if name in _GOOGLENET_POOLS:
+            pool, kernel = _GOOGLENET_POOLS[name]
+            x = _ceil_max_pool(b, pool, x, kernel, 2)
+    x = pool_flatten(b, "avgpool", x)
+    x = linear_gemm(b, "fc", x, channels, classes, std=0.01, out="logits")
+    return b.finish(x, [batch, classes])

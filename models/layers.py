@@ -140,8 +140,9 @@ class GraphBuilder:
         return self.const(scope, np.array(shape, dtype=np.int64))
 
     # -- batch norm ------------------------------------------------------------------
-    def batch_norm(self, scope: str, x: str, channels: int) -> str:
-        """BatchNormalization with torch's parameter and buffer names.
+    def batch_norm(self, scope: str, x: str, channels: int, epsilon: float = BN_EPS) -> str:
+        """BatchNormalization with torch's parameter and buffer names (torch's default
+        epsilon 1e-5 unless given: torchvision's GoogLeNet uses 1e-3).
 
         Eval form (1 output) unless the builder has bn_training: then training_mode=1 with
         the updated running mean/var as outputs 1 and 2, which `finish` makes graph outputs.
@@ -156,9 +157,9 @@ class GraphBuilder:
                   self.param(f"{scope}.running_var", [channels], fill=1.0)]
         if not self.bn_training:
             return self.op("BatchNormalization", scope, [x] + inputs,
-                           epsilon=BN_EPS, momentum=BN_MOMENTUM)
+                           epsilon=epsilon, momentum=BN_MOMENTUM)
         y, mean, var = self.op("BatchNormalization", scope, [x] + inputs, outputs=3,
-                               epsilon=BN_EPS, momentum=BN_MOMENTUM, training_mode=1)
+                               epsilon=epsilon, momentum=BN_MOMENTUM, training_mode=1)
         self._stat_outputs += [(mean, channels), (var, channels)]
         return y
 

@@ -15,6 +15,7 @@ from .emitter import Emitter
 from .loss import LOSS_NAME, LOSSES, emit_loss
 from .optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
 from .registry import FLOAT_TYPES, RULES, differentiable_outputs, differentiable_positions
+from .simplify import drop_no_ops
 
 GRAD_ROLES_KEY = "memsched.grad_roles"
 TRAINING_KEY = "memsched.training"
@@ -27,10 +28,12 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
                         eps: float = 1e-8) -> Graph:
     """Forward + loss + backward (+ optimizer update) of `graph` as one Graph.
 
-    Raises UserError for bad options and for every node that has no gradient rule, before
-    anything is built."""
+    Identity nodes and Dropouts that drop nothing are left out first (`simplify.drop_no_ops`):
+    they would be real copies in the step. Raises UserError for bad options and for every node
+    that has no gradient rule, before anything is built."""
     hyper = _check_options(loss, optimizer, lr, momentum, betas, eps)
     opset = _training_opset(graph)
+    graph = drop_no_ops(graph)
     if not graph.outputs:
         raise UserError("the model has no output to train on")
     output = graph.outputs[0]
