@@ -3,17 +3,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
 from memsched.errors import MemschedError
 from memsched.onnx_utils import save_model_atomic
+from memsched.outputs import Terminated, check_outputs, install_sigterm_handler
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    install_sigterm_handler()       # temporaries are removed on the way out, as for Ctrl-C
     try:
+        args = parser.parse_args(argv)     # inside: a `type=` function may raise UserError (a bad value)
         return args.handler(args)
     except MemschedError as exc:
         print(f"memsched: error: {exc}", file=sys.stderr)
@@ -21,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("memsched: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("memsched: terminated", file=sys.stderr)
+        return 143
     except Exception as exc:  # noqa: BLE001 - a bug, but the user still gets one line
         if os.environ.get("MEMSCHED_DEBUG"):
             raise
@@ -40,9 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_options(p)
     p.add_argument("--hardware", default="v100-16gb", help="preset name or TOML/JSON profile (default v100-16gb)")
     p.add_argument("--budget", help="device bytes the plan must fit: 12GiB, 800MB, or 40%% of the baseline peak")
-    p.add_argument("--strategies", default="order,reuse",
-                   help="comma-separated, from order,reuse,recompute,swap (default order,reuse)")
-    p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="seconds per solver (default 30)")
+    p.add_argument("--strategies",
+                   help="comma-separated, from order,reuse,recompute,swap (default: all four with --budget, "
+                        "else order,reuse); recompute and swap run only while the plan is over the budget")
+    p.add_argument("--time-limit", type=positive_seconds, default=60.0, metavar="S",
+                   help="seconds for the whole compile (default 60); Ctrl-C keeps the best plan so far")
     p.add_argument("--costs", metavar="COSTS.json", help="measured cost table from `memsched profile`")
     p.add_argument("--data-parallel", type=int, metavar="N", help="also estimate N-worker data-parallel steps")
     p.add_argument("--report", metavar="OUT.html", help="write the cost report as a self-contained HTML page")
@@ -70,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a strategy set to compare, e.g. order,reuse (repeatable; default: none, order,reuse, full)")
     p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse", "output"])
     p.add_argument("--optimizer", default="sgd", choices=["none", "sgd", "momentum", "adam"])
-    p.add_argument("--time-limit", type=float, default=5.0, metavar="S", help="seconds per solver per batch")
+    p.add_argument("--time-limit", type=positive_seconds, default=5.0, metavar="S",
+                   help="seconds per solver per batch")
     p.add_argument("--max-batch", type=int, default=1 << 16, help="stop the search here")
     p.add_argument("--plot", metavar="OUT.svg", help="write time per sample against batch size")
     p.add_argument("--measure", nargs="?", const="cpu", choices=["cpu", "cuda"],
@@ -145,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("graph", metavar="GRAPH.json", help="networkx node-link JSON, nodes with cost_cpu and cost_ram")
     p.add_argument("--budget-fraction", type=float, required=True, metavar="F",
                    help="budget as a fraction of the graph's peak without recomputation (e.g. 0.8)")
-    p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="CP-SAT seconds (default 30)")
+    p.add_argument("--time-limit", type=positive_seconds, default=30.0, metavar="S",
+                   help="CP-SAT seconds (default 30)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_remat)
 
@@ -164,10 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_train_graph)
 
+    p = sub.add_parser("check-numerics", help="float32 training-step gradients against the same step in float64")
+    p.add_argument("model", help="an .onnx file (a forward graph, or a training step built by train-graph)")
+    add_dim_option(p)
+    p.add_argument("--loss", choices=["cross_entropy", "mse", "output"], default="cross_entropy")
+    p.add_argument("--top", type=int, default=10, metavar="N", help="rows to print (default 10)")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (default: all)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_check_numerics)
+
     p = sub.add_parser("run", help="run a scheduled plan with the bundled executor and measure it")
     p.add_argument("plan", help="a scheduled .onnx written by memsched")
     p.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
+    p.add_argument("--allow-fallback", action="store_true",
+                   help="with --device cuda: run on the CPU when CUDA is not usable instead of failing")
     p.add_argument("--check", action="store_true",
                    help="compare every output with a plain ONNX Runtime run of the unscheduled graph")
     p.add_argument("--nvdimm-dir", metavar="DIR", help="directory for the NVDIMM tier's store (default: a temp dir)")
@@ -175,6 +196,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_run)
     return parser
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type for a time limit: a finite number of seconds above 0.
+
+    Not a number: argparse's usage error (exit 2), as for any unreadable option. A number out of
+    range ('0', '-1', 'nan', 'inf'): a UserError, one line and exit 1, as for other bad values."""
+    from memsched.errors import UserError
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UserError(f"time limit '{text}' must be a finite number of seconds above 0")
+    return value
 
 
 def add_dim_option(p: argparse.ArgumentParser) -> None:
@@ -225,6 +262,7 @@ def cmd_models_export(args) -> int:
     import models
     from memsched.errors import UserError
 
+    check_outputs({"-o": args.output})
     extra = {} if args.layers is None else {"layers": args.layers}
     try:
         model = models.build(args.name, batch=args.batch, size=args.size, seq=args.seq,
@@ -236,6 +274,7 @@ def cmd_models_export(args) -> int:
     except OSError as exc:
         raise UserError(f"cannot write {args.output}: {exc.strerror or exc}") from exc
     print(f"wrote {path}: {args.name}, {models.count_parameters(model):,} parameters")
+    return 0
 
 
 def cmd_hardware_list(args) -> int:
@@ -274,6 +313,7 @@ def cmd_hardware_calibrate(args) -> int:
     from memsched.views import print_hardware
     from passes.calibration import reference_graphs
 
+    check_outputs({"-o": args.output})
     references = reference_graphs([n.strip() for n in args.references.split(",") if n.strip()])
     hw, rows = calibrate(repeats=args.repeats, threads=args.threads, references=references)
     profile = {**hw.to_dict(), "calibration": rows}
@@ -292,6 +332,7 @@ def cmd_profile(args) -> int:
     from memsched.views import print_cost_table
     from passes.pipeline import load_graph
 
+    check_outputs({"-o": args.output}, [args.model])
     graph = load_graph(args.model, frontend.parse_dims(args.dim), args.train, args.loss, args.optimizer, args.lr,
                        tuple(args.freeze))
     table = profile_graph(graph, device=args.device, repeats=args.repeats, threads=args.threads)
@@ -328,16 +369,20 @@ def cmd_simulate(args) -> int:
 
 def cmd_compile(args) -> int:
     from memsched import frontend
+    from memsched.deadline import Deadline
     from memsched.emit import write_plan
-    from memsched.views import progress
+    from memsched.interrupt import stop_on_interrupt
+    from memsched.views import progress, say_interrupted
     from passes.pipeline import compile as compile_plan
 
-    with progress() as say:
+    check_outputs({"-o": args.output, "--report": args.report}, [args.model, args.costs, args.hardware])
+    deadline = Deadline(args.time_limit)
+    with progress(deadline) as say, stop_on_interrupt(deadline, say_interrupted):
         result = compile_plan(args.model, dims=frontend.parse_dims(args.dim), train=args.train, loss=args.loss,
                               optimizer=args.optimizer, lr=args.lr, freeze=tuple(args.freeze),
                               hardware=args.hardware, budget=args.budget, strategies=args.strategies,
                               time_limit=args.time_limit, costs=args.costs, data_parallel=args.data_parallel,
-                              progress=say)
+                              progress=say, deadline=deadline)
     written = {"plan": str(write_plan(result.plan, args.output))} if args.output else {}
     return show_report(result, args.report, written, args.json)
 
@@ -365,6 +410,7 @@ def cmd_report(args) -> int:
     from memsched.emit import read_plan
     from passes.pipeline import assess, baseline_of, strategies_of
 
+    check_outputs({"--html": args.html}, [args.plan, args.costs, args.hardware])
     plan = read_plan(args.plan)
     if args.hardware:
         plan = dataclasses.replace(plan, hardware=hardware.load(args.hardware))
@@ -390,12 +436,28 @@ def cmd_remat(args) -> int:
     return 0
 
 
+def cmd_check_numerics(args) -> int:
+    from memsched import frontend, numerics
+    from passes.autodiff import build_training_step
+
+    graph = frontend.load(args.model, frontend.parse_dims(args.dim))
+    if not any(o.endswith((".grad", ".updated")) for o in graph.outputs):
+        graph = build_training_step(graph, loss=args.loss, optimizer="none")
+    rows = numerics.check(graph, threads=args.threads)
+    if args.json:
+        print_json({"worst": rows[0].to_dict() if rows else None, "rows": [r.to_dict() for r in rows[:args.top]]})
+    else:
+        print(numerics.format_rows(rows, args.top))
+    return 0
+
+
 def cmd_train_graph(args) -> int:
     from memsched import frontend
     from memsched.onnx_utils import save_model_atomic
     from memsched.views import print_train_graph
     from passes.autodiff import build_training_step, describe
 
+    check_outputs({"-o": args.output}, [args.model])
     graph = frontend.load(args.model, frontend.parse_dims(args.dim))
     train = build_training_step(graph, loss=args.loss, optimizer=args.optimizer, lr=args.lr, freeze=args.freeze)
     save_model_atomic(train.to_onnx(), args.output)
@@ -415,6 +477,7 @@ def cmd_tune_batch(args) -> int:
     from passes.pipeline import parse_strategies
     from passes.tune import STRATEGY_SETS, graph_builder, tune_batch
 
+    check_outputs({"--plot": args.plot}, [args.model, args.hardware])
     sets = STRATEGY_SETS if not args.strategies else \
         {text: parse_strategies(text if text != "none" else ()) for text in args.strategies}
     build = graph_builder(args.model, frontend.parse_dims(args.dim), args.batch_dim, args.size, args.seq)
@@ -447,7 +510,7 @@ def cmd_run(args) -> int:
     with step_progress(args.steps, enabled=bar) as progress:
         result = run_plan(plan, steps=args.steps, device=args.device, check=args.check,
                           nvdimm_dir=args.nvdimm_dir, progress=progress, threads=args.threads,
-                          given=given if given is not plan.graph else None)
+                          given=given if given is not plan.graph else None, allow_fallback=args.allow_fallback)
     device = "cuda" if result.provider.startswith("CUDA") else "cpu"
     summary = run_summary(result, args.plan, predicted_step_time(plan, device))
     if args.json:

@@ -205,10 +205,27 @@ class CostTable:
             raise UserError(f"{path} is not a readable cost table: {exc}") from None
         if not isinstance(data, dict) or data.get("format") != "memsched-costs":
             raise UserError(f"{path} is not a memsched cost table (write one with `memsched profile`)")
-        times = {str(k): float(v) for k, v in data.get("times", {}).items()}
-        by_sig = {str(k): float(v) for k, v in data.get("by_signature", {}).items()}
+        times = _seconds_table(data.get("times", {}), "times", path)
+        by_sig = _seconds_table(data.get("by_signature", {}), "by_signature", path)
         meta = {k: v for k, v in data.items() if k not in ("format", "version", "times", "by_signature")}
         return cls(times, by_sig, meta)
+
+
+MAX_OP_SECONDS = 3600.0    # an op timed longer than an hour is a broken table, and sums of such overflow
+
+
+def _seconds_table(value, key: str, path: Path) -> dict[str, float]:
+    """A cost table's `key` entry: names to finite, non-negative seconds (no strings, bools or NaN)."""
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: '{key}' must be a table of op name -> seconds")
+    table = {}
+    for name, seconds in value.items():
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                or not 0 <= seconds <= MAX_OP_SECONDS:      # NaN fails both comparisons
+            raise UserError(f"{path}: {key}['{name}'] must be seconds from 0 to {MAX_OP_SECONDS:g}, "
+                            f"not {seconds!r}")
+        table[str(name)] = float(seconds)
+    return table
 
 
 def op_time(op: Op, graph: Graph, source: "Hardware | CostTable") -> float:

@@ -9,23 +9,31 @@ The file is a valid ONNX model that Netron shows as the step really runs:
   `<tensor>.swap_in<k>`; later readers read the newest name;
 - everything else about the plan (the schedule with its frees and streams, aliases, arena
   offsets, what starts on the host, the budget, the renames) is one JSON document in
-  `metadata_props` under `memsched.plan`, with a format version.
+  `metadata_props` under `memsched.plan`, with a format version;
+- the document also holds `graph_sha256`, a digest of the scheduled graph as written (see
+  `graph_digest`), so a graph edited after compile is refused instead of run or reported.
 
 `read_plan` inverts this: the unscheduled Graph (original ops in their original order,
 kinds and phases intact, no clones or swap nodes) and the Plan's decisions. The metadata is
-the plan; the nodes are its rendering, and a file whose nodes disagree with its metadata is
-rejected rather than guessed at.
+the plan; the nodes are its rendering, and a file whose nodes disagree with its metadata (a
+node out of order, a SwapOut whose `tier` attribute names another tier, an initializer whose
+data does not fill its shape, a graph that no longer matches its digest) is rejected rather
+than guessed at.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
+from onnx import TensorProto, numpy_helper
+from onnx.external_data_helper import _get_all_tensors
 
 from .errors import ScheduleError, UserError
 from .frontend import read_model
@@ -38,6 +46,7 @@ from .schedule import STEP_KINDS, Plan, Step
 PLAN_KEY = "memsched.plan"
 FORMAT_VERSION = 1
 SWAP_OPS = {"swap_out": "SwapOut", "swap_in": "SwapIn"}
+DIGEST_VALUES = 32      # elements: tensors up to this size (shapes, axes) enter the digest with their values
 
 
 # ---- writing -----------------------------------------------------------------------------
@@ -60,6 +69,7 @@ def plan_to_onnx(plan: Plan) -> onnx.ModelProto:
         "opset_imports": dict(plan.graph.opset_imports),
         "renamed": renamed,
         "clones": clones,
+        "graph_sha256": graph_digest(model),
     }
     props = {p.key: p.value for p in model.metadata_props}
     props[PLAN_KEY] = json.dumps(document, default=_json_default, separators=(",", ":"))
@@ -224,6 +234,10 @@ def plan_from_onnx(model: onnx.ModelProto, base_dir: str | None = None, source: 
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"the plan in {source} is malformed ({type(exc).__name__}: {exc})") from None
 
+    _check_initializer_sizes(model, source)
+    if "graph_sha256" in doc and doc["graph_sha256"] != graph_digest(model):   # plans from before the digest lack it
+        raise UserError(f"the graph in {source} no longer matches the plan written with it (its sha256 "
+                        f"differs: ops, shapes or constants were edited); compile the model again")
     scheduled = Graph.from_onnx(model, base_dir=base_dir)
     _check_nodes_match(scheduled, schedule, clones, renamed, source)
     original = {}
@@ -257,8 +271,63 @@ def _check_nodes_match(scheduled: Graph, schedule: list[Step], clones: dict[str,
         elif step.kind in SWAP_OPS:
             ok = (op.domain == MEMSCHED_DOMAIN and op.op_type == SWAP_OPS[step.kind]
                   and renamed.get(op.outputs[0]) == step.target if op.outputs else False)
+            tier = op.attributes.get("tier", b"")
+            tier = tier.decode("utf-8", "replace") if isinstance(tier, bytes) else str(tier)
+            if ok and tier != (step.tier or "dram"):
+                raise UserError(f"the plan in {source} swaps '{step.target}' to {step.tier or 'dram'} at event "
+                                f"{index}, but its node '{op.name}' says tier '{tier}'; was it edited by hand?")
         else:
             raise UserError(f"the plan in {source} has a step of unknown kind '{step.kind}'")
         if not ok:
             raise UserError(f"the plan in {source} does not match its nodes at event {index}: the "
                             f"metadata says {step}, the node is '{op.name}'; was it edited by hand?")
+
+
+def graph_digest(model: onnx.ModelProto) -> str:
+    """sha256 of the graph a plan was made for: nodes, attributes, names, shapes and dtypes of every
+    tensor, and the values of small tensors (up to DIGEST_VALUES elements: shapes, axes, pads).
+
+    Large tensors' values are left out: they do not change the plan, and where they are stored
+    (inline, or an external-data file renamed after writing) must not change the digest."""
+    copy = onnx.ModelProto()
+    copy.graph.CopyFrom(model.graph)
+    for tensor in _get_all_tensors(copy):
+        small = tensor.data_location != TensorProto.EXTERNAL and math.prod(tensor.dims) <= DIGEST_VALUES
+        try:
+            values = numpy_helper.to_array(tensor).tobytes() if small else b""
+        except Exception:  # noqa: BLE001 - data that does not fill its dims: digest what is stored
+            values = tensor.SerializeToString(deterministic=True)
+        name, dims, dtype = tensor.name, list(tensor.dims), tensor.data_type
+        tensor.Clear()
+        tensor.name, tensor.data_type, tensor.raw_data = name, dtype, values
+        tensor.dims.extend(dims)
+    return hashlib.sha256(copy.graph.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _check_initializer_sizes(model: onnx.ModelProto, source: str) -> None:
+    """Every initializer's stored bytes fill exactly the shape it declares (a hand-edited shape is refused)."""
+    for init in model.graph.initializer:
+        if init.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
+            continue
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            continue
+        if init.data_type in _SUB_BYTE:
+            continue
+        expected = math.prod(init.dims) * itemsize
+        if init.data_location == TensorProto.EXTERNAL:
+            length = {e.key: e.value for e in init.external_data}.get("length")
+            stored = int(length) if length and length.isdigit() else None
+        elif init.HasField("raw_data"):
+            stored = len(init.raw_data)
+        else:
+            stored = None     # typed fields: numpy_helper checks them when the values are read
+        if stored is not None and stored != expected:
+            shape = "x".join(map(str, init.dims)) or "scalar"
+            raise UserError(f"initializer '{init.name}' in {source} declares shape {shape} ({expected} bytes) but "
+                            f"holds {stored} bytes; was the plan edited by hand?")
+
+
+_SUB_BYTE = {getattr(TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+             if hasattr(TensorProto, n)}     # packed below a byte: numpy's itemsize does not give their size

@@ -82,14 +82,15 @@ class RunResult:
 def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = False,
              inputs: dict[str, np.ndarray] | None = None, nvdimm_dir: str | None = None,
              progress: Callable[[int, int], None] | None = None, threads: int = 1,
-             given: Graph | None = None) -> RunResult:
+             given: Graph | None = None, allow_fallback: bool = True) -> RunResult:
     """Run `steps` training steps of `plan`; with `check`, compare against a plain ORT run.
 
     Multi-step runs feed each `<tensor>.updated` output back as `<tensor>` for the next step.
     `progress(done, total)` is called after each step. `given`: the graph as the user gave
     it, where the plan's differs from it by rewrites that change rounding only (fused
     updates); with `check`, the step is also compared to a plain run of it, within
-    CUDA_TOLERANCE (`check["given"]`)."""
+    CUDA_TOLERANCE (`check["given"]`). Without `allow_fallback`, a CUDA request that CUDA here
+    cannot serve is a UserError instead of a run on the CPU."""
     if steps < 1:
         raise UserError(f"--steps must be at least 1, not {steps}")
     if device not in DEVICES:
@@ -105,6 +106,8 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     feeds = prepare_inputs(graph, inputs)
     statics = _statics(graph)
     actual_device, fallback = _resolve_device(device)
+    if fallback is not None and not allow_fallback:
+        raise UserError(f"cannot run on {device}: {fallback}; pass --allow-fallback to run on the CPU instead")
 
     with _Runtime(actual_device, planned_arena, threads, nvdimm_dir) as rt:
         program = _compile(plan, profile, rt)
@@ -732,6 +735,15 @@ def _resolve_device(device: str) -> tuple[str, str | None]:
     try:
         ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, "cuda", 0)
         _Cuda().close()
+        probe = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
+                                  [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                                  [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+        model = helper.make_model(probe, opset_imports=[helper.make_opsetid("", 13)])
+        model.ir_version = 8
+        session = ort.InferenceSession(model.SerializeToString(), session_options(1),
+                                       providers=providers_for("cuda"))
+        if "CUDAExecutionProvider" not in session.get_providers():    # ORT dropped it (libraries missing)
+            return "cpu", "ONNX Runtime could not register its CUDA execution provider here"
     except Exception as exc:  # noqa: BLE001 - any failure means no usable CUDA
         reason = re.sub(r"^.*\) ", "", str(exc).strip().splitlines()[-1])   # drop ORT's source location
         return "cpu", f"CUDA is not usable here: {reason[:160]}"

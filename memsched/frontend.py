@@ -1,7 +1,8 @@
 """The front end: a path in, a fully shaped Graph out, or one clear UserError.
 
 Steps: check the file, parse it without external data (cheap, works past 2 GB), check the
-external-data files exist, inline local functions, bind symbolic dimensions (`--dim N=V`),
+external-data files lie in the model's folder and exist, treat inputs that have an initializer
+as initializers (IR < 4 lists them as both), inline local functions, bind symbolic dimensions (`--dim N=V`),
 infer shapes (ONNX inference with data propagation; where that leaves a tensor unknown, one
 probe run of ONNX Runtime on zeros), then lower to the IR and insist that every tensor has
 a static shape and dtype.
@@ -9,6 +10,7 @@ a static shape and dtype.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -57,10 +59,13 @@ def read_model(path: Path) -> onnx.ModelProto:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not a readable ONNX model (truncated or not ONNX): {_first_line(exc)}") from None
-    if not model.opset_import or not model.HasField("graph") or len(model.graph.node) == 0:
+    if not model.opset_import or not model.HasField("graph"):
         raise UserError(f"{path} is not an ONNX model (no graph or no opset); is it the right file?")
+    if len(model.graph.node) == 0:
+        raise UserError(f"{path} is an ONNX model whose graph has no ops; there is no step to plan "
+                        f"(was it exported from the right module?)")
     _check_external_data(model, path.parent)
-    return model
+    return _initializers_not_inputs(model)
 
 
 def parse_dims(items: list[str] | None) -> dict[str, int]:
@@ -81,19 +86,68 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
-    """Every external initializer's file exists and holds the bytes it claims."""
-    for init in model.graph.initializer:
+    """Every external tensor's file lies in the model's folder, exists and holds the bytes it claims.
+
+    A location that leaves the folder (absolute, '..', a symlink on the way) is refused before
+    anything at it is stat-ed: a model file must not make memsched read, or tell the size or
+    existence of, files elsewhere."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    for init in _get_all_tensors(model):
         if init.data_location != TensorProto.EXTERNAL:
             continue
         info = {e.key: e.value for e in init.external_data}
-        location = base_dir / info.get("location", "")
-        if not info.get("location") or not location.is_file():
+        location = _contained_location(info.get("location", ""), base_dir, init.name)
+        if not location.is_file():
             raise UserError(f"external data file '{info.get('location', '?')}' for initializer "
                             f"'{init.name}' not found next to the model in {base_dir}")
-        end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        try:
+            end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        except ValueError:
+            raise UserError(f"initializer '{init.name}' has a non-numeric external data offset or "
+                            f"length") from None
         if end > location.stat().st_size:
             raise UserError(f"external data file '{location.name}' is truncated: initializer "
                             f"'{init.name}' needs {end} bytes, the file has {location.stat().st_size}")
+
+
+def _contained_location(location: str, base_dir: Path, tensor: str) -> Path:
+    """`base_dir / location` if that names a file inside `base_dir` through no symlink; else UserError.
+
+    Only the text of `location` and the entries it passes inside `base_dir` are looked at (lstat),
+    never the file a symlink points to."""
+    refuse = f"initializer '{tensor}' has external data at '{location}', "
+    parts = location.replace("\\", "/").split("/")
+    if not location:
+        raise UserError(f"initializer '{tensor}' is stored externally but names no data file")
+    if os.path.isabs(location) or location.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", location):
+        raise UserError(refuse + "an absolute path; external data must lie in the model's folder")
+    if ".." in parts:
+        raise UserError(refuse + "outside the model's folder ('..'); external data must lie in the model's folder")
+    here = base_dir
+    for part in (p for p in parts if p not in ("", ".")):
+        here = here / part
+        if here.is_symlink():
+            raise UserError(refuse + "reached through a symlink; external data must be a plain file "
+                                     "in the model's folder")
+    return here
+
+
+def _initializers_not_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Graph inputs that have an initializer are initializers, as ONNX Runtime treats them.
+
+    IR < 4 requires every initializer to be listed as a graph input too; lowered as inputs, such
+    a model would be fed its weights twice. They are dropped from the inputs and the IR version
+    raised to 4, the first that lets an initializer stand alone (nothing else differs)."""
+    initializers = {i.name for i in model.graph.initializer}
+    kept = [vi for vi in model.graph.input if vi.name not in initializers]
+    if len(kept) == len(model.graph.input):
+        return model
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    if model.ir_version < 4:
+        model.ir_version = 4
+    return model
 
 
 def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:

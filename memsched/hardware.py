@@ -18,12 +18,13 @@ reads it. So GPU<->NVDIMM is bounded by both.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import UserError
-from .units import parse_bytes
+from .units import MAX_BYTES, parse_bytes
 
 GB = 10**9          # bandwidths are quoted in decimal GB/s by every vendor
 GiB = 2**30         # memory sizes in binary units, as GPUs and DIMMs are built
@@ -231,31 +232,50 @@ def from_dict(data: dict, default_name: str = "custom", where: str = "hardware p
     )
 
 
+# Sanity bounds: past them a figure is a typo, and sums of such times overflow to inf and NaN.
+MAX_SECONDS = 60.0          # a launch, a transfer's latency
+MIN_RATE, MAX_RATE = 1.0, 1e18      # FLOP/s and bytes/s
+
+
 def _number(value, key: str, where: str) -> float:
+    """A JSON/TOML number (not a string, not a bool), finite: 'Infinity' and 'NaN' parse but mean nothing here."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UserError(f"{where}: '{key}' must be a number, not {value!r}")
-    return float(value)
+    x = float(value)
+    if not math.isfinite(x):
+        raise UserError(f"{where}: '{key}' must be a finite number, not {value!r}")
+    return x
 
 
 def _positive(value, key: str, where: str) -> float:
+    """A rate (FLOP/s, bytes/s): between MIN_RATE and MAX_RATE."""
     x = _number(value, key, where)
-    if not x > 0:
-        raise UserError(f"{where}: '{key}' must be positive")
+    if not MIN_RATE <= x <= MAX_RATE:
+        raise UserError(f"{where}: '{key}' must be positive: a rate from {MIN_RATE:g} to {MAX_RATE:g} "
+                        f"per second, not {value!r}")
     return x
 
 
 def _nonneg(value, key: str, where: str) -> float:
+    """A time in seconds: from 0 to MAX_SECONDS."""
     x = _number(value, key, where)
-    if not x >= 0:
-        raise UserError(f"{where}: '{key}' must not be negative")
+    if not 0 <= x <= MAX_SECONDS:
+        raise UserError(f"{where}: '{key}' must be seconds from 0 to {MAX_SECONDS:g}, not {value!r}")
     return x
 
 
 def _size(value, key: str, where: str) -> int:
+    """Bytes, as a number or a string such as '80GiB'; above 0 and at most MAX_BYTES."""
     if isinstance(value, str):
-        return parse_bytes(value)
-    x = _positive(value, key, where)
-    return int(x)
+        try:
+            x = parse_bytes(value)
+        except UserError as exc:
+            raise UserError(f"{where}: '{key}': {exc}") from None
+    else:
+        x = int(_number(value, key, where))
+    if not 0 < x <= MAX_BYTES:
+        raise UserError(f"{where}: '{key}' must be a size above 0 and at most 1 EiB, not {value!r}")
+    return x
 
 
 def _rates(value, key: str, where: str) -> dict[str, float]:

@@ -70,12 +70,18 @@ def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
     wanted = PROVIDERS[device]
     if wanted not in ort.get_available_providers():
         raise UserError(f"ONNX Runtime here has no {wanted}; profile with --device cpu")
+    # a provider that fails to load logs a raw, coloured error through the default logger;
+    # the check below says it in one line instead
+    ort.set_default_logger_severity(4)
     try:
         session = ort.InferenceSession(model.SerializeToString(), options, providers=[wanted])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
         raise UserError(f"ONNX Runtime cannot load the model: {str(exc).splitlines()[0]}") from None
+    finally:
+        ort.set_default_logger_severity(2)  # ONNX Runtime's default: warnings
     if session.get_providers()[0] != wanted:
-        raise UserError(f"ONNX Runtime did not run on {device} (it used {session.get_providers()[0]})")
+        raise UserError(f"ONNX Runtime cannot run on {device} here (it fell back to {session.get_providers()[0]}; "
+                        f"its CUDA libraries are missing or there is no GPU)")
     return session
 
 

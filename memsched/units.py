@@ -1,6 +1,7 @@
 """Byte sizes for humans and from humans: '12GiB', '512 MB', '40%'."""
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import UserError
@@ -12,12 +13,33 @@ _UNITS = {
 }
 
 
+MAX_BYTES = 2**60            # 1 EiB: past it a size is a typo (and overflows what it is added to)
+MAX_PERCENT = 100.0         # a budget above the baseline peak constrains nothing
+
+
 def parse_bytes(text: str) -> int:
-    """'12GiB' -> 12884901888; plain integers are bytes."""
+    """'12GiB' -> 12884901888; plain integers are bytes. Zero, sub-byte and past-1-EiB sizes are refused."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
         raise UserError(f"cannot read '{text}' as a size; write e.g. 12GiB, 800MB or 1048576")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    n = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if not 0 < n <= MAX_BYTES:
+        raise UserError(f"size '{str(text).strip()}' must be at least 1 byte and at most 1 EiB")
+    return n
+
+
+def parse_percent(text: str, what: str = "percentage") -> float:
+    """'40%' -> 0.4: a finite percentage above 0 and at most MAX_PERCENT ('inf%', '0%', '1e30%' are refused).
+
+    `what` names the value in the error ('budget')."""
+    body = str(text).strip()
+    try:
+        percent = float(body.removesuffix("%"))
+    except ValueError:
+        raise UserError(f"cannot read {what} '{body}' as a percentage; write e.g. 40%") from None
+    if not math.isfinite(percent) or not 0 < percent <= MAX_PERCENT:
+        raise UserError(f"{what} '{body}' must be a percentage above 0% and at most {MAX_PERCENT:g}%")
+    return percent / 100
 
 
 def format_bytes(n: int | float | None) -> str:

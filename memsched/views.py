@@ -4,6 +4,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -14,20 +15,26 @@ def console() -> Console:
     return Console(highlight=False, soft_wrap=True)
 
 
+def _e(value) -> str:
+    """`value` as text rich prints literally: names from models, paths and profiles may hold '[...]',
+    which rich would read as markup (a crash on '[/]', a hyperlink from '[link=...]')."""
+    return escape(str(value))
+
+
 def print_inspect(summary: dict) -> None:
     out = console()
-    out.print(f"[bold]{summary['graph']}[/bold]: {summary['ops']} ops, {summary['tensors']} tensors, "
+    out.print(f"[bold]{_e(summary['graph'])}[/bold]: {summary['ops']} ops, {summary['tensors']} tensors, "
               f"{summary['parameters']:,} parameters ({format_bytes(summary['parameter_bytes'])})")
     out.print(f"peak (default order): [bold]{format_bytes(summary['peak_bytes'])}[/bold] "
-              f"({summary['peak_bytes']:,} B) at step {summary['peak_step']} ({summary['peak_op']})")
-    by_kind = ", ".join(f"{k} {format_bytes(v)}" for k, v in summary["peak_by_kind"].items())
+              f"({summary['peak_bytes']:,} B) at step {summary['peak_step']} ({_e(summary['peak_op'])})")
+    by_kind = ", ".join(f"{_e(k)} {format_bytes(v)}" for k, v in summary["peak_by_kind"].items())
     out.print(f"at the peak: {by_kind}")
 
     ops = Table(title="ops by type", title_justify="left")
     ops.add_column("op type")
     ops.add_column("count", justify="right")
     for op_type, count in summary["op_types"].items():
-        ops.add_row(op_type, str(count))
+        ops.add_row(_e(op_type), str(count))
     out.print(ops)
 
     largest = Table(title="largest tensors", title_justify="left")
@@ -35,7 +42,7 @@ def print_inspect(summary: dict) -> None:
                          ("bytes", "right")):
         largest.add_column(col, justify=justify)
     for t in summary["largest_tensors"]:
-        largest.add_row(t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"], t["kind"],
+        largest.add_row(_e(t["name"]), "x".join(map(str, t["shape"])) or "scalar", _e(t["dtype"]), _e(t["kind"]),
                         format_bytes(t["bytes"]))
     out.print(largest)
 
@@ -47,7 +54,7 @@ def print_models(entries: list[dict]) -> None:
     table.add_column("parameters", justify="right")
     table.add_column("description")
     for entry in entries:
-        table.add_row(entry["name"], f"{entry['parameters']:,}", entry["description"])
+        table.add_row(_e(entry["name"]), f"{entry['parameters']:,}", _e(entry["description"]))
     console().print(table)
 
 
@@ -70,17 +77,17 @@ def print_hardware_list(profiles: list[dict]) -> None:
     table = _table("hardware profiles", "name", "memory>", "fp32>", "mem bw>", "link h2d/d2h>", "description")
     for p in profiles:
         if "error" in p:
-            table.add_row(p["name"], "-", "-", "-", "-", p["error"])
+            table.add_row(_e(p["name"]), "-", "-", "-", "-", _e(p["error"]))
             continue
-        table.add_row(p["name"], format_bytes(p["device_memory"]), _rate(p["peak_flops"]["float32"], "FLOP/s"),
+        table.add_row(_e(p["name"]), format_bytes(p["device_memory"]), _rate(p["peak_flops"]["float32"], "FLOP/s"),
                       _rate(p["memory_bandwidth"], "B/s"),
-                      f"{_rate(p['link_h2d'], 'B/s')} / {_rate(p['link_d2h'], 'B/s')}", p["description"])
+                      f"{_rate(p['link_h2d'], 'B/s')} / {_rate(p['link_d2h'], 'B/s')}", _e(p["description"]))
     console().print(table)
 
 
 def print_hardware(p: dict) -> None:
     out = console()
-    out.print(f"[bold]{p['name']}[/bold]: {p['description']}")
+    out.print(f"[bold]{_e(p['name'])}[/bold]: {_e(p['description'])}")
     out.print(f"device memory {format_bytes(p['device_memory'])}, bandwidth {_rate(p['memory_bandwidth'], 'B/s')}, "
               f"launch overhead {format_seconds(p['launch_overhead'])}")
     out.print("peak: " + ", ".join(f"{k} {_rate(v, 'FLOP/s')}" for k, v in p["peak_flops"].items()))
@@ -88,48 +95,58 @@ def print_hardware(p: dict) -> None:
               f"latency {format_seconds(p['link_latency'])}")
     tiers = _table("host tiers", "tier", "capacity>", "read>", "write>", "latency>")
     for name, t in p["tiers"].items():
-        tiers.add_row(name, format_bytes(t["capacity"]), _rate(t["read_bw"], "B/s"), _rate(t["write_bw"], "B/s"),
+        tiers.add_row(_e(name), format_bytes(t["capacity"]), _rate(t["read_bw"], "B/s"), _rate(t["write_bw"], "B/s"),
                       format_seconds(t["latency"]))
     out.print(tiers)
     if p.get("op_class_flops") or p.get("op_class_bandwidth"):
         classes = _table("calibrated op classes", "class", "FLOP/s>", "bandwidth>")
         for cls in sorted(set(p.get("op_class_flops", {})) | set(p.get("op_class_bandwidth", {}))):
             f, b = p.get("op_class_flops", {}).get(cls), p.get("op_class_bandwidth", {}).get(cls)
-            classes.add_row(cls, _rate(f, "FLOP/s") if f else "-", _rate(b, "B/s") if b else "-")
+            classes.add_row(_e(cls), _rate(f, "FLOP/s") if f else "-", _rate(b, "B/s") if b else "-")
         out.print(classes)
 
 
 def print_cost_table(summary: dict) -> None:
     out = console()
-    out.print(f"[bold]{summary['graph']}[/bold]: {summary['ops']} ops timed on {summary['provider']} "
+    out.print(f"[bold]{_e(summary['graph'])}[/bold]: {summary['ops']} ops timed on {_e(summary['provider'])} "
               f"({summary['timed_ops']} distinct), sum of op times {format_seconds(summary['total_s'])}; "
-              f"written to {summary['path']}")
+              f"written to {_e(summary['path'])}")
     table = _table("slowest ops", "op", "type", "time>")
     for row in summary["slowest"]:
-        table.add_row(row["op"], row["op_type"], format_seconds(row["seconds"]))
+        table.add_row(_e(row["op"]), _e(row["op_type"]), format_seconds(row["seconds"]))
     out.print(table)
 
 
 def print_simulation(d: dict) -> None:
     out = console()
-    out.print(f"step time [bold]{format_seconds(d['step_time_s'])}[/bold] on {d['hardware'] or '-'} "
-              f"({d['cost_source']} op times): compute {format_seconds(d['compute_busy_s'])}, "
+    out.print(f"step time [bold]{format_seconds(d['step_time_s'])}[/bold] on {_e(d['hardware'] or '-')} "
+              f"({_e(d['cost_source'])} op times): compute {format_seconds(d['compute_busy_s'])}, "
               f"stalled on transfers {format_seconds(d['stall_s'])}")
     out.print(f"peak device memory {format_bytes(d['peak_bytes'])} ({d['peak_bytes']:,} B)")
     for tier, flow in d["traffic_bytes"].items():
-        out.print(f"{tier}: out {format_bytes(flow['out'])}, in {format_bytes(flow['in'])}, "
+        out.print(f"{_e(tier)}: out {format_bytes(flow['out'])}, in {format_bytes(flow['in'])}, "
                   f"held at most {format_bytes(d['host_peak_bytes'].get(tier, 0))}")
 
 
 @contextmanager
-def progress():
-    """A spinner on stderr naming what the planner is doing; yields the function that updates it."""
+def progress(deadline=None):
+    """A spinner on stderr naming what the planner is doing (and the seconds left of
+    `deadline`, a memsched.deadline.Deadline); yields the function that updates it."""
     err = Console(stderr=True, highlight=False)
     if not err.is_terminal:
         yield lambda message: None
         return
     with err.status("starting") as status:
-        yield lambda message: status.update(message)
+        def say(message: str) -> None:
+            left = "" if deadline is None or deadline.left() == float("inf") else f" [{deadline.left():.0f} s left]"
+            status.update(escape(message + left))
+        yield say
+
+
+def say_interrupted() -> None:
+    """What the first Ctrl-C of a compile does."""
+    Console(stderr=True, highlight=False).print(
+        "interrupted: finishing with the best plan so far (Ctrl-C again to abort)")
 
 
 def _micro_batches(note: dict, baseline_time: float) -> str:
@@ -142,15 +159,27 @@ def _micro_batches(note: dict, baseline_time: float) -> str:
     return f"{head}: step as given {said('given')}, in micro-batches {said('split')}"
 
 
+def _fastest_each(tried: list[dict]) -> list[dict]:
+    """One attempt per candidate, in the order first tried: the chosen one, else its fastest
+    that fit, else its last."""
+    by_name: dict[str, dict] = {}
+    for t in tried:
+        kept = by_name.get(t["candidate"])
+        rank = (not t.get("chosen"), not t["fits"], t.get("step_time_s") or 0.0)
+        if kept is None or rank <= (not kept.get("chosen"), not kept["fits"], kept.get("step_time_s") or 0.0):
+            by_name[t["candidate"]] = t
+    return list(by_name.values())
+
+
 def print_compile(report: dict) -> None:
     """Baseline vs plan, the solver's word, and the one-line verdict."""
     out = console()
     base, plan, solver = report["baseline"], report["plan"], report["solver"]
     budget = report["budget_bytes"]
-    out.print(f"[bold]{report['model']}[/bold] on {report['hardware']} "
+    out.print(f"[bold]{_e(report['model'])}[/bold] on {_e(report['hardware'])} "
               f"({format_bytes(report['device_memory_bytes'])}), budget "
               f"{format_bytes(budget) if budget is not None else 'none'}, strategies "
-              f"{','.join(report['strategies']) or 'none'}")
+              f"{_e(','.join(report['strategies']) or 'none')}")
     table = Table(title_justify="left")
     for col, justify in (("", "left"), ("baseline", "right"), ("plan", "right")):
         table.add_column(col, justify=justify)
@@ -160,12 +189,12 @@ def print_compile(report: dict) -> None:
     table.add_row("overhead", "", f"{plan['overhead'] * 100:+.2f}%")
     table.add_row("recomputed ops", "", str(len(plan["recomputed_ops"])))
     for tier, nbytes in plan["swapped_bytes"].items():
-        table.add_row(f"swapped to {tier}", "", format_bytes(nbytes))
+        table.add_row(f"swapped to {_e(tier)}", "", format_bytes(nbytes))
     out.print(table)
     gap = ""
     if solver.get("lower_bound_bytes"):
         gap = f", lower bound {format_bytes(solver['lower_bound_bytes'])}"
-    out.print(f"solver: {solver['status']} in {solver['seconds']:.2f} s{gap}")
+    out.print(f"solver: {_e(solver['status'])} in {solver['seconds']:.2f} s{gap}")
     reuse = report["passes"].get("reuse") or {}
     rewrites = [f"{reuse['fused_updates']} optimizer updates fused into their weight-gradient Gemms"] \
         if reuse.get("fused_updates") else []
@@ -181,30 +210,28 @@ def print_compile(report: dict) -> None:
     def said(t: dict) -> str:
         if not t["fits"]:
             smallest = t.get("smallest_peak_bytes")
-            return f"{t['candidate']}: no fit" + (f" (smallest {format_bytes(smallest)})" if smallest else "")
+            return f"{_e(t['candidate'])}: no fit" + (f" (smallest {format_bytes(smallest)})" if smallest else "")
         over = t.get("arena_bytes") is not None and budget is not None and t["arena_bytes"] > budget
         mark = " (chosen)" if t.get("chosen") else " (arena over the budget)" if over else ""
-        return f"{t['candidate']}: {(t['step_time_s'] / base['step_time_s'] - 1) * 100:+.1f}%{mark}"
+        return f"{_e(t['candidate'])}: {(t['step_time_s'] / base['step_time_s'] - 1) * 100:+.1f}%{mark}"
     if fit.get("tried"):
-        out.print("fit (predicted before placement): " + "; ".join(said(t) for t in fit["tried"]))
-    for other in fit.get("other_rounds") or []:   # rounds against a target lowered by an arena's overshoot
-        if other["tried"]:
-            out.print(f"fit round {other['round']} (target {format_bytes(other['target_bytes'])}), not chosen: "
-                      + "; ".join(said(t) for t in other["tried"]))
+        cut = ", cut by the time limit" if fit.get("cut") else ""
+        out.print(f"fit ({len(fit['tried'])} attempts{cut}; each candidate's fastest, predicted before placement): "
+                  + "; ".join(said(t) for t in _fastest_each(fit["tried"])))
     for what, path in report.get("written", {}).items():
-        out.print(f"wrote {what}: {path}")
-    out.print(f"[bold]{report['verdict']}[/bold]")
+        out.print(f"wrote {_e(what)}: {_e(path)}")
+    out.print(f"[bold]{_e(report['verdict'])}[/bold]")
 
 
 def print_train_graph(summary: dict) -> None:
     out = console()
-    phases = ", ".join(f"{phase} {count}" for phase, count in summary["phases"].items())
-    out.print(f"wrote [bold]{summary['output']}[/bold]: {summary['ops']} ops ({phases})")
-    out.print(f"loss {summary['loss']}, optimizer {summary['optimizer']} (lr {summary['lr']:g}); "
+    phases = ", ".join(f"{_e(phase)} {count}" for phase, count in summary["phases"].items())
+    out.print(f"wrote [bold]{_e(summary['output'])}[/bold]: {summary['ops']} ops ({phases})")
+    out.print(f"loss {_e(summary['loss'])}, optimizer {_e(summary['optimizer'])} (lr {summary['lr']:g}); "
               f"{summary['trainable_parameters']} trainable parameters, {summary['parameters']:,} values "
               f"({format_bytes(summary['parameter_bytes'])}), optimizer state "
               f"{format_bytes(summary['optimizer_state_bytes'])}")
-    inputs = ", ".join(f"{n} {'x'.join(map(str, s)) or 'scalar'}" for n, s in summary["inputs"].items())
+    inputs = ", ".join(f"{_e(n)} {'x'.join(map(str, s)) or 'scalar'}" for n, s in summary["inputs"].items())
     out.print(f"inputs: {inputs}; outputs: loss + {summary['outputs'] - 1} per-parameter outputs")
 
 
@@ -213,7 +240,7 @@ def print_remat(summary: dict) -> None:
     out = console()
     lower = summary["lower_bound"]
     bound = f", proven floor +{lower / summary['base_cost'] - 1:.3%}" if lower and summary["base_cost"] else ""
-    out.print(f"[bold]{summary['method']}[/bold] ({summary['status']}{bound}): peak "
+    out.print(f"[bold]{_e(summary['method'])}[/bold] ({_e(summary['status'])}{bound}): peak "
               f"{format_bytes(summary['peak_bytes'])} within {format_bytes(summary['budget_bytes'])}, "
               f"{summary['recomputations']} recomputations, cost +{summary['overhead']:.3%} "
               f"in {summary['seconds']:.1f} s ({summary['nodes']} nodes)")
@@ -222,8 +249,8 @@ def print_remat(summary: dict) -> None:
                          ("status", "left"), ("seconds", "right")):
         table.add_column(col, justify=justify)
     for name, run in summary["methods"].items():
-        table.add_row(name, "yes" if run["fits"] else "no", format_bytes(run["peak_bytes"]),
-                      f"+{run['overhead']:.3%}", run["status"], f"{run['seconds']:.2f}")
+        table.add_row(_e(name), "yes" if run["fits"] else "no", format_bytes(run["peak_bytes"]),
+                      f"+{run['overhead']:.3%}", _e(run["status"]), f"{run['seconds']:.2f}")
     out.print(table)
 
 
@@ -236,32 +263,33 @@ def print_tune(result: dict) -> None:
         table.add_column(col, justify=justify)
     for name, largest in result["largest_batch"].items():
         best = result["best"].get(name)
-        table.add_row(name, "-" if largest is None else str(largest), str(best["batch"]) if best else "-",
+        table.add_row(_e(name), "-" if largest is None else str(largest), str(best["batch"]) if best else "-",
                       format_seconds(best["time_per_sample_s"]) if best else "-",
                       format_bytes(best["peak_bytes"]) if best else "-")
     out.print(table)
     for name, best in result["best"].items():
         if best and best.get("measured"):
             m = best["measured"]
-            out.print(f"measured {name} at batch {best['batch']} on {m['provider']}: "
-                      f"{format_seconds(m['time_per_sample_s'])} per sample (predicted {format_seconds(best['time_per_sample_s'])}), "
+            out.print(f"measured {_e(name)} at batch {best['batch']} on {_e(m['provider'])}: "
+                      f"{format_seconds(m['time_per_sample_s'])} per sample "
+                      f"(predicted {format_seconds(best['time_per_sample_s'])}), "
                       f"peak {format_bytes(m['peak_bytes'])} (planned {format_bytes(m['planned_peak_bytes'])})")
     overall = result["best_overall"]
     if overall:
-        out.print(f"[bold]best predicted throughput: batch {overall['batch']} with {overall['strategy']} "
+        out.print(f"[bold]best predicted throughput: batch {overall['batch']} with {_e(overall['strategy'])} "
                   f"({format_seconds(overall['time_per_sample_s'])} per sample)[/bold]")
     else:
         out.print("[bold]no batch size fits[/bold]")
     if result.get("plot"):
-        out.print(f"wrote plot: {result['plot']}")
+        out.print(f"wrote plot: {_e(result['plot'])}")
 
 
 def print_run(summary: dict) -> None:
     out = console()
-    provider = summary["provider"]
+    provider = _e(summary["provider"])
     if summary["fallback"]:
-        provider += f" [yellow](asked for {summary['requested_device']}: {summary['fallback']})[/yellow]"
-    out.print(f"ran [bold]{summary['steps']}[/bold] step(s) of {summary['plan']} on {provider}: "
+        provider += f" [yellow](asked for {_e(summary['requested_device'])}: {_e(summary['fallback'])})[/yellow]"
+    out.print(f"ran [bold]{summary['steps']}[/bold] step(s) of {_e(summary['plan'])} on {provider}: "
               f"{summary['ops']} op runs per step, {summary['sessions']} ONNX Runtime sessions")
     table = Table(title_justify="left")
     for col in ("", "measured", "planned"):
@@ -272,10 +300,10 @@ def print_run(summary: dict) -> None:
                       f"{format_bytes(predicted[key])} ({predicted[key]:,} B)")
     table.add_row("step time", format_seconds(measured["step_time_s"]),
                   format_seconds(predicted["step_time_s"])
-                  + (f" ({predicted['hardware']} profile)" if predicted["hardware"] else ""))
+                  + (f" ({_e(predicted['hardware'])} profile)" if predicted["hardware"] else ""))
     out.print(table)
     for tier, nbytes in summary["swapped_bytes"].items():
-        out.print(f"swapped out to {tier}: {format_bytes(nbytes)} per step")
+        out.print(f"swapped out to {_e(tier)}: {format_bytes(nbytes)} per step")
     check = summary["check"]
     if check is not None:
         kind = "bit-identical" if check["bit_identical"] else f"max |diff| {check['max_abs_diff']:.3g}"
@@ -283,7 +311,8 @@ def print_run(summary: dict) -> None:
         given = check.get("given")
         if given is not None:
             out.print("check against the model as given (fused updates, split convolutions and micro-batches "
-                      f"round differently): {_verdict(given)}, max |diff| {given['max_abs_diff']:.3g} (tolerance {given['tolerance']:g})")
+                      f"round differently): {_verdict(given)}, max |diff| {given['max_abs_diff']:.3g} "
+                      f"(tolerance {given['tolerance']:g})")
 
 
 def _verdict(check: dict) -> str:

@@ -44,6 +44,7 @@ import networkx as nx
 import numpy as np
 from ortools.sat.python import cp_model
 
+from memsched.deadline import Deadline, unlimited
 from memsched.errors import ScheduleError
 from memsched.ir import Graph
 from memsched.memory import VIEW_OPS, analyze
@@ -63,10 +64,14 @@ BOUND_SHARE = 0.15             # of the time limit, for min-cut lower bounds bef
 WRAP_UP_SHARE = 0.02           # of the time limit, kept back at the end of the search
 
 
-def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None) -> Plan:
-    """Reorder `plan`'s ops to lower its peak within `time_limit` seconds; notes["order"]."""
+def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None,
+               deadline: Deadline | None = None) -> Plan:
+    """Reorder `plan`'s ops to lower its peak within `time_limit` seconds (and before the
+    command's `deadline`); notes["order"]."""
+    outer = deadline or unlimited()
+    time_limit = outer.cap(max(0.0, float(time_limit)))
     start = time.perf_counter()
-    deadline = start + max(0.0, float(time_limit))
+    deadline = start + time_limit
     order = compute_order(plan.schedule)
     if order is None:
         raise ScheduleError("the order pass needs a schedule of compute steps only; run it before "
@@ -84,7 +89,7 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     lower = bounds.value
 
     # the search stops a little early: the wrap-up (a judge call, the notes) fits in the limit
-    search = Search(problem, judge, best, deadline - WRAP_UP_SHARE * budget, lower)
+    search = Search(problem, judge, best, deadline - WRAP_UP_SHARE * budget, lower, outer)
     if peaks[first] <= lower:
         search.ended = "the start meets the lower bound"
     elif len(order) <= WHOLE_GRAPH_OPS:
@@ -739,8 +744,9 @@ class Search:
     """CP-SAT improvement of an order: one whole-graph model, or windows around the peak."""
 
     def __init__(self, problem: Problem, judge: Judge, order: list[str], deadline: float,
-                 lower_bound: int = 0):
+                 lower_bound: int = 0, outer: Deadline | None = None):
         self.problem = problem
+        self.outer = outer
         self.lower_bound = lower_bound
         self.judge = judge
         self.order = list(order)
@@ -758,6 +764,8 @@ class Search:
         self.ended = None
 
     def left(self) -> float:
+        if self.outer is not None and self.outer.stopped:
+            return 0.0
         return self.deadline - time.perf_counter()
 
     def whole(self, time_limit: float | None = None) -> None:
@@ -810,7 +818,7 @@ class Search:
         only). Returns (solve result or None, byte scale, static bytes modelled)."""
         model, positions, scale, pairs, modelled_static = window_model(self.problem, self.order, ws, we,
                                                                        self.aliases, floor)
-        solved = solve(model, time_limit, presolve=False)
+        solved = solve(model, time_limit, presolve=False, deadline=self.outer)
         self.solves += 1
         self.statuses[solved.status] = self.statuses.get(solved.status, 0) + 1
         self.deterministic &= solved.deterministic

@@ -2,14 +2,17 @@
 
     model --frontend--> Graph --autodiff (train)--> Graph
       baseline = the graph's own order, nothing reused (what frameworks do)
-      plan     = reuse -> order -> fit -> placement, where fit (only while the plan is over
-                 its budget) tries recompute alone, swap alone, and recompute to a relaxed
-                 budget then swap the rest (the strategies asked for), and keeps the plan
-                 the simulator predicts fastest
+      plan     = reuse -> order -> fit (passes.fit: the fastest placed plan within the
+                 budget, recompute and swap only while over it) -> placement
       where the plan needs recompute or swap (or nothing fits), the step in micro-batches
       (passes.batch_split: the per-sample front run chunk by chunk) is planned the same way,
       and the faster of the two plans is kept
     each pass's result is judged by the memory model; both plans are simulated.
+
+One deadline (memsched.deadline) bounds the whole call: every pass gets a fixed share of
+the time limit as its effort (so the same input gives the same plan), and the deadline only
+cuts what would run past it. Both forms of the step make their first plans before either is
+improved, so a fitting plan exists early; stopping the deadline (Ctrl-C) keeps the best.
 
 The result carries both plans and the report dict (the `compile`/`report` JSON of DESIGN.md).
 """
@@ -27,35 +30,24 @@ from memsched.cost import CostTable
 from memsched.errors import BudgetError, UserError
 from memsched.ir import Graph
 from memsched.data_parallel import data_parallel as data_parallel_estimate
+from memsched.deadline import Deadline
 from memsched.memory import MemoryProfile, validate
 from memsched.report import input_pipeline, tensor_decisions
 from memsched.schedule import Plan
 from memsched.simulate import Simulation, simulate
-from memsched.units import format_bytes, parse_bytes
+from memsched.units import format_bytes, parse_bytes, parse_percent
 
 from .batch_split import batch_split_step, given_graph
 from .concat_split import reuse_variants
-from .reuse import FUSED_KEY, compute_order
+from .fit import DRAINED, IMPROVE, Search
+from .reuse import FUSED_KEY
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")
-DEFAULT_STRATEGIES = ("order", "reuse")
+PLACEMENT_FREE = ("order", "reuse")      # the strategies without a budget: no added time
+DEFAULT_TIME_LIMIT = 60.0                # seconds for the whole compile
+ORDER = 0.1                              # the order pass's share of the time limit
 # Data-parallel interconnect: 100 Gb/s InfiniBand (12.5 GB/s) with ~5 us per message.
 INTERCONNECT = (12.5e9, 5e-6)
-# Rounds of re-planning against a lower target when placement's fragmentation overshoots.
-FIT_ROUNDS = 3
-# Joint recompute + swap: recompute down to a relaxed target first (replaying what is cheap
-# per byte), then swap the rest, whose transfers the link can hide. The best relaxation depends
-# on the model and the link (predicted on v100-16gb: BERT-base batch 660 best at 1.5x, +12.0%,
-# against +14.9% at 1.25x; ResNet-50 batch 975 best at 1.75x, +15.4%, against +17.0% at 1.5x
-# and +22.3% at 2x), so fit starts from RELAXATION_START and climbs this grid towards the
-# faster neighbour until the fastest point has both neighbours tried.
-RELAXATION_GRID = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0)
-RELAXATION_START = (1.5, 2.0)
-# The recompute pass on its base orders and on them drained as well (passes.order.drain): the
-# replays may cost the same while the swap after them gains much (3-D U-Net 264^3: +14.9%
-# against +48.1%) or loses some (ResNet-50 batch 1004 at 1.75x: +30.9% against +18.6%), so
-# fit climbs the relaxations once without and once with them, and the simulator chooses.
-DRAINED = "recompute (drained orders too)"
 
 
 @dataclass
@@ -71,26 +63,26 @@ class CompileResult:
 
 
 def parse_budget(text: str | int | None, baseline_peak: int) -> int | None:
-    """'40%' -> 40% of the baseline peak; '12GiB' / '800MB' / 1048576 -> bytes; None -> None."""
+    """'40%' -> 40% of the baseline peak; '12GiB' / '800MB' / 1048576 -> bytes; None -> None.
+
+    Every form must give at least one byte: '0', '0%', 'inf%', 'nan%', '1e30%' are UserErrors (exit 1)."""
     if text is None:
         return None
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise UserError(f"budget {text} must be at least 1 byte")
         return text
     text = str(text).strip()
     if text.endswith("%"):
-        try:
-            fraction = float(text[:-1]) / 100
-        except ValueError:
-            raise UserError(f"cannot read budget '{text}'; write e.g. 40% or 12GiB") from None
-        if not 0 < fraction:
-            raise UserError(f"budget '{text}' must be above 0%")
-        return int(baseline_peak * fraction)
+        return max(1, int(baseline_peak * parse_percent(text, "budget")))
     return parse_bytes(text)
 
 
-def parse_strategies(text: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+def parse_strategies(text: str | list[str] | tuple[str, ...] | None, budget: bool = True) -> tuple[str, ...]:
+    """The strategies named in `text` (comma-separated or a sequence); None means all of them
+    where a `budget` is given, else the two that need none."""
     if text is None:
-        return DEFAULT_STRATEGIES
+        return STRATEGIES if budget else PLACEMENT_FREE
     items = text.split(",") if isinstance(text, str) else list(text)
     items = [s.strip() for s in items if s.strip()]
     unknown = [s for s in items if s not in STRATEGIES]
@@ -130,12 +122,17 @@ def training_steps(forward: Graph, loss: str = "cross_entropy", optimizer: str =
 def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, train: bool = False,
             loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
             freeze: tuple[str, ...] = (), hardware: "str | hardware_mod.Hardware" = "v100-16gb",
-            budget: str | int | None = None, strategies=DEFAULT_STRATEGIES, time_limit: float = 30.0,
+            budget: str | int | None = None, strategies=None, time_limit: float = DEFAULT_TIME_LIMIT,
             costs: "CostTable | str | Path | None" = None, data_parallel: int | None = None,
-            progress: Callable[[str], None] | None = None) -> CompileResult:
-    """Plan `model`'s memory. Raises UserError on bad input, BudgetError if the budget cannot be met."""
+            progress: Callable[[str], None] | None = None, deadline: Deadline | None = None) -> CompileResult:
+    """Plan `model`'s memory within `time_limit` seconds in all (or by `deadline`, which a
+    caller may stop early: the best plan found by then is returned). `strategies` None means
+    every strategy where a budget is given (recompute and swap run only while the plan is
+    over it), order and reuse otherwise. Raises UserError on bad input, BudgetError if the
+    budget cannot be met."""
     say = progress or (lambda message: None)
-    strategies = parse_strategies(strategies)
+    deadline = deadline or Deadline(time_limit)
+    strategies = parse_strategies(strategies, budget is not None)
     hw = hardware_mod.load(hardware)
     say("loading the model" + (" and building the training step" if train else ""))
     forward = load_graph(model, dims)
@@ -150,228 +147,79 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
 
     def run(name: str, apply, start: Plan) -> tuple[Plan, int]:
         """Apply a pass to `start`, time it, and judge the result: (plan, its peak)."""
-        say(f"{name}: planning ({len(start.schedule)} steps)")
         started = time.perf_counter()
-        planned = apply(start)
-        judged = validate(dataclasses.replace(planned, budget=None)).peak_bytes  # every pass is judged
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
-        return planned, judged
-
-    def planned(step: Plan, step_variants: dict[str, Graph]) -> tuple[Plan | None, BudgetError | None]:
-        passes = _passes(fuse_updates=not data_parallel, variants=step_variants)   # data parallel all-reduces every gradient
         try:
-            return plan_step(dataclasses.replace(step, budget=None), validate(step).peak_bytes, budget_bytes,
-                             strategies, passes, time_limit, costs, run), None
-        except BudgetError as err:
-            return None, err
+            planned = apply(start)
+            return planned, validate(dataclasses.replace(planned, budget=None)).peak_bytes  # every pass is judged
+        finally:
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
 
-    plan, error = planned(baseline, variants)
-    split = None
-    if train and budget_bytes is not None and {"recompute", "swap"} & set(strategies) and \
-            (plan is None or {"recompute", "swap"} & set(plan.notes)):
-        split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze), budget_bytes)
-    if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
-        say(f"planning the step in {split[1]} micro-batches too")
-        other, other_error = planned(Plan.initial(split[0], hardware=hw), {})
-        plan, error = _faster(plan, error, other, other_error, split[1], hw, costs)
-    if plan is None:
-        raise error
+    def search(step: Plan, step_variants: dict[str, Graph], label: str) -> Search:
+        """The fit search of `step` after reuse and order, its first plans made."""
+        passes = _passes(fuse_updates=not data_parallel, variants=step_variants)  # data parallel all-reduces every gradient
+        start, peak = dataclasses.replace(step, budget=None), validate(step).peak_bytes
+        for name in ("reuse", "order"):
+            if name in strategies:
+                say(f"{label}{name} ({len(start.schedule)} steps)")
+                start, peak = run(name, lambda p, f=passes[name]: f(p, ORDER * time_limit, deadline), start)
+        found = Search(start, peak, budget_bytes, strategies, passes, run, time_limit, deadline, costs, say, label)
+        found.first_plans()
+        return found
+
+    searches, split = {"given": search(baseline, variants, "")}, None
+    if budget_bytes is not None:
+        given = searches["given"]
+        needs_more = given.best is None or \
+            (not deadline.expired and {"recompute", "swap"} & set(given.best.plan.notes))
+        if train and {"recompute", "swap"} & set(strategies) and not deadline.stopped and needs_more:
+            split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze), budget_bytes)
+        if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
+            searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ")
+        for share in IMPROVE:
+            for name in sorted(searches, key=lambda n: (_best_time(searches[n]), n)):
+                if not deadline.expired and searches[name].best is not None and searches[name].best.record >= 0:
+                    searches[name].improve(share)
+    try:
+        plan = _faster(searches, split[1] if split is not None else None, strategies, hw, costs)
+    except BudgetError:
+        if deadline.stopped:
+            raise KeyboardInterrupt from None     # stopped before any plan fit: nothing to keep
+        raise
+    if deadline.stopped:
+        plan = dataclasses.replace(plan, notes={**plan.notes, "interrupted": True})
     say("simulating the baseline and the plan")
-    return assess(plan, baseline, strategies, timings, model, costs, data_parallel)
+    result = assess(plan, baseline, strategies, timings, model, costs, data_parallel)
+    result.report["solver"]["deadline_hit"] = deadline.cut
+    result.report["solver"]["interrupted"] = deadline.stopped
+    result.report["time_limit_s"] = time_limit
+    return result
 
 
-def _faster(given: Plan | None, given_error: BudgetError | None, split: Plan | None,
-            split_error: BudgetError | None, chunks: int, hw, costs) -> tuple[Plan | None, BudgetError | None]:
+def _best_time(search: Search) -> float:
+    return search.best.step_time if search.best is not None else float("inf")
+
+
+def _faster(searches: dict[str, Search], chunks: int | None, strategies, hw, costs) -> Plan:
     """The faster of the plan of the step as given and the plan of its micro-batched step (the
-    simulator's step time; None where one did not fit), with what both gave in its notes
-    ("batch_split"); where neither fit, the error that reached the smaller peak."""
-    if given is None and split is None:
-        errors = [e for e in (given_error, split_error) if e is not None]
-        return None, min(errors, key=lambda e: e.smallest_feasible_bytes or float("inf"))
-    times = {name: simulate(p, hw, costs).step_time for name, p in (("given", given), ("split", split))
-             if p is not None}
+    simulator's step time), with what both gave in its notes ("batch_split"); where neither
+    fit, the error that reached the smaller peak."""
+    plans, errors = {}, {}
+    for name, found in searches.items():
+        try:
+            plans[name] = found.result(strategies)
+        except BudgetError as err:
+            errors[name] = err
+    if not plans:
+        raise min(errors.values(), key=lambda e: e.smallest_feasible_bytes or float("inf"))
+    if chunks is None:
+        return plans["given"]
+    times = {name: simulate(p, hw, costs).step_time for name, p in plans.items()}
     chosen = min(times, key=lambda name: (times[name], name != "given"))
     note = {"chunks": chunks, "chosen": chosen == "split",
             "step_time_s": {"given": times.get("given"), "split": times.get("split")},
-            "errors": {name: str(e) for name, e in (("given", given_error), ("split", split_error)) if e is not None}}
-    plan = split if chosen == "split" else given
-    return dataclasses.replace(plan, notes={**plan.notes, "batch_split": note}), None
-
-
-def plan_step(plan: Plan, peak: int, budget_bytes: int | None, strategies, passes: dict[str, Callable],
-              time_limit: float, costs, run) -> Plan:
-    """`plan` (a training step or model in some order, no budget; `peak` its judged peak)
-    through reuse -> order -> fit -> placement: the fastest placed plan that holds
-    `budget_bytes`, with its budget set. `run(name, apply, start)` applies and judges a pass.
-    Raises BudgetError when none holds it."""
-    for name in ("reuse", "order"):
-        if name in strategies:
-            plan, peak = run(name, lambda p, f=passes[name]: f(p, time_limit), plan)
-    zero_overhead, zero_overhead_peak, target = plan, peak, budget_bytes
-
-    def place_fastest(ranked, tried) -> tuple[tuple | None, int | None]:
-        """Place the candidates, fastest first, until one's arena holds the budget. Returns
-        ((placed plan, its step time, its record in tried), the fastest candidate's overshoot
-        or None), or (None, that overshoot) when none holds it."""
-        overshoot = None
-        for candidate, _, record, step_time in ranked:
-            placed, _ = run("placement", lambda p: passes["placement"](dataclasses.replace(p, budget=budget_bytes),
-                                                                      min(time_limit, 10.0)), candidate)
-            arena = placed.notes["placement"]["arena_bytes"]
-            if record is not None:
-                tried[record]["arena_bytes"] = arena
-            if budget_bytes is None or arena <= budget_bytes:
-                return (placed, step_time, record), overshoot
-            overshoot = arena - budget_bytes if overshoot is None else overshoot
-        return None, overshoot
-
-    # Each round: fit the target, then place the fastest candidate whose arena holds the budget.
-    # Where a faster one's arena overshot, fit again against a target lowered by its overshoot,
-    # re-planning only the candidates that were faster than the placed one (a slower one cannot
-    # win); where nothing fits a lowered target, the next round tries halfway back to the target
-    # whose plans overshot. The fastest placed plan of all rounds wins.
-    best = None      # (step time, placed plan, its round, its record in that round's tried)
-    only = None      # the candidates a round re-plans (None: all)
-    rounds = []      # per round: its target and what it tried, for the notes
-    overshot_at = None       # the last target whose plans fit but whose fastest arena overshot
-    smallest_arena = None    # the smallest arena over the budget seen
-    for attempt in range(1, FIT_ROUNDS + 1):
-        ranked, tried = [(zero_overhead, zero_overhead_peak, None, 0.0)], []
-        if target is not None and zero_overhead_peak > target:
-            ranked, tried, reached = fit(zero_overhead, zero_overhead_peak, target, strategies, time_limit, run,
-                                         costs, only)
-            if not ranked and overshot_at is None:    # nothing fits the budget itself
-                missing = [s for s in ("recompute", "swap") if s not in strategies]
-                hint = f"; add {' or '.join(missing)} to --strategies to go lower" if missing else ""
-                raise BudgetError(f"the budget of {format_bytes(budget_bytes)} ({budget_bytes:,} B) cannot be met "
-                                  f"with {','.join(strategies) or 'no strategies'}: the smallest peak reached is "
-                                  f"{format_bytes(reached)} ({reached:,} B){hint}", reached)
-            if not ranked:       # a lowered target too low to fit: halfway back next
-                rounds.append({"round": attempt, "target_bytes": target, "tried": tried})
-                target = (target + overshot_at) // 2
-                continue
-        placed, overshoot = place_fastest(ranked, tried)
-        rounds.append({"round": attempt, "target_bytes": target, "tried": tried})
-        if placed is not None and (best is None or placed[1] < best[0]):
-            best = (placed[1], placed[0], attempt, placed[2])
-        if overshoot is None:
-            break           # the round's fastest candidate was placed (or none fit at all)
-        smallest_arena = min(smallest_arena or budget_bytes + overshoot, budget_bytes + overshoot)
-        overshot_at = target
-        target -= overshoot
-        only = None if placed is None else {t["candidate"] for t in tried if t.get("arena_bytes", 0) > budget_bytes}
-    if best is None:
-        raise BudgetError(f"the plan's live bytes fit the budget of {format_bytes(budget_bytes)} but its arena "
-                          f"does not after {FIT_ROUNDS} rounds: the smallest arena over it is "
-                          f"{format_bytes(smallest_arena)} ({smallest_arena:,} B)", smallest_arena)
-    _, plan, attempt, record = best
-    chosen = rounds[attempt - 1]
-    if record is not None:
-        chosen["tried"][record]["chosen"] = True
-    others = [r for r in rounds if r is not chosen]
-    plan = dataclasses.replace(plan, notes={**plan.notes, "fit": {
-        "rounds": attempt, "target_bytes": chosen["target_bytes"], "tried": chosen["tried"], "other_rounds": others}})
-    return dataclasses.replace(plan, budget=budget_bytes)
-
-
-def fit(start: Plan, start_peak: int, target: int, strategies, time_limit: float, run, costs=None,
-        only: set[str] | None = None):
-    """Plans that bring `start` (over `target`) within it, with the recompute and swap
-    strategies asked for. Candidates: recompute alone; swap alone (it replays too); recompute
-    to relaxed targets (climb_relaxations over RELAXATION_GRID x target), then swap the rest;
-    the same with the drained base orders added (DRAINED) where draining changes them.
-    `only` names the candidates to plan (the relaxations in it are planned without a climb).
-    Returns (ranked, tried, lowest): the candidates that fit as (plan, judged peak, index in
-    tried, step time), fastest first by the simulator (timed before placement, whose offsets
-    can only narrow the waits for swap-outs); what each candidate gave (step time, or the
-    lowest peak it reached); and the lowest peak reached by any (for the error when none fits)."""
-    passes = _passes()
-    tried: list[dict] = []
-    fitting: list[tuple[Plan, int, int, float]] = []   # plan, peak, its record, step time
-    lowest = start_peak
-
-    def attempt(name: str, steps) -> float | None:
-        """Run the passes of `steps` in turn; record the candidate. Its step time, or None."""
-        nonlocal lowest
-        plan, peak = start, start_peak
-        try:
-            for pass_name, budget in steps:
-                if peak > budget:
-                    plan, peak = run(pass_name, lambda p, f=passes[pass_name], b=budget:
-                                     f(dataclasses.replace(p, budget=b), time_limit), plan)
-        except BudgetError as err:
-            reached = err.smallest_feasible_bytes
-            tried.append({"candidate": name, "fits": False, "smallest_peak_bytes": reached, "chosen": False})
-            lowest = min(lowest, reached) if reached is not None else lowest
-            return None
-        step_time = simulate(dataclasses.replace(plan, budget=None), start.hardware, costs).step_time
-        tried.append({"candidate": name, "fits": True, "peak_bytes": peak, "step_time_s": step_time,
-                      "chosen": False})
-        fitting.append((plan, peak, len(tried) - 1, step_time))
-        lowest = min(lowest, peak)
-        return step_time
-
-    def wanted(name: str) -> bool:
-        return only is None or name in only
-
-    def relaxed_name(relax: float, drained: bool = False) -> str:
-        return f"recompute to {relax:g}x{' on drained orders too' if drained else ''}, then swap"
-
-    def relaxed(relax: float, drained: bool = False) -> float | None:
-        return attempt(relaxed_name(relax, drained), [(DRAINED if drained else "recompute", int(relax * target)),
-                                                      ("swap", target)])
-
-    free = False        # recompute alone fits at no added time: nothing to swap for
-    if "recompute" in strategies and wanted("recompute") and \
-            attempt("recompute", [("recompute", target)]) is not None:
-        free = fitting[-1][0].notes["recompute"].get("overhead", 1.0) <= 0.0
-    if "swap" in strategies and not free:
-        if wanted("swap"):
-            attempt("swap", [("swap", target)])
-        if "recompute" in strategies:
-            grid = [relax for relax in RELAXATION_GRID if start_peak > int(relax * target)]
-            for drained in (False, True) if drains_anything(start) else (False,):
-                if only is None:
-                    climb_relaxations(lambda relax, d=drained: relaxed(relax, d), grid)
-                else:
-                    for relax in grid:
-                        if relaxed_name(relax, drained) in only:
-                            relaxed(relax, drained)
-    return sorted(fitting, key=lambda c: (c[3], c[2])), tried, lowest
-
-
-def drains_anything(plan: Plan) -> bool:
-    """Whether draining (`passes.order.drain`) changes any of the recompute pass's base
-    orders of `plan`: if not, the drained candidates would plan the same steps again (a
-    drained order equal to one before it is dropped from the bases)."""
-    from .recompute import base_orders
-
-    return any(name.endswith("+drain") for name in base_orders(plan, compute_order(plan.schedule), drained=True))
-
-
-def climb_relaxations(step_time_at: Callable[[float], float | None], grid: list[float]) -> dict[float, float]:
-    """Hill-climb the step time over the sorted `grid` of relaxations: try the points of
-    RELAXATION_START there (else the largest), then the untried neighbours of the fastest
-    until it has none. While none fits, step down instead (less relaxed: more recompute,
-    less left to swap). `step_time_at(relax)` plans one (None: it does not fit). Returns the
-    times tried (inf where none fit)."""
-    times: dict[int, float] = {}
-
-    def trial(i: int) -> None:
-        found = step_time_at(grid[i])
-        times[i] = float("inf") if found is None else found
-
-    for i in [grid.index(r) for r in RELAXATION_START if r in grid] or ([len(grid) - 1] if grid else []):
-        trial(i)
-    while times:
-        best = min(times, key=lambda i: (times[i], i))
-        near = (best - 1, best + 1) if times[best] < float("inf") else (best - 1,)
-        untried = [i for i in near if 0 <= i < len(grid) and i not in times]
-        if not untried:
-            break
-        for i in untried:
-            trial(i)
-    return {grid[i]: t for i, t in sorted(times.items())}
+            "errors": {name: str(e) for name, e in errors.items()}}
+    plan = plans[chosen]
+    return dataclasses.replace(plan, notes={**plan.notes, "batch_split": note})
 
 
 def baseline_of(plan: Plan) -> Plan:
@@ -409,7 +257,8 @@ def strategies_of(plan: Plan) -> tuple[str, ...]:
 
 
 def _passes(fuse_updates: bool = True, variants: dict[str, Graph] | None = None) -> dict[str, Callable]:
-    """Strategy name -> pass; imported on use so loading the pipeline stays cheap.
+    """Strategy name -> pass as `f(plan, seconds, deadline)`; imported on use so loading the
+    pipeline stays cheap.
     `fuse_updates`: whether reuse may fuse SGD and momentum updates into their dW Gemms;
     `variants`: rewritten training steps reuse may pick instead (passes.concat_split)."""
     from .order import order_pass
@@ -418,9 +267,12 @@ def _passes(fuse_updates: bool = True, variants: dict[str, Graph] | None = None)
     from .reuse import reuse_pass
     from .swap import swap_pass
 
-    return {"order": order_pass, "reuse": lambda plan, limit: reuse_pass(plan, fuse_updates, variants),
-            "recompute": recompute_pass, DRAINED: lambda plan, limit: recompute_pass(plan, limit, drained=True),
-            "swap": swap_pass, "placement": place_pass}
+    return {"order": lambda plan, limit, deadline: order_pass(plan, limit, deadline=deadline),
+            "reuse": lambda plan, limit, deadline: reuse_pass(plan, fuse_updates, variants),
+            "recompute": lambda plan, limit, deadline: recompute_pass(plan, limit, deadline=deadline),
+            DRAINED: lambda plan, limit, deadline: recompute_pass(plan, limit, drained=True, deadline=deadline),
+            "swap": lambda plan, limit, deadline: swap_pass(plan, limit, deadline=deadline),
+            "placement": place_pass}
 
 
 # ---- the report ----------------------------------------------------------------------------

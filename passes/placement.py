@@ -41,6 +41,7 @@ import time
 import numpy as np
 from ortools.sat.python import cp_model
 
+from memsched.deadline import Deadline
 from memsched.memory import analyze_plan, buffer_roots, buffers, check_placement
 from memsched.schedule import Plan
 
@@ -75,13 +76,16 @@ def align(nbytes: int, alignment: int = ALIGNMENT) -> int:
     return -(-int(nbytes) // alignment) * alignment
 
 
-def place_pass(plan: Plan, time_limit: float = 10.0) -> Plan:
-    """Give every residency of `plan` an arena offset; notes["placement"] says how tight it is."""
+def place_pass(plan: Plan, time_limit: float = 10.0, deadline: Deadline | None = None) -> Plan:
+    """Give every residency of `plan` an arena offset; notes["placement"] says how tight it is.
+    The search ends within `time_limit` seconds and before the command's `deadline`."""
+    if deadline is not None:
+        time_limit = deadline.cap(time_limit)
     start = time.perf_counter()
     profile = analyze_plan(plan)
     items = [b for b in buffers(profile) if b[3] > 0]
     n_steps = len(profile.live_bytes)
-    offsets, info = place_buffers(items, n_steps, time_limit, plan.budget)
+    offsets, info = place_buffers(items, n_steps, time_limit, plan.budget, deadline)
     roots = buffer_roots(profile)
     by_residency = {key: offsets.get(root, 0) for key, root in roots.items()}
     arena = check_placement(profile, by_residency)
@@ -95,7 +99,7 @@ def place_pass(plan: Plan, time_limit: float = 10.0) -> Plan:
 
 
 def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
-                  budget: int | None = None) -> tuple[dict, dict]:
+                  budget: int | None = None, deadline: Deadline | None = None) -> tuple[dict, dict]:
     """Offsets for `items` (the best greedy, the local search over its sequence, then CP-SAT
     where they may help); returns (offsets, info). Beyond MAX_CPSAT_BUFFERS, the largest-first
     model runs only where the arena is over `budget` (if given): offsets decide when a copy
@@ -103,15 +107,17 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
     than the budget needs can only add waits. Where its arena still misses `budget`, it runs
     again over more of the largest (`largest_counts`) in the time left."""
     started = time.perf_counter()
-    greedy, name = best_greedy(items, n_steps, started + time_limit / 2)
+    greedy, name = best_greedy(items, n_steps, deadline)
     arena = _arena_aligned(items, greedy, ALIGNMENT)
     bound = aligned_peak(items, n_steps)
     info = {"method": f"greedy ({name})", "status": "optimal" if arena <= bound else "heuristic",
             "buffers": len(items), "greedy_arena_bytes": _arena(items, greedy),
             "aligned_lower_bound_bytes": bound}
+    if budget is not None and arena <= budget:
+        info["search"] = "skipped: the greedy arena holds the budget"
+        return greedy, info
     if arena > bound:
-        searched, tried = improved_offsets(items, n_steps, GREEDY_ORDERS[name], started + time_limit / 2,
-                                           LOCAL_SEARCH_TRIES)
+        searched, tried = improved_offsets(items, n_steps, GREEDY_ORDERS[name], deadline, LOCAL_SEARCH_TRIES)
         info["local_search_moves"] = tried
         searched_arena = _arena_aligned(items, searched, ALIGNMENT)
         if searched_arena < arena:
@@ -129,12 +135,12 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
         if budget is not None and arena <= budget:
             info["cpsat"] = f"skipped: the arena holds the budget ({len(movable)} buffers)"
             return greedy, info
-        deadline, tried, spent = time.perf_counter() + time_limit, [], 0.0
+        ends, tried, spent = time.perf_counter() + time_limit, [], 0.0
         for count in largest_counts(movable, bound):
-            left = deadline - time.perf_counter()
+            left = ends - time.perf_counter()
             if tried and (left <= 0 or budget is None or arena <= budget):
                 break           # the model with more buffers runs only for a budget still missed
-            offsets, status, seconds = largest_first_offsets(items, n_steps, greedy, left, count)
+            offsets, status, seconds = largest_first_offsets(items, n_steps, greedy, left, count, deadline=deadline)
             tried.append(f"{status} on the {count} largest")
             spent += seconds
             found = _arena_aligned(items, offsets, ALIGNMENT) if offsets is not None else None
@@ -144,7 +150,7 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
                 greedy, arena = offsets, found
         info.update(cpsat=f"{', then '.join(tried)} of {len(movable)} buffers", cpsat_seconds=round(spent, 3))
         return greedy, info
-    offsets, status, proven, seconds = cpsat_offsets(items, n_steps, greedy, bound, time_limit)
+    offsets, status, proven, seconds = cpsat_offsets(items, n_steps, greedy, bound, time_limit, deadline=deadline)
     info.update(cpsat=status, cpsat_seconds=round(seconds, 3))
     if offsets is not None and _arena_aligned(items, offsets, ALIGNMENT) < arena:
         info["method"] = "cp-sat NoOverlap2D"
@@ -170,7 +176,7 @@ def largest_counts(movable: list[Buffer], bound: int) -> list[int]:
 
 
 def largest_first_offsets(items: list[Buffer], n_steps: int, hint: dict, time_limit: float,
-                          count: int | None = None, alignment: int = ALIGNMENT):
+                          count: int | None = None, alignment: int = ALIGNMENT, deadline: Deadline | None = None):
     """The whole-step buffers and the `count` (MAX_CPSAT_BUFFERS) largest others placed by
     `cpsat_offsets` (hinted with `hint`, bounded below by their own aligned peak), then the
     rest by best fit around them, largest first. Returns (offsets or None, status, seconds)."""
@@ -180,7 +186,7 @@ def largest_first_offsets(items: list[Buffer], n_steps: int, hint: dict, time_li
     largest, rest = movable[:count], movable[count:]
     chosen = whole + largest
     offsets, status, _, seconds = cpsat_offsets(chosen, n_steps, hint, aligned_peak(chosen, n_steps, alignment),
-                                                time_limit, alignment)
+                                                time_limit, alignment, deadline)
     if offsets is None:
         return None, status, seconds
     base = max((offsets[b[0]] + align(b[3], alignment) for b in whole), default=0)
@@ -189,12 +195,12 @@ def largest_first_offsets(items: list[Buffer], n_steps: int, hint: dict, time_li
     return offsets, status, seconds
 
 
-def best_greedy(items: list[Buffer], n_steps: int, deadline: float = math.inf) -> tuple[dict, str]:
+def best_greedy(items: list[Buffer], n_steps: int, deadline: Deadline | None = None) -> tuple[dict, str]:
     """The greedy placement with the smallest arena over GREEDY_ORDERS (ties: the first);
-    the orders after the first only while `deadline` (a perf_counter time) allows."""
+    the orders after the first only until the command's `deadline`."""
     best = None
     for name, order in GREEDY_ORDERS.items():
-        if best is not None and time.perf_counter() > deadline:
+        if best is not None and deadline is not None and deadline.expired:
             break
         offsets = greedy_offsets(items, n_steps, order)
         arena = _arena_aligned(items, offsets, ALIGNMENT)
@@ -213,13 +219,13 @@ def greedy_offsets(items: list[Buffer], n_steps: int, order=GREEDY_ORDERS["size"
     return offsets
 
 
-def improved_offsets(items: list[Buffer], n_steps: int, order, deadline: float,
+def improved_offsets(items: list[Buffer], n_steps: int, order, deadline: Deadline | None = None,
                      tries: int = LOCAL_SEARCH_TRIES, alignment: int = ALIGNMENT) -> tuple[dict, int]:
     """A local search over the greedy's placing sequence (first `order`): the buffer that sets
     the arena's top moves earlier, or a buffer placed before it that overlaps it in time moves
     after it; a move is kept when the arena does not grow. Stops at the aligned peak (nothing
     lower exists), after `tries` moves or LOCAL_SEARCH_PATIENCE moves in a row that lowered
-    nothing (a fixed seed: the same answer, given the time), or at `deadline`. Returns
+    nothing (a fixed seed: the same answer each time), or at the command's `deadline`. Returns
     (offsets, moves tried)."""
     offsets, base = _stack_whole_step(items, n_steps, alignment)
     bound = aligned_peak(items, n_steps, alignment)
@@ -228,7 +234,7 @@ def improved_offsets(items: list[Buffer], n_steps: int, order, deadline: float,
     rng = np.random.default_rng(LOCAL_SEARCH_SEED)
     tried = stale = 0
     while (sequence and tried < tries and stale < LOCAL_SEARCH_PATIENCE and his.max() > bound
-           and time.perf_counter() < deadline):
+           and not (deadline is not None and deadline.expired)):
         tried += 1
         stale += 1
         top = int(np.argmax(his))
@@ -301,7 +307,7 @@ def _best_fit(los: np.ndarray, his: np.ndarray, size: int, base: int) -> int:
 
 
 def cpsat_offsets(items: list[Buffer], n_steps: int, hint: dict, lower_bound: int,
-                  time_limit: float, alignment: int = ALIGNMENT):
+                  time_limit: float, alignment: int = ALIGNMENT, deadline: Deadline | None = None):
     """NoOverlap2D over (lifetime x address) in units of `alignment`, minimising the arena.
 
     Whole-step buffers keep their hinted place at the bottom (optimal, see the module doc).
@@ -324,7 +330,7 @@ def cpsat_offsets(items: list[Buffer], n_steps: int, hint: dict, lower_bound: in
         model.AddHint(y, (hint[key] - base) // alignment)
     model.AddNoOverlap2D(xs, ys)
     model.Minimize(top)
-    result = solve(model, time_limit)
+    result = solve(model, time_limit, deadline=deadline)
     proven = base + int(result.bound) * alignment if result.bound is not None else None
     if not result.has_solution:
         return None, result.status, proven, result.seconds

@@ -76,6 +76,7 @@ import numpy as np
 
 from memsched import hardware as hardware_mod
 from memsched.cost import op_time
+from memsched.deadline import Deadline, unlimited
 from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.executor import draws_random
 from memsched.ir import Graph, Op
@@ -102,18 +103,21 @@ REPLAYABLE_PHASES = frozenset({"forward", "loss", "backward"})   # not updates: 
 END = ("end",)              # id of the sink that holds graph outputs to the end of the step
 
 
-def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", drained: bool = False) -> Plan:
+def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", drained: bool = False,
+                   deadline: Deadline | None = None) -> Plan:
     """`plan` with recompute steps so that its judged peak is within `plan.budget`, at the least
     added compute time found within `time_limit` seconds; notes["recompute"] says how.
 
     Needs a budget, a hardware profile (op times) and a schedule of compute steps only (run
     it after order/reuse, before swap and placement). `method`: "auto" (all solvers and the
     seeds), or one of `remat.METHODS` alone (for benchmarks; "cpsat" keeps the seeds).
-    `drained`: plan on the drained base orders too (`base_orders`).
+    `drained`: plan on the drained base orders too (`base_orders`). The search ends before
+    the command's `deadline` too, and at once once it is stopped (Ctrl-C).
     Raises BudgetError naming the smallest peak reached when no plan fits.
     """
+    outer = deadline or unlimited()
     started = time.perf_counter()
-    deadline = started + max(0.0, float(time_limit))
+    deadline = started + outer.cap(max(0.0, float(time_limit)))
     if plan.budget is None:
         raise UserError("the recompute pass needs a memory budget")
     order = compute_order(plan.schedule)
@@ -139,7 +143,8 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
         base_plan = _with_order(plan, base)
         base_problem = to_problem(base_plan)
         found, base_rounds = search(base_problem, base_plan, budget,
-                                    time.perf_counter() + share * max(0.0, searched - time.perf_counter()), method)
+                                    time.perf_counter() + share * max(0.0, searched - time.perf_counter()), method,
+                                    outer)
         rounds += [{"base_order": name, **r} for r in base_rounds]
         if found is not None and (best is None or found[0].total_cost < best[0].total_cost):
             best, base_name, problem, base_of_best = found, name, base_problem, base_plan
@@ -592,7 +597,8 @@ def _cheaper(problem: remat.RematProblem, result: remat.Result, plan: list[list[
                                status=status, seconds=time.perf_counter() - started)
 
 
-def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float, method: str = "auto"):
+def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float, method: str = "auto",
+           outer: Deadline | None = None):
     """Solve the abstract problem at abstract budgets steered by the judge (module docstring).
 
     Returns (best, rounds): best = (remat Result, schedule, aliases, judged peak, abstract
@@ -606,7 +612,7 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
     best, rounds = None, []
     for r in range(MAX_ROUNDS):
         now = time.perf_counter()
-        if r and deadline - now < min(record["seconds"] for record in rounds):
+        if r and (outer is not None and outer.stopped or deadline - now < min(record["seconds"] for record in rounds)):
             break   # a round takes at least about as long as the quickest one so far
         left = max(0.05, deadline - now)
         retry = any(target == record["abstract_budget_bytes"] for record in rounds)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from memsched.deadline import Deadline
+
 SEED = 20240607
 # share of the wall limit given as deterministic time; CP-SAT's deterministic seconds run
 # slower than wall seconds on a loaded machine, so this leaves room for the reproducible limit
@@ -42,7 +44,7 @@ def workers() -> int:
 
 
 def solve(model: cp_model.CpModel, time_limit: float, presolve: bool = True,
-          started: float | None = None, min_seconds: float = 0.01) -> SolveResult:
+          started: float | None = None, min_seconds: float = 0.01, deadline: Deadline | None = None) -> SolveResult:
     """Solve `model` within `time_limit` wall seconds; never raises on a time-out.
 
     `started` (a `time.perf_counter()` reading) is when the caller's `time_limit` began: the
@@ -54,19 +56,29 @@ def solve(model: cp_model.CpModel, time_limit: float, presolve: bool = True,
     safe only with a hint that is a solution: OR-Tools 9.12-9.15 abort the process ("Check
     failed: heuristics.fixed_search != nullptr") on an interleaved, unpresolved search of an
     infeasible model with a hint, which a model that may be infeasible (the recompute pass's)
-    must leave to presolve to find."""
+    must leave to presolve to find.
+
+    `deadline`, the command's one deadline, bounds the wall limit too and stops the search
+    when it is stopped (Ctrl-C); CP-SAT's own SIGINT handler is off, so the command, not the
+    solver, decides what a Ctrl-C does."""
     solver = cp_model.CpSolver()
     params = solver.parameters
     spent = 0.0 if started is None else time.perf_counter() - started
-    params.max_time_in_seconds = max(min_seconds, float(time_limit) - spent)
+    wall = max(min_seconds, float(time_limit) - spent)
+    params.max_time_in_seconds = wall if deadline is None else max(0.001, deadline.cap(wall))
     params.max_deterministic_time = max(0.005, DETERMINISTIC_SHARE * float(time_limit))
     params.num_workers = workers()
     params.interleave_search = True
     params.random_seed = SEED
     params.log_search_progress = False
     params.cp_model_presolve = presolve
+    params.catch_sigint_signal = False
     start = time.perf_counter()
-    code = solver.Solve(model)
+    if deadline is None:
+        code = solver.Solve(model)
+    else:
+        with deadline.stopping(solver.StopSearch):
+            code = solver.Solve(model)
     seconds = time.perf_counter() - start
     status = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible"}.get(code, "unknown")
     finished = code in (cp_model.OPTIMAL, cp_model.INFEASIBLE)

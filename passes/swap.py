@@ -26,6 +26,7 @@ from collections import defaultdict
 
 from memsched import hardware as hardware_mod
 from memsched.cost import CostTable
+from memsched.deadline import Deadline
 from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan, free, recompute, swap_in, swap_out
@@ -38,10 +39,12 @@ from .swap_model import solve
 DEFAULT_TIME_LIMIT = 10.0
 
 
-def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTable | None = None) -> Plan:
+def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTable | None = None,
+              deadline: Deadline | None = None) -> Plan:
     """Swap and recompute so that `plan` holds its budget at every step, predicted fastest.
 
-    `time_limit` bounds the search (heuristic, then CP-SAT in what is left); judging and
+    `time_limit` bounds the search (heuristic, then CP-SAT in what is left; never past the
+    command's `deadline`, which also stops CP-SAT on Ctrl-C); judging and
     simulating the answers come on top. Op times come from `costs` if given, else the roofline
     on the plan's hardware. Raises UserError without a hardware profile, BudgetError (with the
     smallest budget this pass reaches) when the budget cannot be met."""
@@ -64,7 +67,7 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
     choices, _, order = found
 
     results = [("heuristic", choices)]
-    solved = solve(problem, choices, time_limit, started)
+    solved = solve(problem, choices, time_limit, started, deadline)
     if solved.choices is not None:
         results.append(("cp-sat", solved.choices))
     best, rejected = None, None

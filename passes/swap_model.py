@@ -30,6 +30,8 @@ from functools import reduce
 
 from ortools.sat.python import cp_model
 
+from memsched.deadline import Deadline
+
 from . import solver as cpsat
 from .swap_gaps import Gap, Problem
 from .swap_heuristic import Choice, MOVING, Timing, in_order, out_order, timeline
@@ -44,10 +46,11 @@ class Solved:
     seconds: float
 
 
-def solve(problem: Problem, hint: list[Choice], time_limit: float, started: float | None = None) -> Solved:
+def solve(problem: Problem, hint: list[Choice], time_limit: float, started: float | None = None,
+          deadline: Deadline | None = None) -> Solved:
     """Build the model with `hint` (a valid heuristic answer) as a complete hint and solve it
     in what is left of `time_limit` seconds counted from `started` (default now; never less
-    than a tenth of a second of wall time)."""
+    than a tenth of a second of wall time), and before the command's `deadline`."""
     entered = time.perf_counter()
     begin = entered if started is None else started
     for g, c in zip(problem.gaps, hint):          # the hint's slots must be on offer
@@ -59,7 +62,7 @@ def solve(problem: Problem, hint: list[Choice], time_limit: float, started: floa
     model = _Model(problem)
     model.hint(hint, timeline(problem, hint))
     # presolve off: on graphs of thousands of steps it can use the whole limit before searching
-    result = cpsat.solve(model.m, time_limit, presolve=False, started=begin, min_seconds=0.1)
+    result = cpsat.solve(model.m, time_limit, presolve=False, started=begin, min_seconds=0.1, deadline=deadline)
     seconds = time.perf_counter() - entered
     if not result.has_solution:
         return Solved(None, result.status, None, None, seconds)

@@ -1,0 +1,81 @@
+"""One wall-clock deadline for a whole command, handed down to every pass and solver.
+
+A command such as `compile` has one `--time-limit`: every pass, candidate and solver call
+shares it instead of each getting seconds of its own that add up. Inside, the passes keep
+their deterministic limits (CP-SAT's deterministic time, fixed seeds, counted loops), so the
+same input gives the same plan; the deadline only cuts a search short, and says so (`cut`)
+so a result can be reported as possibly different from run to run.
+
+`stop()` ends the search early (Ctrl-C): `expired` turns true at once, and the CP-SAT
+searches running at that moment are told to stop through the callbacks they register with
+`stopping`.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+
+class Deadline:
+    """A wall-clock end (`time.perf_counter()` seconds) and whether anything was cut by it."""
+
+    def __init__(self, seconds: float | None = None):
+        self.started = time.perf_counter()
+        self.end = math.inf if seconds is None else self.started + max(0.0, float(seconds))
+        self.cut = False          # a search ended early because of this deadline
+        self.stopped = False      # stop() was called (Ctrl-C)
+        self._stops: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def left(self) -> float:
+        """Seconds left (0 once stopped; inf for no deadline)."""
+        return 0.0 if self.stopped else max(0.0, self.end - time.perf_counter())
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    @property
+    def expired(self) -> bool:
+        """Whether the time is up; a caller that stops work because of it marks the cut."""
+        if self.stopped or time.perf_counter() >= self.end:
+            self.cut = True
+            return True
+        return False
+
+    def cap(self, seconds: float) -> float:
+        """`seconds`, or what is left of the deadline where that is less (marked as a cut)."""
+        left = self.left()
+        if left < seconds:
+            self.cut = True
+            return left
+        return float(seconds)
+
+    def stop(self) -> None:
+        """End the search now: `expired` is true from here on and running solvers are stopped."""
+        with self._lock:
+            self.stopped = True
+            stops = list(self._stops)
+        for stop in stops:
+            stop()
+
+    @contextmanager
+    def stopping(self, stop: Callable[[], None]) -> Iterator[None]:
+        """While inside, `stop()` also calls `stop` (e.g. a CP-SAT solver's StopSearch)."""
+        with self._lock:
+            self._stops.append(stop)
+            already = self.stopped
+        if already:
+            stop()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._stops.remove(stop)
+
+
+def unlimited() -> Deadline:
+    """A deadline that never expires (library calls without a time limit)."""
+    return Deadline(None)

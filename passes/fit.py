@@ -1,0 +1,308 @@
+"""The fit search: the fastest placed plan that holds a memory budget, found anytime under
+the command's one deadline.
+
+A plan over its budget needs recompute, swap or both. The candidates (`Candidate`):
+recompute alone; swap alone (it replays too); recompute down to a relaxed target
+(RELAXATION_GRID x the target: replaying what is cheap per byte), then swap the rest, whose
+transfers the link can hide; and the same with the recompute pass planning on drained base
+orders too (`passes.order.drain`: a big tensor's readers run together, which the swap after
+the replays may need -- 3-D U-Net 264^3: +14.9% against +48.1% -- or lose by -- ResNet-50
+batch 1004 at 1.75x: +30.9% against +18.6%). The best relaxation depends on the model and
+the link, so it is climbed, not fixed.
+
+A candidate planned at a target with an effort (the seconds each of its passes may take) is
+an attempt: its judged peak, its predicted step time (the simulator, before placement, whose
+offsets can only narrow the waits for swap-outs), and -- where it is faster than the best
+placed plan so far -- its arena. Where the arena overshoots the budget (fragmentation), the
+candidate is planned again against a target lowered by the overshoot, at most FIT_ROUNDS
+times; where a lowered target no longer fits, once more halfway back.
+
+The search is anytime: cheap plans first, so that a fitting plan exists early, then better
+ones while time is left; the best placed plan is kept throughout.
+1. First plans, at the QUICK share of the time limit per pass: recompute alone (where it
+   adds no time, nothing is left to gain), swap alone, the joint candidates at
+   RELAXATION_START, then the climb towards the faster neighbour until the fastest point has
+   both neighbours tried; then the same climb on drained orders.
+2. Improvement, at each of the IMPROVE shares in turn: the IMPROVE_COUNT fastest candidates
+   so far are planned again with that effort.
+Every phase is a fixed sequence given the attempts' results, and the passes keep
+deterministic limits inside, so the same input gives the same plan unless the deadline (or
+a Ctrl-C, `Deadline.stop`) cut the search, which `cut` reports.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from memsched.deadline import Deadline
+from memsched.errors import BudgetError
+from memsched.schedule import Plan
+from memsched.simulate import simulate
+from memsched.units import format_bytes
+
+# Re-planning rounds of one candidate against a lower target when its arena overshoots.
+FIT_ROUNDS = 3
+# Relaxations of the joint candidates (x the target) and the two the climb starts from
+# (predicted on v100-16gb: BERT-base batch 660 best at 1.5x, ResNet-50 batch 975 at 1.75x).
+RELAXATION_GRID = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0)
+RELAXATION_START = (1.5, 2.0)
+# Effort per pass call, as shares of the command's time limit: the first plans, then the
+# improvement rounds, each re-planning the IMPROVE_COUNT fastest candidates.
+QUICK = 0.02
+IMPROVE = (0.08, 0.2)
+IMPROVE_COUNT = 2
+# The effort given to placing one attempt, as a share of the time limit, and its bounds.
+PLACE = 0.03
+PLACE_SECONDS = (0.5, 10.0)
+DRAINED = "recompute (drained orders too)"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to bring a plan within its target: recompute, swap, or recompute to `relax` x
+    the target (on drained base orders too where `drained`), then swap."""
+
+    kind: str                  # "recompute", "swap" or "joint"
+    relax: float | None = None
+    drained: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.kind != "joint":
+            return self.kind
+        return f"recompute to {self.relax:g}x{' on drained orders too' if self.drained else ''}, then swap"
+
+    def steps(self, target: int) -> list[tuple[str, int]]:
+        """(pass, budget) in turn; a pass runs only while the plan is over its budget."""
+        if self.kind != "joint":
+            return [(self.kind, target)]
+        return [(DRAINED if self.drained else "recompute", int(self.relax * target)), ("swap", target)]
+
+
+@dataclass
+class Best:
+    step_time: float
+    plan: Plan
+    record: int          # index of its attempt in Search.tried
+
+
+class Search:
+    """The fit search of one start plan (a training step in some form, reordered and reused)
+    against `budget` (None: placed as it is). `run(name, apply, plan)` applies a pass and judges it (plan, peak);
+    `passes` maps pass names to `f(plan, seconds, deadline)`; `time_limit` is the command's,
+    which the efforts are shares of; `say` reports progress."""
+
+    def __init__(self, start: Plan, start_peak: int, budget: int | None, strategies, passes: dict[str, Callable],
+                 run: Callable, time_limit: float, deadline: Deadline, costs=None,
+                 say: Callable[[str], None] = lambda message: None, label: str = ""):
+        self.start, self.start_peak, self.budget = start, start_peak, budget
+        self.strategies, self.passes, self.run = tuple(strategies), passes, run
+        self.time_limit, self.deadline, self.costs = time_limit, deadline, costs
+        self.say, self.label = say, label
+        self.tried: list[dict] = []
+        self.best: Best | None = None
+        self.lowest = start_peak                 # the lowest judged peak any attempt reached
+        self.smallest_arena: int | None = None   # the smallest arena over the budget seen
+        self.times: dict[Candidate, float] = {}  # each candidate's fastest fitting step time
+        self.targets: dict[Candidate, int] = {}  # the target each candidate is planned against
+        self.overshot_at: dict[Candidate, int] = {}  # the last target whose plan fit but overshot
+        self.first_target = budget               # lowered where the plan as it is overshoots
+        self.placed: Plan | None = None          # the last plan placed
+        self.last_planned: Plan | None = None    # the last attempt's plan that fit its target
+
+    # ---- the phases ----
+    def first_plans(self) -> None:
+        """Phase 1: the plan as it is where it fits (or there is no budget), else the
+        candidates at QUICK effort."""
+        if (self.budget is None or self.start_peak <= self.budget) and self._place_as_is():
+            return
+        effort = QUICK * self.time_limit
+        if "recompute" in self.strategies and self.attempt(Candidate("recompute"), effort) is not None and \
+                self.last_planned.notes["recompute"].get("overhead", 1.0) <= 0.0:
+            return              # recompute alone adds no time: nothing to swap for
+        if "swap" not in self.strategies:
+            return
+        self.attempt(Candidate("swap"), effort)
+        if "recompute" in self.strategies:
+            self.climb(False, effort)
+            if not self._stopping() and drains_anything(self.start):
+                self.climb(True, effort)
+
+    def improve(self, share: float) -> None:
+        """Phase 2: the IMPROVE_COUNT fastest candidates so far, planned again at `share` of
+        the time limit per pass."""
+        ranked = sorted(self.times, key=lambda c: (self.times[c], c.name))[:IMPROVE_COUNT]
+        for candidate in ranked:
+            if self._stopping():
+                return
+            self.attempt(candidate, share * self.time_limit)
+
+    def climb(self, drained: bool, effort: float) -> None:
+        """Hill-climb the joint candidates' step time over the relaxations that lie under the
+        start's peak (`climb_relaxations`)."""
+        grid = [r for r in RELAXATION_GRID if self.start_peak > int(r * self.first_target)]
+        climb_relaxations(lambda relax: None if self._stopping() else
+                          self.attempt(Candidate("joint", relax, drained), effort), grid)
+
+    def _stopping(self) -> bool:
+        """Whether to stop: on a stop (Ctrl-C), or once the time is up and a plan is kept (until
+        then the passes, out of time, still give their heuristic answers: an answer comes)."""
+        return self.deadline.stopped or (self.best is not None and self.deadline.expired)
+
+    # ---- one attempt ----
+    def attempt(self, candidate: Candidate, effort: float) -> float | None:
+        """Plan `candidate` with `effort` seconds per pass; place it where it beats the best
+        so far, against lower targets while its arena overshoots. Returns its step time (None
+        where it does not fit its target, or the deadline passed)."""
+        fastest = None
+        for _ in range(FIT_ROUNDS):
+            if self._stopping():
+                break
+            target = self._target(candidate)
+            self.say(f"{self.label}{candidate.name} at {format_bytes(target)} ({effort:.1f} s a pass)"
+                     f"{self._best_so_far()}")
+            planned = self._planned(candidate, target, effort)
+            if planned is None:
+                self._lower_failed(candidate, target)
+                break
+            plan, record = planned
+            step_time = self.tried[record]["step_time_s"]
+            fastest = step_time if fastest is None else min(fastest, step_time)
+            self.times[candidate] = min(self.times.get(candidate, step_time), step_time)
+            if self.best is not None and step_time >= self.best.step_time:
+                break           # slower than a placed plan: placing it cannot win
+            arena = self._place(plan, record)
+            if arena <= self.budget:
+                self.best = Best(step_time, self.placed, record)
+                break
+            self._overshot(candidate, target, arena)
+        return fastest
+
+    def _planned(self, candidate: Candidate, target: int, effort: float) -> tuple[Plan, int] | None:
+        """Apply the candidate's passes; record the attempt. (plan, its record) or None."""
+        plan, peak = self.start, self.start_peak
+        record = {"candidate": candidate.name, "target_bytes": target, "effort_s": round(effort, 3)}
+        try:
+            for pass_name, budget in candidate.steps(target):
+                if peak > budget:
+                    plan, peak = self.run(pass_name, lambda p, f=self.passes[pass_name], b=budget:
+                                          f(dataclasses.replace(p, budget=b), effort, self.deadline), plan)
+        except BudgetError as err:
+            reached = err.smallest_feasible_bytes
+            self.tried.append({**record, "fits": False, "smallest_peak_bytes": reached, "chosen": False})
+            self.lowest = min(self.lowest, reached) if reached is not None else self.lowest
+            return None
+        step_time = simulate(dataclasses.replace(plan, budget=None), self.start.hardware, self.costs).step_time
+        self.tried.append({**record, "fits": True, "peak_bytes": peak, "step_time_s": step_time, "chosen": False})
+        self.lowest = min(self.lowest, peak)
+        self.last_planned = plan
+        return plan, len(self.tried) - 1
+
+    def _place(self, plan: Plan, record: int | None) -> int:
+        """Place `plan` (kept as self.placed); its arena, noted in its record."""
+        seconds = min(max(PLACE * self.time_limit, PLACE_SECONDS[0]), PLACE_SECONDS[1])
+        self.placed, _ = self.run("placement", lambda p: self.passes["placement"](
+            dataclasses.replace(p, budget=self.budget), seconds, self.deadline), plan)
+        arena = self.placed.notes["placement"]["arena_bytes"]
+        if record is not None:
+            self.tried[record]["arena_bytes"] = arena
+        return arena
+
+    def _place_as_is(self) -> bool:
+        """The start itself, placed, where its arena holds the budget (no added time)."""
+        arena = self._place(self.start, None)
+        if self.budget is None or arena <= self.budget:
+            self.best = Best(0.0, self.placed, -1)
+            return True
+        self.smallest_arena = arena
+        self.first_target = self.budget - (arena - self.budget)
+        return False
+
+    # ---- targets ----
+    def _target(self, candidate: Candidate) -> int:
+        return self.targets.get(candidate, self.first_target)
+
+    def _overshot(self, candidate: Candidate, target: int, arena: int) -> None:
+        """Plan `candidate` next against a target lowered by its arena's overshoot."""
+        self.smallest_arena = arena if self.smallest_arena is None else min(self.smallest_arena, arena)
+        self.overshot_at[candidate] = target
+        self.targets[candidate] = target - (arena - self.budget)
+
+    def _lower_failed(self, candidate: Candidate, target: int) -> None:
+        """A lowered target that does not fit: next time halfway back to the last one that
+        fit but overshot (once: after that the candidate keeps its last target)."""
+        above = self.overshot_at.pop(candidate, None)
+        if above is not None and above > target + 1:
+            self.targets[candidate] = (target + above) // 2
+
+    # ---- results ----
+    def _best_so_far(self) -> str:
+        if self.best is None:
+            return ""
+        arena = self.best.plan.notes.get("placement", {}).get("arena_bytes")
+        return f"; best so far {self.tried[self.best.record]['candidate'] if self.best.record >= 0 else 'as is'}" \
+               f", arena {format_bytes(arena)}"
+
+    def result(self, strategies) -> Plan:
+        """The best placed plan with its budget and notes["fit"]; BudgetError where none held it."""
+        if self.best is None:
+            raise self.failure(strategies)
+        plan, record = self.best.plan, self.best.record
+        if record >= 0:
+            self.tried[record]["chosen"] = True
+        chosen = self.tried[record] if record >= 0 else None
+        note = {"target_bytes": chosen["target_bytes"] if chosen else self.budget, "tried": self.tried,
+                "attempts": len(self.tried), "cut": self.deadline.cut}
+        return dataclasses.replace(plan, budget=self.budget, notes={**plan.notes, "fit": note})
+
+    def failure(self, strategies) -> BudgetError:
+        """Why nothing was kept: no candidate reached the budget, or none placed within it, or
+        the time ran out first."""
+        budget = self.budget
+        if self.smallest_arena is not None and self.lowest <= budget:
+            return BudgetError(f"the plan's live bytes fit the budget of {format_bytes(budget)} but its arena does "
+                               f"not: the smallest arena over it is {format_bytes(self.smallest_arena)} "
+                               f"({self.smallest_arena:,} B)", self.smallest_arena)
+        missing = [s for s in ("recompute", "swap") if s not in strategies]
+        hint = f"; add {' or '.join(missing)} to --strategies to go lower" if missing else ""
+        if self.deadline.cut and not self.tried:
+            hint = "; the time limit ran out before any plan was made: raise --time-limit"
+        return BudgetError(f"the budget of {format_bytes(budget)} ({budget:,} B) cannot be met with "
+                           f"{','.join(strategies) or 'no strategies'}: the smallest peak reached is "
+                           f"{format_bytes(self.lowest)} ({self.lowest:,} B){hint}", self.lowest)
+
+
+def drains_anything(plan: Plan) -> bool:
+    """Whether draining (`passes.order.drain`) changes any of the recompute pass's base
+    orders of `plan`: if not, the drained candidates would plan the same steps again (a
+    drained order equal to one before it is dropped from the bases)."""
+    from .recompute import base_orders
+    from .reuse import compute_order
+
+    return any(name.endswith("+drain") for name in base_orders(plan, compute_order(plan.schedule), drained=True))
+
+
+def climb_relaxations(step_time_at: Callable[[float], float | None], grid: list[float]) -> dict[float, float]:
+    """Hill-climb the step time over the sorted `grid` of relaxations: try the points of
+    RELAXATION_START there (else the largest), then the untried neighbours of the fastest
+    until it has none. While none fits, step down instead (less relaxed: more recompute,
+    less left to swap). `step_time_at(relax)` plans one (None: it does not fit). Returns the
+    times tried (inf where none fit)."""
+    times: dict[int, float] = {}
+
+    def trial(i: int) -> None:
+        found = step_time_at(grid[i])
+        times[i] = float("inf") if found is None else found
+
+    for i in [grid.index(r) for r in RELAXATION_START if r in grid] or ([len(grid) - 1] if grid else []):
+        trial(i)
+    while times:
+        best = min(times, key=lambda i: (times[i], i))
+        near = (best - 1, best + 1) if times[best] < float("inf") else (best - 1,)
+        untried = [i for i in near if 0 <= i < len(grid) and i not in times]
+        if not untried:
+            break
+        for i in untried:
+            trial(i)
+    return {grid[i]: t for i, t in sorted(times.items())}

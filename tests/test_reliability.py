@@ -1,0 +1,411 @@
+"""Guards found by the bad-input and fault audit: outputs, external data, rich markup, validation, plans."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from cli import positive_seconds
+from memsched import frontend, hardware, onnx_utils
+from memsched.cost import CostTable
+from memsched.emit import read_plan, write_plan
+from memsched.errors import UserError
+from memsched.outputs import TEMP_TAG, check_outputs, remove_stale_temporaries
+from memsched.units import parse_bytes, parse_percent
+from tests.planbuild import edit_plan_metadata, mlp_train_graph, swap_plan
+
+from .conftest import ROOT, run_cli
+from .graphs import mlp_model
+
+
+def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    """The process failed with exit 1 and one `memsched: error:` line holding every fragment."""
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memsched: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def temporaries(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if TEMP_TAG in n)
+
+
+# ---- 4, 11: outputs are checked before work ----------------------------------------------------------------
+def test_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path):
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    before = model.read_bytes()
+    one_line_error(run_cli("train-graph", model, "-o", model), "is the input")
+    one_line_error(run_cli("profile", model, "-o", tmp_path / "." / "m.onnx"), "is the input")
+    os.link(model, tmp_path / "hard.onnx")          # a hard link is the same file under another name
+    one_line_error(run_cli("train-graph", model, "-o", tmp_path / "hard.onnx"), "is the input")
+    assert model.read_bytes() == before
+
+
+def test_fifo_and_directory_outputs_are_refused_and_left_as_they_are(tmp_path):
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    one_line_error(run_cli("train-graph", model, "-o", fifo), "not a regular file")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    one_line_error(run_cli("models", "export", "mlp", "-o", tmp_path), "is a directory")
+    with pytest.raises(UserError, match="not a regular file"):
+        onnx_utils.write_text_atomic(fifo, "x")        # the writers refuse it too, whoever calls them
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_bad_output_is_found_before_the_work(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    # the model does not exist: the output is checked first, so the error names the output
+    one_line_error(run_cli("train-graph", tmp_path / "missing.onnx", "-o", blocker / "out.onnx"),
+                   "cannot write -o", "Not a directory")
+    one_line_error(run_cli("tune-batch", "mlp", "--plot", tmp_path, "--max-batch", "2"), "--plot", "is a directory")
+    one_line_error(run_cli("report", tmp_path / "missing.onnx", "--html", tmp_path), "--html", "is a directory")
+
+
+def test_check_outputs_names_the_option_and_refuses_two_options_on_one_path(tmp_path):
+    check_outputs({"-o": tmp_path / "a.onnx", "--report": None}, [tmp_path / "missing.onnx"])
+    with pytest.raises(UserError, match="-o and --report both name"):
+        check_outputs({"-o": tmp_path / "a", "--report": tmp_path / "." / "a"})
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_written_files_honour_the_umask(tmp_path, mask, mode):
+    old = os.umask(mask)
+    try:
+        text = onnx_utils.write_text_atomic(tmp_path / "t.json", "{}")
+        model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(text).st_mode) == mode
+    assert stat.S_IMODE(os.stat(model).st_mode) == mode
+
+
+# ---- 5: the external-data save path ------------------------------------------------------------------------
+def test_big_model_path_pairs_each_model_with_its_own_data(tmp_path, monkeypatch):
+    monkeypatch.setattr(onnx_utils, "TWO_GB", 16)      # take the >2 GB path with a small model
+    path = tmp_path / "m.onnx"
+    for width in (512, 1024, 8, 2048):        # width 8: every tensor under the threshold, no data file
+        onnx_utils.save_model_atomic(mlp_model(width=width), path)
+        data = [n for n in os.listdir(tmp_path) if n.endswith(".data")]
+        assert len(data) == (width > 8) and not temporaries(tmp_path)   # the replaced model's data file is gone
+    stored = onnx.load(str(path), load_external_data=False).graph.initializer[0]
+    assert stored.data_location == TensorProto.EXTERNAL and stored.external_data[0].value == data[0]
+    loaded = onnx.load(str(path))
+    assert numpy_helper.to_array(loaded.graph.initializer[0]).shape == (4, 2048)
+
+
+def test_concurrent_big_writes_leave_a_model_that_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr(onnx_utils, "TWO_GB", 16)
+    path = tmp_path / "m.onnx"
+    errors = []
+
+    def write(width):
+        try:
+            for _ in range(5):
+                onnx_utils.save_model_atomic(mlp_model(width=width), path)
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+    threads = [threading.Thread(target=write, args=(w,)) for w in (512, 1024, 2048)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    loaded = onnx.load(str(path))        # loads its external data: the file it names exists, whole
+    w1 = numpy_helper.to_array(loaded.graph.initializer[0])
+    assert w1.shape[1] in (512, 1024, 2048)
+    assert np.array_equal(w1, numpy_helper.to_array(mlp_model(width=w1.shape[1]).graph.initializer[0]))
+    assert not temporaries(tmp_path)
+
+
+# ---- 13: signals and stale temporaries ---------------------------------------------------------------------
+SLOW_EXPORT = """
+import sys, time
+sys.path.insert(0, {root!r})
+import onnx, cli
+def slow(model, path, *args, **kwargs):
+    open(path, "wb").write(b"x" * 1000)
+    print("writing", flush=True)
+    time.sleep(60)
+onnx.save_model = slow
+sys.exit(cli.main(["models", "export", "mlp", "-o", {out!r}]))
+"""
+
+
+def _start_slow_export(out) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_EXPORT.format(root=str(ROOT), out=str(out))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    return proc
+
+
+def test_sigterm_while_writing_removes_the_temporary(tmp_path):
+    proc = _start_slow_export(tmp_path / "m.onnx")
+    assert temporaries(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and err.strip() == "memsched: terminated"
+    assert os.listdir(tmp_path) == []
+
+
+def test_sigkill_leftovers_are_removed_by_the_next_write(tmp_path):
+    proc = _start_slow_export(tmp_path / "m.onnx")
+    proc.kill()
+    proc.communicate(timeout=30)
+    left = temporaries(tmp_path)
+    assert len(left) == 1 and f"-{proc.pid}-" in left[0]
+    onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    assert temporaries(tmp_path) == [] and os.listdir(tmp_path) == ["m.onnx"]
+
+
+def test_only_stale_temporaries_are_removed(tmp_path):
+    live_recent = tmp_path / f".m.onnx{TEMP_TAG}{os.getpid()}-a.tmp"
+    live_old = tmp_path / f".m.onnx{TEMP_TAG}{os.getpid()}-b.tmp"
+    other_output = tmp_path / f".n.onnx{TEMP_TAG}99999999-c.tmp"
+    for p in (live_recent, live_old, other_output):
+        p.write_text("")
+    os.utime(live_old, (time.time() - 7200, time.time() - 7200))
+    removed = remove_stale_temporaries(tmp_path / "m.onnx")
+    assert removed == [live_old]
+    assert live_recent.exists() and other_output.exists()
+
+
+# ---- 8: names are not markup -------------------------------------------------------------------------------
+def _markup_model():
+    model = mlp_model()
+    model.graph.name = "[/]"
+    for node in model.graph.node:
+        node.name = "[link=http://example.com]click[/link]" if node.name == "fc1" else node.name
+        node.output[:] = ["[bold]h[/bold]" if t == "h" else t for t in node.output]
+        node.input[:] = ["[bold]h[/bold]" if t == "h" else t for t in node.input]
+    return model
+
+
+def test_names_with_markup_print_literally(tmp_path):
+    folder = tmp_path / "[bold]dir"
+    model = onnx_utils.save_model_atomic(_markup_model(), folder / "m.onnx")
+    result = run_cli("inspect", model)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("[/]:") and "[bold]h[/bold]" in result.stdout
+    result = run_cli("profile", model, "-o", folder / "c.json", "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    assert "[/]:" in result.stdout and "[link=http://example.com]click[/link]" in result.stdout
+    assert f"written to {folder / 'c.json'}" in result.stdout.replace("\n", "")
+    assert "\x1b]8;" not in result.stdout        # no terminal hyperlink
+
+
+# ---- 9: external data stays in the model's folder ----------------------------------------------------------
+def _external_model(folder, location: str):
+    model = mlp_model()
+    init = model.graph.initializer[0]
+    nbytes = len(init.raw_data)
+    init.ClearField("raw_data")
+    init.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", str(nbytes))):
+        init.external_data.add(key=key, value=value)
+    folder.mkdir(exist_ok=True)
+    path = folder / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize("location, message", [
+    ("../secret.bin", "outside the model's folder"),
+    ("sub/../../secret.bin", "outside the model's folder"),
+    ("{abs}", "an absolute path"),
+    ("{abs_missing}", "an absolute path"),
+    ("link.bin", "through a symlink"),
+])
+@pytest.mark.parametrize("command", ["inspect", "simulate", "train-graph", "tune-batch"])
+def test_external_data_outside_the_folder_is_refused_before_a_stat(tmp_path, location, message, command):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\0" * 4096)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "link.bin").symlink_to(secret)
+    path = _external_model(folder, location.format(abs=secret, abs_missing=tmp_path / "nothing.bin"))
+    extra = {"train-graph": ["-o", tmp_path / "t.onnx"], "tune-batch": ["--max-batch", "2"]}.get(command, [])
+    line = one_line_error(run_cli(command, path, *extra), message)
+    assert "4096" not in line and "not found" not in line and "truncated" not in line
+
+
+def test_external_data_in_a_subfolder_is_fine(tmp_path):
+    folder = tmp_path / "model"
+    path = _external_model(folder, "weights/w1.bin")
+    (folder / "weights").mkdir()
+    (folder / "weights" / "w1.bin").write_bytes(mlp_model().graph.initializer[0].raw_data)
+    assert frontend.load(path).tensors["W1"].shape == (4, 4)
+
+
+# ---- 10: IR < 4 models -------------------------------------------------------------------------------------
+def test_ir3_model_with_initializers_as_inputs_compiles_and_runs(tmp_path):
+    model = mlp_model()
+    model.ir_version = 3
+    model.opset_import[0].version = 8
+    model.graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+                             for i in model.graph.initializer)
+    path = tmp_path / "ir3.onnx"
+    onnx.save(model, str(path))
+    graph = frontend.load(path)
+    assert graph.inputs == ["x"] and graph.tensors["W1"].kind == "parameter"
+    assert run_cli("compile", path, "-o", tmp_path / "s.onnx").returncode == 0
+    result = run_cli("run", tmp_path / "s.onnx", "--check")
+    assert result.returncode == 0, result.stderr
+    assert "passed" in result.stdout
+
+
+# ---- 12: validation ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["0", "0.5", "0GiB", "2000000EiB", "99999999999TiB"])
+def test_sizes_must_be_at_least_a_byte_and_at_most_an_exbibyte(text):
+    with pytest.raises(UserError):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["inf%", "nan%", "0%", "-5%", "1e30%", "101%", "x%"])
+def test_bad_percentages_are_refused(text):
+    with pytest.raises(UserError, match="percentage"):
+        parse_percent(text)
+
+
+def test_good_sizes_and_percentages():
+    assert parse_bytes("1") == 1 and parse_bytes("12GiB") == 12 * 2**30
+    assert parse_percent("40%") == 0.4 and parse_percent("100%") == 1.0
+
+
+@pytest.mark.parametrize("command", [["remat", "g.json", "--budget-fraction", "0.5"], ["tune-batch", "mlp"]])
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "-inf"])
+def test_time_limits_must_be_finite_and_positive(text, command):
+    with pytest.raises(UserError, match="time limit"):
+        positive_seconds(text)
+    one_line_error(run_cli(*command, f"--time-limit={text}"), f"time limit '{text}' must be a finite number")
+
+
+def test_time_limit_that_is_not_a_number_is_a_usage_error():
+    result = run_cli("tune-batch", "mlp", "--time-limit", "abc")
+    assert result.returncode == 2 and "argument --time-limit: 'abc' is not a number of seconds" in result.stderr
+
+
+def test_time_limit_accepts_positive_seconds():
+    assert positive_seconds("0.5") == 0.5
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("device_memory", "0", "device_memory': size '0' must be at least 1 byte"),
+    ("device_memory", "1e3", "cannot read '1e3' as a size"),
+    ("link_latency", math.inf, "finite"),
+    ("link_latency", 1e300, "seconds from 0 to"),
+    ("link_h2d", 1e-300, "must be positive"),
+    ("memory_bandwidth", math.nan, "finite"),
+])
+def test_hardware_numbers_are_finite_and_in_range(key, value, message):
+    base = hardware.load("v100-16gb").to_dict()
+    with pytest.raises(UserError, match=message):
+        hardware.from_dict({**base, key: value})
+
+
+def test_hardware_file_with_infinity_is_one_line(tmp_path):
+    profile = {**hardware.load("v100-16gb").to_dict(), "launch_overhead": math.inf}
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(profile))       # json writes Infinity, which json.loads reads back
+    one_line_error(run_cli("hardware", "show", path), "launch_overhead", "finite")
+
+
+@pytest.mark.parametrize("value", ["0.1", -1.0, math.nan, math.inf, True, None])
+def test_cost_tables_with_bad_times_are_refused(tmp_path, value):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"format": "memsched-costs", "version": 1, "times": {"fc1": value}}))
+    with pytest.raises(UserError, match=r"times\['fc1'\] must be seconds"):
+        CostTable.load(path)
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    one_line_error(run_cli("simulate", model, "--costs", path), "fc1")
+
+
+# ---- 14 ----------------------------------------------------------------------------------------------------
+def test_zero_op_model_says_what_is_wrong(tmp_path):
+    graph = helper.make_graph([], "empty", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])])
+    path = tmp_path / "empty.onnx"
+    onnx.save(onnx_utils.make_model(graph), str(path))
+    line = one_line_error(run_cli("inspect", path), "has no ops")
+    assert "not an ONNX model" not in line
+
+
+def _cuda_usable() -> bool:
+    from memsched.executor import _resolve_device
+
+    return _resolve_device("cuda")[0] == "cuda"
+
+
+@pytest.mark.skipif(_cuda_usable(), reason="CUDA works here: there is no fallback to refuse")
+def test_cuda_without_cuda_fails_unless_fallback_is_allowed(tmp_path):
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    assert run_cli("compile", model, "-o", tmp_path / "s.onnx").returncode == 0
+    one_line_error(run_cli("run", tmp_path / "s.onnx", "--device", "cuda"), "cannot run on cuda", "--allow-fallback")
+    result = run_cli("run", tmp_path / "s.onnx", "--device", "cuda", "--allow-fallback")
+    assert result.returncode == 0 and "asked for cuda" in result.stdout
+    line = one_line_error(run_cli("profile", model, "-o", tmp_path / "c.json", "--device", "cuda"))
+    assert "\x1b[" not in line
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    return write_plan(swap_plan(mlp_train_graph()), tmp_path / "plan.onnx")
+
+
+def _edit_model(path, edit) -> None:
+    model = onnx.load(str(path))
+    edit(model)
+    onnx.save_model(model, str(path))
+
+
+def test_plan_with_a_reshaped_initializer_is_refused(plan_file):
+    def reshape(model):
+        init = next(i for i in model.graph.initializer if i.name == "W1")
+        init.dims[:] = [init.dims[0] * 2, init.dims[1]]
+    _edit_model(plan_file, reshape)
+    one_line_error(run_cli("report", plan_file), "initializer 'W1'", "declares shape")
+
+
+def test_plan_whose_swapout_tier_disagrees_is_refused(plan_file):
+    def retier(model):
+        node = next(n for n in model.graph.node if n.op_type == "SwapOut")
+        node.attribute[0].s = b"nvdimm" if node.attribute[0].s == b"dram" else b"dram"
+    _edit_model(plan_file, retier)
+    one_line_error(run_cli("report", plan_file), "no longer matches")
+    edit_plan_metadata(plan_file, lambda doc: doc.pop("graph_sha256"))     # as a plan from before the digest
+    one_line_error(run_cli("report", plan_file), "says tier")
+
+
+def test_plan_whose_graph_was_edited_is_refused(plan_file):
+    _edit_model(plan_file, lambda model: None)     # loaded and saved again unchanged: the digest still matches
+    read_plan(plan_file)
+
+    def consistent_resize(model):        # a shape edit that keeps the data consistent: only the digest sees it
+        init = next(i for i in model.graph.initializer if i.name == "W1")
+        array = numpy_helper.to_array(init)
+        init.CopyFrom(numpy_helper.from_array(np.concatenate([array, array]), "W1"))
+    _edit_model(plan_file, consistent_resize)
+    for command in ("report", "run"):
+        one_line_error(run_cli(command, plan_file), "no longer matches")
+
+
+def test_digest_survives_the_external_data_save(tmp_path, monkeypatch):
+    monkeypatch.setattr(onnx_utils, "TWO_GB", 16)
+    plan = swap_plan(mlp_train_graph(hidden=64))      # W1 is 1.5 KB: past the external-data threshold
+    path = write_plan(plan, tmp_path / "plan.onnx")
+    assert any(n.endswith(".data") for n in os.listdir(tmp_path))
+    assert read_plan(path).schedule == plan.schedule
