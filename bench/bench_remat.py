@@ -1,8 +1,11 @@
 """Recompute planner benchmark: every method on training-shaped graphs at budget fractions
 0.9 and 0.8 of the no-recomputation peak. Prints one JSON object on stdout (progress on
-stderr). `--quick` runs a few small cases with a short limit.
+stderr). `--quick` runs a few small cases with a short limit. `--rlg` runs instead the
+linearised graphs (`remat_graphs.linearized`, the shape of Moccasin's RLG graphs) of 250 and
+1,000 nodes at 0.8 for the seeds given, each row saying how long `plan` took to its first
+plan that fits and how cheap that plan was, against the end of the time limit.
 
-    python bench/bench_remat.py [--quick] [--time-limit S] [--only NAME ...]
+    python bench/bench_remat.py [--quick | --rlg [--seeds 0 1 ...]] [--time-limit S] [--only NAME ...]
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ QUICK_CASES = {
     "random-100": lambda: graphs.random_layered(100, seed=0),
 }
 FRACTIONS = (0.9, 0.8)
+RLG_NODES = (250, 1000)
+RLG_FRACTION = 0.8
 
 
 def method_summary(run: remat.Result | None, full_peak: int) -> dict:
@@ -68,12 +73,59 @@ def bench_case(name: str, problem: remat.RematProblem, fraction: float, time_lim
     return row
 
 
+def anytime_row(name: str, problem: remat.RematProblem, fraction: float, time_limit: float) -> dict:
+    """How `plan` gets there: the first fitting plan (seconds from the start, overhead) and the
+    final one, with what each phase produced."""
+    budget = remat.budget_from_fraction(problem, fraction)
+    started = time.perf_counter()
+    row = {"graph": name, "nodes": problem.n, "fraction": fraction, "budget_bytes": budget}
+    try:
+        result = remat.plan(problem, budget, time_limit_s=time_limit)
+    except remat.BudgetInfeasible as err:
+        row.update(feasible=False, smallest_budget_bytes=err.smallest_budget,
+                   seconds=round(time.perf_counter() - started, 2))
+        return row
+    fitting = sorted((r for r in result.runs.values() if r.fits), key=lambda r: r.found_at)
+    first = fitting[0]
+    row.update(
+        feasible=True, first_fit_method=first.method, first_fit_seconds=round(first.found_at, 2),
+        first_fit_overhead=round(first.overhead, 6), winner=result.method, status=result.status,
+        overhead=round(result.overhead, 6), seconds=round(time.perf_counter() - started, 2),
+        lower_bound_overhead=(round(result.lower_bound / problem.base_cost - 1, 6)
+                              if result.lower_bound is not None else None),
+        runs={m: {"fits": r.fits, "overhead": round(r.overhead, 6), "found_at": round(r.found_at, 2),
+                  "peak_fraction_of_budget": round(r.peak_bytes / budget, 4)} for m, r in result.runs.items()})
+    return row
+
+
+def main_rlg(seeds, limit: float) -> int:
+    rows = []
+    for nodes in RLG_NODES:
+        for seed in seeds:
+            name = f"linearized-{nodes}-seed{seed}"
+            row = anytime_row(name, graphs.linearized(nodes, seed=seed), RLG_FRACTION, limit)
+            rows.append(row)
+            print(f"{name} n={row['nodes']}: first fit {row.get('first_fit_overhead')} at "
+                  f"{row.get('first_fit_seconds')} s, end {row.get('overhead')} at {row['seconds']} s",
+                  file=sys.stderr, flush=True)
+    print(json.dumps({
+        "benchmark": "remat-rlg", "generator": "passes.remat_graphs.linearized(nodes, seed, skips=4)",
+        "fraction": RLG_FRACTION, "time_limit_s": limit, "cpu_count": os.cpu_count(), "cases": rows,
+        "feasible_everywhere": all(r["feasible"] for r in rows),
+    }, indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few small cases, 5 s limit")
     parser.add_argument("--time-limit", type=float, default=None, help="CP-SAT seconds per case (60; quick: 5)")
     parser.add_argument("--only", nargs="*", default=None, help="case names to run")
+    parser.add_argument("--rlg", action="store_true", help="linearised graphs of 250 and 1,000 nodes at 0.8")
+    parser.add_argument("--seeds", nargs="*", type=int, default=[0], help="graph seeds for --rlg (0)")
     args = parser.parse_args(argv)
+    if args.rlg:
+        return main_rlg(args.seeds, args.time_limit or 60.0)
     cases = QUICK_CASES if args.quick else FULL_CASES
     limit = args.time_limit or (5.0 if args.quick else 60.0)
     if args.only:

@@ -26,15 +26,18 @@ costs rounded down to integers); brute force over all schedules agrees on small 
 This judge is for abstract DAGs only; ONNX plans keep memsched/memory.py as their judge.
 
 Solvers: checkpoint-all (no recomputation), Chen et al.'s sqrt(n) segments, a greedy
-evictor, and CP-SAT in the spirit of Moccasin (Bartan et al., ICML 2023): one retention
-interval per computation, O(n) integer variables, a cumulative constraint for memory.
-`plan` runs them and returns the cheapest schedule that fits.
+evictor, a repair (the greedy with more computations per node allowed), a local search
+(pruning, ruin and recreate), and CP-SAT in the spirit of Moccasin (Bartan et al., ICML
+2023): one retention interval per computation, O(n) integer variables, a cumulative
+constraint for memory. `plan` runs them anytime -- feasibility first, then improvement --
+and returns the cheapest schedule that fits.
 """
 from __future__ import annotations
 
 import bisect
 import json
 import math
+import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,6 +53,16 @@ SQRT_N = "sqrt_n"
 GREEDY = "greedy"
 CPSAT = "cpsat"
 METHODS = (CHECKPOINT_ALL, SQRT_N, GREEDY, CPSAT)
+REPAIR = "repair"               # `plan`'s feasibility phase, when no baseline fits
+LOCAL_SEARCH = "local_search"   # `plan`'s improvement of the best plan so far (prune, ruin and recreate)
+REPAIR_ROUNDS = 6               # computations per node the repair may add beyond max_computations
+LNS_SHARES = (0.1, 0.3, 0.6)    # shares of the recomputations a local-search round removes
+LNS_PATIENCE = 60               # local-search rounds without a cheaper plan before it stops
+LNS_SEED = 20240607
+LNS_TIME_SHARE = 0.6            # share of `plan`'s time limit given to local search, as schedule steps
+STEPS_PER_SECOND = 300_000      # schedule steps judged per second on a loaded core (a low estimate)
+CPSAT_MIN_SHARE = 0.1           # CP-SAT is skipped when less of the time limit is left (and a plan fits)
+PRUNE_SHARE = 0.05              # share of `plan`'s time limit kept for pruning CP-SAT's answer
 
 
 class RematInputError(UserError, ValueError):
@@ -344,7 +357,7 @@ class Result:
     overhead = total_cost / (sum of node costs) - 1. status: "optimal" (proven, within the
     plan space), "feasible" (CP-SAT improved on the warm start; `lower_bound` is the proven
     floor on total_cost), "heuristic" (a baseline, or CP-SAT found nothing better).
-    `runs` (from `plan`) holds every method's own result by name.
+    `runs` (from `plan`) holds every method's own result by name, each with `found_at`.
     """
 
     method: str
@@ -357,6 +370,7 @@ class Result:
     seconds: float
     lower_bound: float | None = None
     runs: dict = field(default_factory=dict, repr=False, compare=False)
+    found_at: float | None = None   # (runs of `plan`) seconds from plan's start to this result
 
     @property
     def fits(self) -> bool:
@@ -428,21 +442,34 @@ def solve_sqrt_n(problem: RematProblem, budget_bytes: int, max_computations: int
     return _result(problem, SQRT_N, seq, budget_bytes, "heuristic", started)
 
 
+@dataclass
+class _Effort:
+    """Schedule steps judged so far: a measure of heuristic work that needs no clock."""
+
+    steps: int = 0
+
+    def judge(self, problem: RematProblem, seq: list[int]) -> _Liveness:
+        self.steps += len(seq)
+        return _liveness(problem, seq)
+
+
 def _greedy_plan(problem: RematProblem, budget: int, max_computations: int,
-                 start: list[list[int]] | None = None) -> list[list[int]]:
+                 start: list[list[int]] | None = None, effort: _Effort | None = None) -> list[list[int]]:
     """Evict at the peak step, cheapest time per byte first, until the budget holds.
 
     Each round finds the peak step k*, and for every output live but idle there, the cost of
     recomputing it at its next use (with the inputs that would otherwise be kept alive across
     k*, recursively) against the bytes that frees at k*. Starts from `start` (a plan) if
-    given, else from no recomputation. Returns the lowest-peak plan seen.
+    given, else from no recomputation. Returns the lowest-peak plan seen. `effort` counts
+    the steps judged.
     """
     n = problem.n
+    effort = effort or _Effort()
     plan: list[list[int]] = [sorted(s) for s in start] if start is not None else [[] for _ in range(n)]
     best_plan, best_peak = [list(s) for s in plan], None
     for _ in range(n * max(0, max_computations - 1) + 1):
         seq = schedule_from_plan(problem, plan)
-        lv = _liveness(problem, seq)
+        lv = effort.judge(problem, seq)
         if best_peak is None or lv.peak < best_peak:
             best_plan, best_peak = [list(s) for s in plan], lv.peak
         if lv.peak <= budget:
@@ -471,8 +498,10 @@ def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computat
     for lst in by_stage:
         lst.sort()
     instances_of: list[list[int]] = [[] for _ in range(n)]
+    starts_of: list[list[int]] = [[] for _ in range(n)]
     for i, v in enumerate(lv.node):
         instances_of[v].append(i)
+        starts_of[v].append(lv.start[i])
 
     def new_step(stage: int, w: int) -> int:
         """Where a recomputation of w at `stage` lands in the current sequence."""
@@ -480,9 +509,7 @@ def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computat
 
     def serving(u: int, step: int) -> int:
         """The instance of u that a read just before `step` would use."""
-        inst = instances_of[u]
-        starts = [lv.start[i] for i in inst]
-        return inst[bisect.bisect_left(starts, step) - 1]
+        return instances_of[u][bisect.bisect_left(starts_of[u], step) - 1]
 
     best = None
     for i, v in enumerate(lv.node):
@@ -494,8 +521,12 @@ def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computat
         stage = stage_of[lv.uses[i][after]]
         if new_step(stage, v) <= k_peak or not problem.may_replay(v, stage):
             continue  # the recomputation would land before the peak step, or may not be there
-        chosen, extra, todo = {v}, 0, [v]
-        while todo:
+        # the cost only grows and the bytes freed only shrink as inputs join: once the cost so
+        # far per byte of v exceeds the best score, v cannot win (the slack keeps float
+        # rounding from pruning an exact tie)
+        bound = best[0][0] * problem.size[v] * (1 + 1e-9) if best is not None else math.inf
+        chosen, extra, todo, spent = {v}, 0, [v], problem.cost[v]
+        while todo and spent <= bound:
             w = todo.pop()
             step = new_step(stage, w)
             for u in problem.preds[w]:
@@ -507,10 +538,11 @@ def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computat
                 if len(plan[u]) < max_computations - 1 and stage not in plan[u] and problem.may_replay(u, stage):
                     chosen.add(u)
                     todo.append(u)
+                    spent += problem.cost[u]
                 else:
                     extra += problem.size[u]
         freed = problem.size[v] - extra
-        if freed <= 0:
+        if freed <= 0 or spent > bound:
             continue
         score = (sum(problem.cost[w] for w in chosen) / freed, -freed)
         if best is None or score < best[0]:
@@ -526,6 +558,115 @@ def solve_greedy(problem: RematProblem, budget_bytes: int, max_computations: int
     started = time.perf_counter()
     seq = schedule_from_plan(problem, _greedy_plan(problem, budget_bytes, max_computations, start))
     return _result(problem, name, seq, budget_bytes, "heuristic", started)
+
+
+def _max_computations_of(plan: list[list[int]]) -> int:
+    """The most computations any node has in `plan` (1 when nothing is recomputed)."""
+    return 1 + max((len(stages) for stages in plan), default=0)
+
+
+def _peak_of(problem: RematProblem, plan: list[list[int]], effort: _Effort | None = None) -> int:
+    return (effort or _Effort()).judge(problem, schedule_from_plan(problem, plan)).peak
+
+
+def _plan_cost(problem: RematProblem, plan: list[list[int]]) -> float:
+    """What the recomputations of `plan` cost (on top of `problem.base_cost`)."""
+    return float(sum(problem.cost[v] * len(stages) for v, stages in enumerate(plan)))
+
+
+def solve_repair(problem: RematProblem, budget_bytes: int, starts: list[list[list[int]]],
+                 max_computations: int = 2, rounds: int = REPAIR_ROUNDS) -> Result:
+    """Feasibility first: the greedy evictor from each start plan, allowing one more
+    computation per node each round, until the budget holds.
+
+    Round r runs the greedy from every start in turn with r more computations per node than
+    the start needs (at least `max_computations`), from the start itself: a greedy that
+    may replay more chooses differently from its first eviction on. The work is bounded by
+    counts, never by the clock, so the same input gives the same plan. Returns the first plan
+    that fits, else the lowest-peak plan seen (a result that does not fit).
+    """
+    started = time.perf_counter()
+    best_plan, best_peak = [[] for _ in range(problem.n)], None
+    for extra in range(1, rounds + 1):
+        for start in starts:
+            copies = max(max_computations, _max_computations_of(start)) + extra
+            current = _greedy_plan(problem, budget_bytes, copies, start)
+            peak = _peak_of(problem, current)
+            if best_peak is None or peak < best_peak:
+                best_plan, best_peak = current, peak
+            if peak <= budget_bytes:
+                return _result(problem, REPAIR, schedule_from_plan(problem, current), budget_bytes, "heuristic",
+                               started)
+    return _result(problem, REPAIR, schedule_from_plan(problem, best_plan), budget_bytes, "heuristic", started)
+
+
+def _prune_plan(problem: RematProblem, plan: list[list[int]], budget_bytes: int,
+                effort: _Effort | None = None, only: set | None = None) -> list[list[int]]:
+    """Drop each recomputation, costliest first, that the budget does without.
+
+    One pass over the recomputations (each judged once; `only`: just these (node, stage)
+    pairs), so the result depends on the plan alone. A plan that fits still fits; its cost
+    never grows.
+    """
+    current = [list(stages) for stages in plan]
+    replays = sorted(((problem.cost[v], v, t) for v, stages in enumerate(plan) for t in stages
+                      if only is None or (v, t) in only), key=lambda r: (-r[0], r[1], r[2]))
+    for cost, v, t in replays:
+        if cost <= 0:
+            break
+        current[v].remove(t)
+        if _peak_of(problem, current, effort) > budget_bytes:
+            bisect.insort(current[v], t)
+    return current
+
+
+def _ruin(plan: list[list[int]], rng: random.Random, round_: int, n: int) -> list[list[int]]:
+    """`plan` with some recomputations removed: on even rounds a random share of them
+    (cycling through LNS_SHARES), on odd rounds every one in a random window of n/10 stages."""
+    replays = [(v, t) for v, stages in enumerate(plan) for t in stages]
+    if round_ % 2 == 0:
+        share = LNS_SHARES[(round_ // 2) % len(LNS_SHARES)]
+        dropped = set(rng.sample(replays, max(1, round(share * len(replays))))) if replays else set()
+    else:
+        width = max(1, n // 10)
+        first = rng.randrange(n)
+        dropped = {(v, t) for v, t in replays if first <= t < first + width}
+    return [[t for t in stages if (v, t) not in dropped] for v, stages in enumerate(plan)]
+
+
+def solve_local_search(problem: RematProblem, budget_bytes: int, start: Result, max_computations: int = 2,
+                       max_steps: int = 0, patience: int = LNS_PATIENCE, deadline: float | None = None) -> Result:
+    """Improve a fitting result: prune it (`_prune_plan`), then ruin and recreate (large
+    neighbourhood search): remove some recomputations (`_ruin`), let the greedy evictor put
+    the budget right again, prune, and keep the plan when it is cheaper.
+
+    Rounds stop after `patience` rounds without a cheaper plan or once `max_steps` schedule
+    steps have been judged (0: prune only); both are counts, so the same input gives the
+    same plan. `deadline` (a `time.perf_counter()` reading) is a backstop for a machine far
+    slower than the step budget assumes. The result is called LOCAL_SEARCH.
+    """
+    started = time.perf_counter()
+    effort = _Effort()
+    best = _prune_plan(problem, plan_from_schedule(problem, start.schedule), budget_bytes, effort)
+    best_cost = _plan_cost(problem, best)
+    copies = max(max_computations, _max_computations_of(best)) + 1
+    rng = random.Random(LNS_SEED)
+    round_ = idle = 0
+    while effort.steps < max_steps and idle < patience and best_cost > 0:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        ruined = _ruin(best, rng, round_, problem.n)
+        candidate = _greedy_plan(problem, budget_bytes, copies, ruined, effort)
+        round_, idle = round_ + 1, idle + 1
+        if _peak_of(problem, candidate, effort) > budget_bytes:
+            continue
+        added = {(v, t) for v, stages in enumerate(candidate) for t in stages} - \
+            {(v, t) for v, stages in enumerate(ruined) for t in stages}
+        candidate = _prune_plan(problem, candidate, budget_bytes, effort, only=added)
+        cost = _plan_cost(problem, candidate)
+        if cost < best_cost - 1e-9 * problem.base_cost:
+            best, best_cost, idle = candidate, cost, 0
+    return _result(problem, LOCAL_SEARCH, schedule_from_plan(problem, best), budget_bytes, "heuristic", started)
 
 
 # --------------------------------------------------------------------------- CP-SAT
@@ -738,30 +879,37 @@ def read_plan(rm: RematModel, solver) -> list[list[int]]:
 
 def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0,
                 warm_start: Result | None = None, max_computations: int = 2,
-                min_gap: int = 2) -> Result | None:
+                min_gap: int = 2, started: float | None = None) -> Result | None:
     """Least-cost plan within the budget by CP-SAT, warm-started from `warm_start`.
 
+    The warm start's recomputations are always in the model; it is the hint only when it
+    fits the budget, so a hinted model always has a solution (OR-Tools 9.12-9.15 abort the
+    process on a hinted search of an infeasible model, see passes/solver.py), and presolve
+    stays on. `started` (a `time.perf_counter()` reading, default now) is when the caller's
+    `time_limit_s` began: the wall limit is what is left of it, the deterministic limit a
+    share of all of it (see passes/solver.py `solve`).
     Returns None when no schedule within the budget was found (proven or timed out).
     Status: "optimal" (proven within the plan space), "feasible" (better than the warm start,
     not proven; lower_bound says how far it can still go), "heuristic" (nothing better found).
     """
-    started = time.perf_counter()
-    hint = plan_from_schedule(problem, warm_start.schedule) if warm_start is not None else None
-    forced = {v for v, stages in enumerate(hint) if stages} if hint else set()
-    if hint:   # room for the warm start's replays, so that it can be the hint
-        max_computations = max(max_computations, 1 + max(len(stages) for stages in hint))
+    began = time.perf_counter()
+    warm = plan_from_schedule(problem, warm_start.schedule) if warm_start is not None else None
+    forced = {v for v, stages in enumerate(warm) if stages} if warm else set()
+    if warm:   # room for the warm start's replays, so that it can be the hint
+        max_computations = max(max_computations, _max_computations_of(warm))
     candidates, last_read = recompute_candidates(problem, min_gap, forced)
     rm = build_model(problem, budget_bytes, candidates, last_read, max_computations)
     if rm is None:
         return None
-    if hint is not None:
-        add_hint(rm, problem, hint)
-    solved = solve(rm.model, time_limit_s, started=started, min_seconds=0.05)
+    if warm is not None and warm_start.fits:
+        add_hint(rm, problem, warm)
+    solved = solve(rm.model, time_limit_s, presolve=True, started=began if started is None else started,
+                   min_seconds=0.05)
     if not solved.has_solution:
         return None
     seq = schedule_from_plan(problem, read_plan(rm, solved.solver))
     lower = problem.base_cost + solved.bound / rm.cost_scale
-    result = _result(problem, CPSAT, seq, budget_bytes, "feasible", started, lower)
+    result = _result(problem, CPSAT, seq, budget_bytes, "feasible", began, lower)
     if not result.fits:
         raise RuntimeError(f"internal error: CP-SAT plan peaks at {result.peak_bytes} bytes, "
                            f"over the budget {budget_bytes}")
@@ -776,12 +924,31 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
 
 # --------------------------------------------------------------------------- entry point
 
+def _cheapest(runs: dict[str, Result]) -> Result | None:
+    """The cheapest fitting run; ties go to the run added first."""
+    return min((r for r in runs.values() if r.fits), key=lambda r: r.total_cost, default=None)
+
+
 def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, method: str = "auto",
          max_computations: int = 2, seeds: dict[str, list[list[int]]] | None = None) -> Result:
-    """The cheapest schedule within `budget_bytes`: baselines first, then CP-SAT warm-started
-    from the best of them. `method` = "auto" (all), or one of METHODS (CP-SAT still runs the
-    baselines for its warm start). `seeds` (name -> plan, e.g. from a caller that knows the
-    graph's structure) are judged with the baselines and may be the warm start or the answer.
+    """The cheapest schedule within `budget_bytes`, found anytime: feasibility first, then
+    improvement while `time_limit_s` lasts, always keeping the best plan so far.
+
+    1. Baselines (checkpoint-all, sqrt(n), greedy) and `seeds` (name -> plan, e.g. from a
+       caller that knows the graph's structure) are judged.
+    2. If none fits, `solve_repair` continues the greedy from the lowest-peak ones with more
+       computations per node allowed (run REPAIR).
+    3. `solve_local_search` improves the cheapest fitting plan for about LNS_TIME_SHARE of the
+       time limit, counted in schedule steps judged (run LOCAL_SEARCH when it is cheaper).
+    4. CP-SAT, warm-started from the best plan so far, for what is left of the time limit; a
+       cheaper answer that is not optimal is pruned (LOCAL_SEARCH again when that helps).
+       Without a fitting plan CP-SAT searches unhinted, the last resort.
+    Steps 1 to 3 are bounded by counts, not the clock, so a plan that fits is found whatever
+    the time limit, and the same input gives the same plan; CP-SAT runs under
+    passes/solver.py's deterministic limit. Steps 2 and 3 add recomputations, so they run only
+    where `max_computations` > 1; both may exceed it, as CP-SAT's model grows to take its
+    warm start. `method` = "auto" (all), or one of METHODS alone ("cpsat" keeps every step
+    before it, for its warm start).
     Raises BudgetInfeasible naming the smallest budget reached.
     """
     started = time.perf_counter()
@@ -793,25 +960,49 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
         raise RematInputError("max_computations must be >= 1")
     budget_bytes = int(budget_bytes)
     runs: dict[str, Result] = {}
+
+    def keep(name: str, result: Result) -> Result:
+        runs[name] = replace(result, found_at=time.perf_counter() - started)
+        return runs[name]
+
     wanted = METHODS if method in ("auto", CPSAT) else (method,)
     if CHECKPOINT_ALL in wanted:
-        runs[CHECKPOINT_ALL] = solve_checkpoint_all(problem, budget_bytes)
+        keep(CHECKPOINT_ALL, solve_checkpoint_all(problem, budget_bytes))
     if SQRT_N in wanted:
-        runs[SQRT_N] = solve_sqrt_n(problem, budget_bytes, max_computations)
+        keep(SQRT_N, solve_sqrt_n(problem, budget_bytes, max_computations))
     if GREEDY in wanted:
-        runs[GREEDY] = solve_greedy(problem, budget_bytes, max_computations)
+        keep(GREEDY, solve_greedy(problem, budget_bytes, max_computations))
     for name, seed in (seeds or {}).items():
-        runs[name] = _result(problem, name, schedule_from_plan(problem, seed), budget_bytes, "heuristic", started)
-    fitting = [r for r in runs.values() if r.fits]
-    best = min(fitting, key=lambda r: r.total_cost, default=None)
+        keep(name, _result(problem, name, schedule_from_plan(problem, seed), budget_bytes, "heuristic", started))
     lower = memory_lower_bound(problem)
-    if CPSAT in wanted and budget_bytes >= lower and not (best and best.status == "optimal"):
-        warm = best or min(runs.values(), key=lambda r: r.peak_bytes)
-        found = solve_cpsat(problem, budget_bytes, time_limit_s, warm, max_computations)
+    improve = CPSAT in wanted and budget_bytes >= lower
+    recompute = max_computations > 1
+    if improve and _cheapest(runs) is None and recompute:
+        closest = sorted(runs.values(), key=lambda r: (r.peak_bytes, r.total_cost))
+        starts = [plan_from_schedule(problem, r.schedule) for r in closest]
+        keep(REPAIR, solve_repair(problem, budget_bytes, [s for s in starts if s is not None], max_computations))
+    best = _cheapest(runs)
+    if improve and recompute and best is not None and best.status != "optimal":
+        steps = int(LNS_TIME_SHARE * time_limit_s * STEPS_PER_SECOND)
+        searched = solve_local_search(problem, budget_bytes, best, max_computations, steps,
+                                      deadline=started + (1 - CPSAT_MIN_SHARE) * time_limit_s)
+        if searched.total_cost < best.total_cost:
+            best = keep(LOCAL_SEARCH, searched)
+    left = time_limit_s - (time.perf_counter() - started)
+    if improve and not (best and best.status == "optimal") and (best is None or left >= CPSAT_MIN_SHARE * time_limit_s):
+        warm = best or min(runs.values(), key=lambda r: (r.peak_bytes, r.total_cost))
+        # CP-SAT's wall limit ends PRUNE_SHARE early, to prune its answer; the deterministic
+        # limit stays a share of the whole time limit
+        found = solve_cpsat(problem, budget_bytes, time_limit_s, warm, max_computations,
+                            started=started - PRUNE_SHARE * time_limit_s)
         if found is not None:
-            runs[CPSAT] = found
+            found = keep(CPSAT, found)
             if best is None or found.total_cost < best.total_cost:
                 best = found
+                if found.status != "optimal":
+                    pruned = solve_local_search(problem, budget_bytes, found)
+                    if pruned.total_cost < found.total_cost:
+                        best = keep(LOCAL_SEARCH, replace(pruned, status=found.status, lower_bound=found.lower_bound))
             else:   # no cheaper than the warm start: keep its name, take CP-SAT's verdict
                 best = replace(best, status=found.status, lower_bound=found.lower_bound)
     if best is None:
@@ -829,6 +1020,7 @@ def summary(problem: RematProblem, result: Result) -> dict:
         "method": result.method, "lower_bound": result.lower_bound, "base_cost": problem.base_cost,
         "pinned_bytes": problem.pinned_bytes, "recomputations": result.recomputations,
         "methods": {name: {"fits": run.fits, "peak_bytes": run.peak_bytes, "total_cost": run.total_cost,
-                           "overhead": run.overhead, "status": run.status, "seconds": run.seconds}
+                           "overhead": run.overhead, "status": run.status, "seconds": run.seconds,
+                           "found_at": run.found_at}
                     for name, run in result.runs.items()},
     }

@@ -147,3 +147,22 @@ def random_layered(nodes: int, seed: int = 0, max_width: int = 4, max_inputs: in
             count += 1
         layers.append(layer)
     return training_problem(forward)
+
+
+def linearized(nodes: int, seed: int = 0, skips: int = 4) -> RematProblem:
+    """A random linearised training graph of about `nodes` nodes, the shape of Moccasin's RLG
+    graphs: the forward part is a chain of (nodes - 1) // 2 ops, op i reading op i-1 and
+    `skips` skip connections from ops drawn uniformly from those before i-1 (repeats merge).
+    Long skips keep forward outputs, and in the backward part the gradients of their readers,
+    live across much of the step, so a budget of 0.8 x the no-recomputation peak needs
+    recomputation of gradients as well as of forward outputs."""
+    rng = np.random.default_rng(seed)
+    forward = nx.DiGraph()
+    total = max(1, (nodes - 1) // 2)
+    names: list[str] = []
+    for i in range(total):
+        inputs = set(names[-1:])
+        if i >= 2:
+            inputs.update(names[int(rng.integers(0, i - 1))] for _ in range(skips))
+        names.append(_add(forward, f"n{i}", sorted(inputs), rng.uniform(1, 10), rng.integers(1, 17) * MIB_PAGES))
+    return training_problem(forward)
