@@ -13,10 +13,17 @@ cancellation, a badly ordered reduction) shows up as an error far above float32'
 (1e-7 per operation, ~1e-5..1e-4 over a deep network's backward pass), where a wrong
 formula would show up in both runs alike (finite differences catch that).
 
+The float64 run takes the float32 run's branch decisions (`decisions`: ReLU and Clip masks,
+MaxPool argmaxes, fed to it rather than recomputed): an activation within rounding error of
+a kink would otherwise send the two runs down different pieces of the step, a difference
+no float32 arithmetic avoids (see `decisions`); `check(pin=False)` compares without them.
+
 A gradient that is zero in exact arithmetic (a BatchNorm bias followed by a convolution and
 another BatchNorm: the second one's input gradient sums to zero per channel) is in float64
-at most `ZERO_GRADIENT` of the step's largest gradient; its float32 value is rounding noise,
-so its error is taken relative to the step's largest gradient instead (`zero` in the row).
+at most `ZERO_GRADIENT` of the step's largest gradient (~1e-18 of it: the training step
+divides its means by their counts, constants that float64 holds exactly); its float32 value
+is rounding noise, so its error is taken relative to the step's largest gradient instead
+(`zero` in the row).
 
 ONNX Runtime's CPU provider has no double kernels for some ops (Conv, ConvTranspose,
 AveragePool, GlobalAveragePool, Erf in 1.31; LayerNormalization computes in float32 inside):
@@ -75,16 +82,23 @@ def compared_outputs(step: Graph) -> dict[str, tuple[str, str]]:
 
 
 def check(step: Graph, feeds: dict[str, np.ndarray] | None = None, *, seed: int = 0,
-          threads: int = 0) -> list[Row]:
+          threads: int = 0, pin: bool = True) -> list[Row]:
     """The float32-vs-float64 table of `step` (see the module doc), worst parameter first.
 
-    `feeds`: the step's inputs (made up from `seed` where left out, as the executor does)."""
+    `feeds`: the step's inputs (made up from `seed` where left out, as the executor does).
+    `pin`: the float64 run takes the float32 run's branch decisions (`decisions`), so that
+    both differentiate the same piece of the piecewise-smooth step; with pin=False it makes
+    its own."""
     feeds = prepare_inputs(step, feeds, seed=seed)
     compared = compared_outputs(step)
     names = list(compared)
-    low = dict(zip(names, make_session(step.to_onnx(), "cpu", threads).run(names, feeds)))
-    double = double_graph(step)
-    high = run_double(double, {k: _widened(v) for k, v in feeds.items()}, names, threads=threads)
+    pinned = decisions(step) if pin else []
+    wanted = names + [t for t in pinned if t not in compared]
+    low = dict(zip(wanted, make_session(step.replace(outputs=list(dict.fromkeys(step.outputs + wanted))).to_onnx(),
+                                        "cpu", threads).run(wanted, feeds)))
+    double = pinned_graph(double_graph(step), pinned)
+    high_feeds = {k: _widened(v) for k, v in feeds.items()} | {t: low[t] for t in pinned}
+    high = run_double(double, high_feeds, names, threads=threads)
     diffs = {}
     for out, (param, kind) in compared.items():
         a, b = low[out].astype(np.float64), high[out]
@@ -105,6 +119,47 @@ def check(step: Graph, feeds: dict[str, np.ndarray] | None = None, *, seed: int 
         rows.append(Row(compared[out][0], compared[out][1], error, worst, scale, zero))
     rows.sort(key=lambda r: (-r.error, r.param))
     return rows
+
+
+def decisions(step: Graph) -> list[str]:
+    """The step's branch decisions: every non-float tensor an op computes from a float one
+    (ReLU and Clip masks, MaxPool's argmax indices, comparisons, Dropout masks).
+
+    The step is piecewise smooth and these pick the piece. Where an activation lies within
+    rounding error of a kink (a ReLU input within 1e-5 of 0 after a deep forward pass), the
+    float32 and float64 runs can take different pieces, and a gradient that sums over few
+    positions (BatchNorm over 16 values at ResNet-50's last stage at 64 px, batch 4) then
+    differs by ~1/4 in exact arithmetic too: rounding only the forward convolutions' outputs
+    to float32 and computing all else in float64 does the same. Both one-sided gradients are
+    right; the float64 run, given the float32 run's decisions, differentiates the same piece,
+    and what remains is the formulation's rounding error."""
+    floats = {name for name, t in step.tensors.items() if t.dtype in FLOAT_TYPES}
+    return [t for op in step.ops if any(i in floats for i in op.present_inputs)
+            for t in op.present_outputs if t not in floats]
+
+
+def pinned_graph(graph: Graph, pinned: list[str]) -> Graph:
+    """`graph` with the tensors `pinned` made inputs, fed rather than computed: an op whose
+    outputs are all pinned is left out, another writes its pinned outputs under new names."""
+    if not pinned:
+        return graph
+    pinned_set = set(pinned)
+    tensors = dict(graph.tensors)
+    ops = []
+    for op in graph.ops:
+        present = op.present_outputs
+        if present and all(t in pinned_set for t in present):
+            continue
+        outputs = list(op.outputs)
+        for i, t in enumerate(outputs):
+            if t in pinned_set:
+                outputs[i] = f"{t}/unpinned"
+                tensors[outputs[i]] = dataclasses.replace(tensors[t], name=outputs[i])
+        ops.append(dataclasses.replace(op, outputs=outputs) if outputs != op.outputs else op)
+    for t in pinned:
+        tensors[t] = dataclasses.replace(tensors[t], kind="input", data=None)
+    return graph.replace(ops=ops, tensors=tensors, inputs=list(graph.inputs) + [t for t in pinned
+                                                                             if t not in graph.inputs])
 
 
 def _widened(value: np.ndarray) -> np.ndarray:

@@ -6,7 +6,8 @@ never states a shape by hand, and a shape inference failure is caught where it h
 Rules build their gradients with its helpers: constants (deduplicated initializers of kind
 `constant`), opset-aware reductions, `sum_to` (undo broadcasting), `zeros`, and `value`
 (constant folding of shape arithmetic, for attributes that arrive as tensors), and
-`scatter_add` (16-bit floats summed in float32).
+`scatter_add` (16-bit floats summed in float32), and `divide` (a mean's division by its
+count).
 """
 from __future__ import annotations
 
@@ -263,7 +264,22 @@ class Emitter:
             total = self.reduce("ReduceSum", partial, axes, keepdims)
         else:
             total = self.reduce("ReduceSumSquare", x, axes, keepdims)
-        return self.op("Mul", [total, self.scalar(1 / count, x)])
+        return self.divide(total, count)
+
+    def divide(self, x: str, count: float) -> str:
+        """x / count, for a mean's count (or another constant that is exact in x's dtype): a
+        Div by the count itself, not a Mul by 1 / count rounded to x's dtype. 1 / 51200 in
+        float32 is off by up to 3e-8 of itself, so a step run in float64 from the float32
+        graph (memsched.numerics) would take a mean that is not the mean: BatchNorm's input
+        gradient then sums to ~1e-7 of its terms instead of 0, and a gradient that is zero in
+        exact arithmetic (a bias before a BatchNorm) could not be told from a wrong one. Where
+        the dtype does not hold `count` exactly (a float16 count over 2048), Mul by 1 / count."""
+        dtype = self.np_dtype(x)
+        with np.errstate(over="ignore"):
+            exact = float(np.asarray(count, dtype=dtype)) == float(count)
+        if exact:
+            return self.op("Div", [x, self.scalar(count, x)])
+        return self.op("Mul", [x, self.scalar(1 / count, x)])
 
     def reshape(self, x: str, shape) -> str:
         shape = tuple(int(d) for d in shape)

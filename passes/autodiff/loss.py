@@ -59,12 +59,13 @@ def _cross_entropy(em, logits):
     count = int(np.prod(label_shape))
 
     def backward() -> str:
-        """(softmax - onehot(labels)) / count, softmax = exp(logits - logsumexp)."""
+        """(softmax - onehot(labels)) / count, softmax = exp(logits - logsumexp): the one-hot
+        is subtracted before a division by the count (exact), not added as -1 / count
+        rounded to the logits' dtype."""
         with em.scope("loss/grad"):
             probs = em.op("Exp", [em.op("Sub", [logits, lse])])
-            probs = em.op("Mul", [probs, em.scalar(1 / count, logits)])
-            minus = em.op("Expand", [em.scalar(-1 / count, logits), em.ints(em.shape(where))])
-            return em.scatter_add("ScatterElements", probs, where, minus, axis=axis)
+            minus = em.op("Expand", [em.scalar(-1, logits), em.ints(em.shape(where))])
+            return em.divide(em.scatter_add("ScatterElements", probs, where, minus, axis=axis), count)
 
     return [labels], backward
 
@@ -84,7 +85,7 @@ def _mse(em, output):
 
     def backward() -> str:
         with em.scope("loss/grad"):
-            return em.op("Mul", [diff, em.scalar(2 / count, output)])
+            return em.divide(diff, count / 2)
 
     return [targets], backward
 

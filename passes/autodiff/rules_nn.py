@@ -331,8 +331,8 @@ def _window_counts(in_shape, out_shape, kernel, geo) -> np.ndarray:
 
 @rule("AveragePool", inputs=(0,), check=_check_average_pool)
 def average_pool(em, op, dys, wants):
-    """Spread dy / window size over each window: a ConvTranspose with a constant kernel
-    over the channels folded into the batch."""
+    """Spread dy / window size over each window: dy divided by the size, then a ConvTranspose
+    with a kernel of ones over the channels folded into the batch."""
     x, dy = op.inputs[0], dys[0]
     kernel, geo = _pool_geometry(em, op)
     n_batch, channels, *spatial = em.shape(x)
@@ -340,10 +340,10 @@ def average_pool(em, op, dys, wants):
     grad = em.reshape(dy, [n_batch * channels, 1] + out_spatial)
     weight = np.ones([1, 1] + kernel, dtype=em.np_dtype(x))
     if op.attributes.get("count_include_pad", 0) or not any(geo["pads"]):
-        weight /= np.prod(kernel)
+        grad = em.divide(grad, int(np.prod(kernel)))
     else:
         counts = _window_counts(spatial, out_spatial, kernel, geo)
-        grad = em.op("Mul", [grad, em.const((1.0 / counts).astype(em.np_dtype(x)))])
+        grad = em.op("Div", [grad, em.const(counts.astype(em.np_dtype(x)))])
     out_pad = _output_padding(spatial, out_spatial, kernel, geo)
     grad = em.op("ConvTranspose", [grad, em.const(weight)], kernel_shape=kernel, output_padding=out_pad,
                  strides=geo["strides"], pads=geo["pads"])
@@ -354,7 +354,7 @@ def average_pool(em, op, dys, wants):
 def global_average_pool(em, op, dys, wants):
     x = op.inputs[0]
     area = int(np.prod(em.shape(x)[2:]))
-    return [em.op("Expand", [em.op("Mul", [dys[0], em.scalar(1 / area, x)]), em.ints(em.shape(x))])]
+    return [em.op("Expand", [em.divide(dys[0], area), em.ints(em.shape(x))])]
 
 
 # ---- normalisation --------------------------------------------------------------------------
@@ -404,11 +404,11 @@ def _scaled_mean(em, k, count):
     65,504), so there the product is taken in float32 and only the result, a mean scaled by
     k, comes back to the input's dtype."""
     if not em.narrow_float(k):
-        k_mean = em.op("Mul", [k, em.scalar(1 / count, k)])
+        k_mean = em.divide(k, count)
         return lambda total: em.op("Mul", [total, k_mean])
     dtype = em.dtype(k)
     wide = em.op("Cast", [k], to=TensorProto.FLOAT)
-    k_mean = em.op("Mul", [wide, em.scalar(1 / count, wide)])
+    k_mean = em.divide(wide, count)
     return lambda total: em.op("Cast", [em.op("Mul", [em.op("Cast", [total], to=TensorProto.FLOAT), k_mean])],
                                to=dtype)
 

@@ -353,7 +353,7 @@ def reduce_(em, op, dys, wants):
     grad = dys[0]
     if op.op_type == "ReduceMean" and axes:
         count = int(np.prod([shape[a] for a in axes]))
-        grad = em.op("Mul", [grad, em.scalar(1 / count, x)])
+        grad = em.divide(grad, count)
     kept = [1 if i in axes else d for i, d in enumerate(shape)]
     grad = em.reshape(grad, kept)
     return [grad if tuple(kept) == tuple(shape) else em.op("Expand", [grad, em.ints(shape)])]
