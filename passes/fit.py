@@ -110,6 +110,7 @@ class Search:
         self.first_target = budget               # lowered where the plan as it is overshoots
         self.placed: Plan | None = None          # the last plan placed
         self.last_planned: Plan | None = None    # the last attempt's plan that fit its target
+        self.history: list[dict] = []            # each new best: seconds into the command, its step time
 
     # ---- the phases ----
     def first_plans(self) -> None:
@@ -174,7 +175,7 @@ class Search:
                 break           # slower than a placed plan: placing it cannot win
             arena = self._place(plan, record)
             if arena <= self.budget:
-                self.best = Best(step_time, self.placed, record)
+                self._keep(Best(step_time, self.placed, record))
                 break
             self._overshot(candidate, target, arena)
         return fastest
@@ -213,11 +214,16 @@ class Search:
         """The start itself, placed, where its arena holds the budget (no added time)."""
         arena = self._place(self.start, None)
         if self.budget is None or arena <= self.budget:
-            self.best = Best(0.0, self.placed, -1)
+            self._keep(Best(0.0, self.placed, -1))
             return True
         self.smallest_arena = arena
         self.first_target = self.budget - (arena - self.budget)
         return False
+
+    def _keep(self, best: Best) -> None:
+        self.best = best
+        self.history.append({"seconds": round(self.deadline.elapsed(), 3), "step_time_s": best.step_time,
+                             "candidate": self.tried[best.record]["candidate"] if best.record >= 0 else "as is"})
 
     # ---- targets ----
     def _target(self, candidate: Candidate) -> int:
@@ -253,7 +259,7 @@ class Search:
             self.tried[record]["chosen"] = True
         chosen = self.tried[record] if record >= 0 else None
         note = {"target_bytes": chosen["target_bytes"] if chosen else self.budget, "tried": self.tried,
-                "attempts": len(self.tried), "cut": self.deadline.cut}
+                "attempts": len(self.tried), "cut": self.deadline.cut, "history": self.history}
         return dataclasses.replace(plan, budget=self.budget, notes={**plan.notes, "fit": note})
 
     def failure(self, strategies) -> BudgetError:

