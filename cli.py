@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="compare every output with a plain ONNX Runtime run of the unscheduled graph")
     p.add_argument("--nvdimm-dir", metavar="DIR", help="directory for the NVDIMM tier's store (default: a temp dir)")
-    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (default 1)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="ONNX Runtime intra-op threads (default 0: every core, as ONNX Runtime does; 1 for timing)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_run)
     return parser
@@ -516,7 +517,8 @@ def cmd_run(args) -> int:
                           nvdimm_dir=args.nvdimm_dir, progress=progress, threads=args.threads,
                           given=given if given is not plan.graph else None, allow_fallback=args.allow_fallback)
     device = "cuda" if result.provider.startswith("CUDA") else "cpu"
-    summary = run_summary(result, args.plan, predicted_step_time(plan, device))
+    summary = {**run_summary(result, args.plan, predicted_step_time(plan, device)),
+               "threads": result.threads, "process": result.process}
     if args.json:
         print_json(summary)
     else:

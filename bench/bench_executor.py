@@ -7,7 +7,7 @@ where passes/recompute and passes/swap are installed), the plan from
 
 - planned vs measured peak and arena bytes (they must be equal, exactly);
 - the executor's step time (median over --steps) vs one plain ONNX Runtime session of the
-  same graph, with the executor's options (no graph optimisations, same threads) and with
+  same graph, with the executor's options (memsched.ort.session_options, same threads) and with
   ONNX Runtime's default optimisations: ratios measured in this one process;
 - the simulator's step time with the measured `cpu` profile vs the executor's measured one.
 
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan (after one warm-up)")
     parser.add_argument("--threads", type=int, default=1,
                         help="ONNX Runtime intra-op threads of every session, the plain ones included (default 1: "
-                             "each per-op session has its own pool, and waking it costs more than it gains on a "
-                             "small shared machine)")
+                             "timings comparable on a small shared machine; bench_footprint.py also times the "
+                             "default, every core)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver seconds per pass")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]

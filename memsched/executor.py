@@ -1,25 +1,33 @@
 """The bundled executor: run a Plan on ONNX Runtime exactly as scheduled, in one arena.
 
 Why its own executor: a plan's memory figures are only believable when a real run keeps
-to them. Every op runs in its own ONNX Runtime session (sessions are shared between ops of
-the same type, attributes and tensor types) through IOBinding: its inputs are read from,
-and its outputs written straight into, their planned offsets in one preallocated arena
-(a numpy buffer on CPU, one device allocation on CUDA). Parameters, buffers, constants and
-optimizer state live in the arena too. Swap-outs copy bytes to a host tier's store (DRAM:
-host buffers, pinned on CUDA; NVDIMM: a memory-mapped file) and swap-ins copy them back;
-recomputations re-run the op; frees release the slot.
+to them. The schedule's op runs are cut into segments, each a stretch of consecutive op
+runs up to the next swap (on CUDA also up to an op that waits for a copy), and each segment
+runs as one ONNX Runtime session through IOBinding: every tensor its ops read from outside is
+a session input and every tensor they write is a session output, bound at its planned offset
+in one preallocated arena (a numpy buffer on CPU, one device allocation on CUDA). ONNX
+Runtime therefore allocates no tensor of its own; the sessions have no initializers and no
+memory arena (only kernels' scratch is allocated, per run), are built once and reused by
+every step. Parameters, buffers, constants and optimizer state live only in the arena: the
+first step loads them from the graph, later steps move each `<name>.updated` into its place.
+Swap-outs copy bytes to a host tier's store (DRAM: host buffers, pinned on CUDA; NVDIMM: a
+memory-mapped file) and swap-ins copy them back; recomputations re-run the op; frees
+release the slot.
 
 Before anything runs the plan is judged (memory.validate: residency, budget, placement),
 then rehearsed: the executor walks the byte ranges it is about to bind, keeping its own
 table of live slots. A read of a range that does not hold the tensor, or a write over a
 live slot, is a ScheduleError naming the tensor; the live bytes of that table are the
-measured figures, and they must equal the memory model's at every step.
+measured figures, and they must equal the memory model's at every step. The process's real
+memory (RSS growth, `RunResult.process`) is measured beside them: the arena, the stores and
+what the executor costs on top.
 
 `check=True` also runs the unscheduled graph in one plain ONNX Runtime session (same
-options: no graph optimisations, same thread count, every initializer fed as an input so
-no kernel sees a constant the per-op sessions do not) and compares every output of every
-step; on CPU they must be bit-identical. Released slots are filled with NaN bytes during a
-checked run, so a plan that read freed memory could not pass by luck.
+options: the same graph optimisations, see memsched.ort.OPTIMIZATION, same thread count,
+every initializer fed as an input so no kernel sees a constant the segments do not) and
+compares every output of every step; on CPU they must be bit-identical. Bytes released
+during a checked run are filled with NaN bytes after the segment or copy that released them
+(those not written again by then), so a plan that read freed memory could not pass by luck.
 """
 from __future__ import annotations
 
@@ -36,20 +44,28 @@ from typing import Callable
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from .errors import ScheduleError, UserError
 from .ir import Graph, Op, _make_node, tensor_value
+from .measure import ProcessMemory
 from .memory import MemoryProfile, Residency, buffer_groups, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
+from .ort import bound_session, node_providers, providers_for, quiet_logger, session_options
 from .schedule import Plan
 
 DEVICES = ("cpu", "cuda")
 POISON = 0xFF        # every float made of these bytes is a NaN
 ALIGN = 64           # the arena's base address alignment
-# Ops that draw random numbers: never shared between nodes, never recomputed.
+# Ops that draw random numbers: never recomputed (a replay would draw other numbers).
 RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
                         "Bernoulli", "Multinomial"})
+
+# Ops whose value the executor writes itself, in schedule order, instead of a session: ONNX
+# Runtime turns a Constant node into an initializer when it loads a model, and copies an
+# initializer that is a graph output into its bound buffer at the end of the run, not in
+# schedule order, where the plan may have reused those bytes since.
+CONSTANT_OPS = frozenset({"Constant"})
 
 
 @dataclass
@@ -68,11 +84,13 @@ class RunResult:
     planned_arena_bytes: int
     planned_peak_bytes: int
     step_times: list[float]
-    outputs: dict[str, np.ndarray]  # the last step's outputs
-    sessions: int                   # distinct ONNX Runtime sessions built
+    outputs: dict[str, np.ndarray]  # the last step's outputs (on CPU: read-only views of the arena)
+    sessions: int                   # ONNX Runtime sessions built (one per segment)
     ops: int                        # op runs per step (computes and recomputes)
     swapped_bytes: dict[str, int]   # tier -> bytes copied out per step
     check: dict | None = None       # max_abs_diff, passed, exact, per_output, steps
+    process: dict | None = None     # the process's real memory (see `_process_memory`)
+    threads: int = 0                # intra-op threads of every session (0: ONNX Runtime's default)
 
     @property
     def step_time_s(self) -> float:
@@ -81,22 +99,27 @@ class RunResult:
 
 def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = False,
              inputs: dict[str, np.ndarray] | None = None, nvdimm_dir: str | None = None,
-             progress: Callable[[int, int], None] | None = None, threads: int = 1,
+             progress: Callable[[int, int], None] | None = None, threads: int = 0,
              given: Graph | None = None, allow_fallback: bool = True) -> RunResult:
     """Run `steps` training steps of `plan`; with `check`, compare against a plain ORT run.
 
-    Multi-step runs feed each `<tensor>.updated` output back as `<tensor>` for the next step.
-    `progress(done, total)` is called after each step. `given`: the graph as the user gave
-    it, where the plan's differs from it by rewrites that change rounding only (fused
-    updates); with `check`, the step is also compared to a plain run of it, within
-    CUDA_TOLERANCE (`check["given"]`). Without `allow_fallback`, a CUDA request that CUDA here
-    cannot serve is a UserError instead of a run on the CPU."""
+    Multi-step runs feed each `<tensor>.updated` output back as `<tensor>` for the next step
+    (moved within the arena; the step time includes those moves, not the loading of inputs).
+    `progress(done, total)` is called after each step. `threads`: intra-op threads of every
+    session, 0 for ONNX Runtime's default (every core); 1 times kernels on the calling thread.
+    `given`: the graph as the user gave it, where the plan's differs from it by rewrites that
+    change rounding only (fused updates); with `check`, the step is also compared to a plain
+    run of it, within CUDA_TOLERANCE (`check["given"]`). Without `allow_fallback`, a CUDA
+    request that CUDA here cannot serve is a UserError instead of a run on the CPU."""
+    import onnxruntime  # noqa: F401 - loaded before memory is measured: the library is any ORT user's
+
+    memory = ProcessMemory()
     if steps < 1:
         raise UserError(f"--steps must be at least 1, not {steps}")
     if device not in DEVICES:
         raise UserError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
-    if threads < 1:
-        raise UserError(f"threads must be at least 1, not {threads}")
+    if threads < 0:
+        raise UserError(f"threads must be 0 (every core) or more, not {threads}")
     profile = validate(plan)
     if plan.offsets is None:
         raise UserError("the plan has no arena offsets; place it first (the placement pass of "
@@ -104,7 +127,6 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     planned_arena = check_placement(profile, plan.offsets)
     graph = plan.graph
     feeds = prepare_inputs(graph, inputs)
-    statics = _statics(graph)
     actual_device, fallback = _resolve_device(device)
     if fallback is not None and not allow_fallback:
         raise UserError(f"cannot run on {device}: {fallback}; pass --allow-fallback to run on the CPU instead")
@@ -112,19 +134,27 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     with _Runtime(actual_device, planned_arena, threads, nvdimm_dir) as rt:
         program = _compile(plan, profile, rt)
         live, high_water = _rehearse(program, profile)
+        setup_growth = memory.growth()
         reference = _Reference(graph, actual_device, threads) if check else None
-        ref_statics = dict(statics)
+        ref_statics = _statics(graph) if check else {}
         as_given = _Reference(given, actual_device, threads) if check and given is not None else None
         given_statics = _statics(given) if as_given is not None else {}
         times, diffs, given_diffs = [], [], []
         outputs: dict[str, np.ndarray] = {}
         for k in range(steps):
-            _load(program, rt, feeds, statics, poison=check)
+            start = time.perf_counter()
+            if k:
+                _advance(program, rt)
+            moved = time.perf_counter() - start
+            _load(program, rt, graph, feeds, first=k == 0, poison=check)
             start = time.perf_counter()
             _execute(program, rt, poison=check)
             rt.synchronize()
-            times.append(time.perf_counter() - start)
-            outputs = _collect(program, rt)
+            times.append(moved + time.perf_counter() - start)
+            if k == steps - 1:
+                growth = memory.growth()       # the outputs are in the arena; copying them out is the caller's
+            if check or k == steps - 1:
+                outputs = _collect(program, rt, last=k == steps - 1)
             if reference is not None:
                 expected = reference.run(feeds, ref_statics)
                 diffs.append(compare_outputs(outputs, expected))
@@ -133,11 +163,10 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
                 expected = as_given.run(feeds, given_statics)
                 given_diffs.append(compare_outputs(outputs, expected))
                 given_statics = feed_back(given, given_statics, expected)
-            statics = feed_back(graph, statics, outputs)
             if progress is not None:
                 progress(k + 1, steps)
-        providers = Counter(a.provider for a in program.actions if isinstance(a, _Run))
-        sessions, allocated = len(rt.sessions), rt.allocated_bytes()
+        providers = Counter(run.provider for run in program.actions if isinstance(run, _Run))
+        sessions, allocated, stored = len(program.segments), rt.allocated_bytes(), rt.store_bytes()
     return RunResult(
         requested_device=device, provider=_provider_name(providers), providers=dict(providers),
         fallback=fallback, steps=steps, arena_bytes=allocated, arena_high_water=high_water,
@@ -147,7 +176,35 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         swapped_bytes=dict(program.swapped_bytes),
         check=({**_check_summary(diffs, exact=actual_device == "cpu"),
                 "given": _check_summary(given_diffs, exact=False) if as_given is not None else None}
-               if check else None))
+               if check else None),
+        process=_process_memory(memory, setup_growth, growth, allocated, stored, actual_device, check),
+        threads=threads)
+
+
+def _process_memory(memory: ProcessMemory, setup_growth: int | None, growth: int | None, arena: int,
+                    stored: int, device: str, check: bool) -> dict:
+    """The process's real memory during the run, next to what the plan accounts for.
+
+    `rss_growth_bytes`: peak RSS from the start of `run_plan` (ONNX Runtime loaded) to the end
+    of the last step, before its outputs are copied out of the arena (sessions, arena, stores,
+    kernels' scratch, the executor's own objects; with `check`, the reference sessions and
+    their runs too) less RSS at the start; `setup_growth_bytes`: the same once the sessions
+    are built, before the first step. `overhead_bytes`: the growth less the arena (on CPU)
+    and the host stores: what running costs beyond the plan's bytes. On CUDA the arena is
+    device memory, outside RSS."""
+    host_arena = arena if device == "cpu" else 0
+    available = memory.available and growth is not None
+    return {
+        "rss_source": "/proc/self/status (VmRSS, VmHWM)" if available else "unavailable",
+        "rss_start_bytes": memory.start if available else None,
+        "rss_growth_bytes": growth if available else None,
+        "setup_growth_bytes": setup_growth if available else None,
+        "arena_bytes": arena,
+        "host_arena_bytes": host_arena,
+        "store_bytes": stored,
+        "overhead_bytes": growth - host_arena - stored if available else None,
+        "includes_check": check,
+    }
 
 
 # ---- inputs and outputs ------------------------------------------------------------------
@@ -236,8 +293,6 @@ CUDA_TOLERANCE = 1e-4
 @dataclass
 class _Run:
     op: Op
-    session: object
-    binding: object
     reads: list[tuple[str, int, int]]                        # tensor, lo, hi
     writes: list[tuple[tuple[str, int], int, int, tuple | None]]  # key, lo, hi, key it shares
     waits: list[int] = field(default_factory=list)
@@ -254,6 +309,34 @@ class _Copy:
     store: np.ndarray   # uint8 view of the tensor's place in the tier's store
     event: int          # index of this copy's completion event
     waits: list[int] = field(default_factory=list)
+    poison: list[tuple[int, int]] = field(default_factory=list)   # released bytes to poison after it
+
+
+@dataclass
+class _Segment:
+    """Consecutive op runs in one session: its inputs and outputs bound into the arena."""
+
+    runs: list[_Run]
+    first: int          # schedule step of its first run
+    last: int           # schedule step of its last run
+    steps: set = field(default_factory=set)    # schedule steps of its runs
+    session: object = None
+    binding: object = None
+    waits: list[int] = field(default_factory=list)
+    poison: list[tuple[int, int]] = field(default_factory=list)   # released bytes to poison after it
+
+
+@dataclass
+class _Const:
+    """A Constant op's run: its value, computed once, written at its offset."""
+
+    run: _Run
+    step: int
+    lo: int
+    data: np.ndarray    # the value's bytes
+    waits: list[int] = field(default_factory=list)
+    hoisted: bool = False   # written before the segment its step falls in
+    poison: list[tuple[int, int]] = field(default_factory=list)   # released bytes to poison after it
 
 
 @dataclass
@@ -266,6 +349,17 @@ class _Program:
     types: dict            # tensor -> (numpy dtype, shape)
     swapped_bytes: Counter
     events: int
+    items: list = field(default_factory=list)      # what runs, in order: _Segment and _Copy
+    updates: list = field(default_factory=list)    # moves that put `<name>.updated` where `<name>` starts
+
+    @property
+    def segments(self) -> list[_Segment]:
+        return [item for item in self.items if isinstance(item, _Segment)]
+
+    @property
+    def updated(self) -> set[str]:
+        """Statics whose next-step value a move brings (so they are not loaded again)."""
+        return {name for name, _, _ in self.updates}
 
 
 def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime") -> _Program:
@@ -337,7 +431,7 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime") -> _Program:
                 r = starting(t, i)
                 writes.append((r.key, *region(r.key), r.shares_with))
             touched = [(lo, hi) for _, lo, hi in reads] + [(lo, hi) for _, lo, hi, _ in writes]
-            actions.append(_Run(op, None, None, reads, writes, waits_for(touched)))
+            actions.append(_Run(op, reads, writes, waits_for(touched)))
             pending = [p for p in pending if p[0] not in actions[-1].waits]
         elif step.kind in ("swap_out", "swap_in"):
             tier = step.tier or "dram"
@@ -359,11 +453,237 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime") -> _Program:
             events += 1
         else:
             actions.append(None)
-    for run in actions:   # sessions only once the whole plan has been found runnable
-        if isinstance(run, _Run):
-            run.session, run.binding, run.provider = rt.bind(run.op, graph, [(t, lo) for t, lo, _ in run.reads],
-                                               [(k[0], lo) for k, lo, _, _ in run.writes])
-    return _Program(actions, releases, initial, host_initial, finals, types, swapped, events)
+    program = _Program(actions, releases, initial, host_initial, finals, types, swapped, events)
+    program.updates = _updates(plan, program, region)
+    items = []        # sessions only once the whole plan has been found runnable
+    # ONNX Runtime adds nodes of its own around float16 kernels it runs in float32 (Casts) and
+    # between devices (copies): those run out of index order, so such a step is cut for any order
+    inserts = rt.device == "cuda" or any(t.dtype in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+                                         for t in graph.tensors.values())
+    order = _OrderGuard.ANY if inserts else _OrderGuard.ORDERED
+    for item in _items(program.actions, graph, rt.device == "cuda", order):
+        if isinstance(item, _Segment) and not rt.build(item, graph, exact=order == _OrderGuard.ORDERED):
+            # ONNX Runtime's record of the nodes it assigned differs from the segment's: the
+            # segment is cut where any order would be wrong
+            parts = _items([r if i in item.steps else None for i, r in enumerate(program.actions)], graph,
+                           rt.device == "cuda", _OrderGuard.ANY)
+            for part in parts:
+                rt.build(part, graph, exact=False)
+            items.extend(parts)
+        else:
+            items.append(item)
+    for item in items:
+        if isinstance(item, _Const):
+            item.run.provider = providers_for(rt.device)[0] if rt.device == "cpu" else "CUDAExecutionProvider"
+    program.items = _with_poison(items, program, profile, region)
+    return program
+
+
+def constant_value(op: Op, graph: Graph) -> np.ndarray:
+    """The bytes of a Constant op's output, as the graph types it: a `value` tensor read
+    directly, any other form through onnx's reference evaluator (imported only then: it
+    weighs megabytes)."""
+    t = graph.tensors[op.outputs[0]]
+    if isinstance(op.attributes.get("value"), onnx.TensorProto):
+        value = numpy_helper.to_array(op.attributes["value"])
+    else:
+        from onnx.reference import ReferenceEvaluator
+
+        node = _make_node(dataclasses.replace(op, name="constant", inputs=[], outputs=["y"], doc_string=""))
+        opsets = [helper.make_opsetid(d, v) for d, v in graph.opset_imports.items() if d != MEMSCHED_DOMAIN]
+        model = helper.make_model(helper.make_graph([node], "constant", [], [helper.make_tensor_value_info(
+            "y", t.dtype, list(t.shape))]), opset_imports=opsets)
+        model.ir_version = graph.ir_version
+        value = np.asarray(ReferenceEvaluator(model).run(None, {})[0])
+    dtype = helper.tensor_dtype_to_np_dtype(t.dtype)
+    if value.dtype != dtype or value.shape != t.shape:
+        raise ScheduleError(f"Constant op '{op.name}' makes {value.dtype} of shape {value.shape}, but the graph "
+                            f"says {dtype} of shape {t.shape}")
+    return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+
+
+def _items(actions: list, graph: Graph, split_at_waits: bool, order: str) -> list:
+    """The program as it runs: segments of consecutive op runs, cut at every copy (and on CUDA
+    at every run that waits for one, so a copy overlaps the runs before it) and wherever the
+    `_OrderGuard` (in mode `order`) refuses a run, and the copies; Constant ops (CONSTANT_OPS)
+    become writes of their value."""
+    items: list = []
+    current: _Segment | None = None
+    guard = _OrderGuard(order)
+    for i, action in enumerate(actions):
+        if isinstance(action, _Run) and action.op.op_type in CONSTANT_OPS:
+            const = _Const(action, i, action.writes[0][1], constant_value(action.op, graph), list(action.waits))
+            if current is not None and not action.waits and guard.hoist(action):
+                const.hoisted = True              # written before the segment: no run of it touches the bytes
+                items.insert(items.index(current), const)
+            else:
+                items.append(const)
+                current = None
+        elif isinstance(action, _Run):
+            if current is None or (split_at_waits and action.waits) or not guard.admit(action):
+                current = _Segment([], i, i, waits=list(action.waits))
+                items.append(current)
+                guard = _OrderGuard(order)
+                guard.admit(action)
+            current.runs.append(action)
+            current.last = i
+            current.steps.add(i)
+        elif isinstance(action, _Copy):
+            items.append(action)
+            current = None
+    return items
+
+
+def _with_poison(items: list, program: _Program, profile: MemoryProfile, region) -> list:
+    """`items`, each given the bytes released up to its end that no live tensor holds after
+    it: what a checked run poisons once the item has run (not after the last step of the
+    schedule, where what is live is the step's result)."""
+    n = len(program.actions)
+    done = 0
+    for item in items:
+        if isinstance(item, _Const) and item.hoisted:
+            continue           # the segment after it poisons what was released up to its end
+        end = (item.last if isinstance(item, _Segment) else item.step if isinstance(item, _Const)
+               else program.actions.index(item))
+        released = [(lo, hi) for step in range(done, min(end, n - 2) + 1)
+                    for _, lo, hi, kept in program.releases[step] if not kept and hi > lo]
+        live = [region(r.key) for r in profile.residencies
+                if r.start <= end and (end < r.end or r.end >= n - 1) and r.nbytes]
+        item.poison = _subtract(_union(released), _union(live))
+        done = end + 1
+    return items
+
+
+class _OrderGuard:
+    """Whether a segment runs as scheduled in the order ONNX Runtime picks.
+
+    A session runs its nodes in a topological order of its own, and the plan reuses bytes: a
+    run may write where a tensor that is no longer needed was. That is safe only if every run
+    that read or wrote those bytes before runs first. The executor's sessions use ONNX
+    Runtime's priority-based order: Kahn's algorithm that takes Shape and Size nodes as soon as
+    they are ready and every other node in the order given (the schedule's, a topological
+    order), so only a Shape or Size run can move, and only earlier. In mode ORDERED a
+    Shape or Size run's writes, and in mode ANY (for a session where ONNX Runtime added nodes
+    of its own, which run out of that order) every run's writes, must only cover bytes that
+    runs reached through data edges (its ancestors) touched before, so that any such order
+    runs them first. `admit` adds a run to the segment when that holds, and refuses it (the
+    segment ends there) when it does not."""
+
+    ORDERED, ANY = "ordered", "any"
+    HOISTED = frozenset({"Shape", "Size"})     # the ops ONNX Runtime's priority order moves
+
+    def __init__(self, order: str):
+        self.order = order
+        self.spans: list[list[int]] = []                     # [lo, hi, runs that touched them (bits)]
+        self.ancestors: list[int] = []                       # per run: the runs it depends on (bits)
+        self.written: dict[str, tuple[int, int, int, int]] = {}   # tensor -> lo, hi, span index, run
+        self.outside: dict[tuple[str, int], int] = {}        # tensor read from outside, lo -> span index
+
+    def hoist(self, run: _Run) -> bool:
+        """Whether a run that reads nothing (a Constant) can be done before the segment: no run
+        of the segment touched the bytes it writes. If so, those bytes count as read from
+        outside from here on."""
+        if run.reads or any(a < hi and lo < b for _, lo, hi, _ in run.writes for a, b, _ in self.spans):
+            return False
+        for key, lo, hi, _ in run.writes:
+            self.spans.append([lo, hi, 0])
+        return True
+
+    def admit(self, run: _Run) -> bool:
+        j = len(self.ancestors)
+        me, before = 1 << j, 0
+        inner = []
+        for tensor, lo, hi in run.reads:
+            w = self.written.get(tensor)
+            if w is not None and w[:2] == (lo, hi):
+                before |= (1 << w[3]) | self.ancestors[w[3]]
+                inner.append(w[2])
+            else:
+                inner.append(None)
+        allowed = before | me
+        checked = run.writes if self.order == self.ANY or run.op.op_type in self.HOISTED else []
+        for _, lo, hi, _ in checked:
+            if any(a < hi and lo < b and touched & ~allowed for a, b, touched in self.spans):
+                return False
+        for (tensor, lo, hi), span in zip(run.reads, inner):
+            if span is None:
+                span = self.outside.get((tensor, lo))
+                if span is None:
+                    span = self.outside[(tensor, lo)] = len(self.spans)
+                    self.spans.append([lo, hi, 0])
+            self.spans[span][2] |= me
+        for key, lo, hi, _ in run.writes:
+            self.written[key[0]] = (lo, hi, len(self.spans), j)
+            self.spans.append([lo, hi, me])
+        self.ancestors.append(before)
+        return True
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
+def _subtract(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`spans` less `holes` (both sorted, disjoint)."""
+    result = []
+    for lo, hi in spans:
+        for a, b in holes:
+            if b <= lo or a >= hi:
+                continue
+            if a > lo:
+                result.append((lo, a))
+            lo = max(lo, b)
+        if lo < hi:
+            result.append((lo, hi))
+    return result
+
+
+def _updates(plan: Plan, program: _Program, region) -> list[tuple[str, tuple | None, list]]:
+    """Per static with a `<name>.updated` output of its type: where it starts a step and the
+    moves, in a safe order, that put the update there (none where the update is written in
+    place).
+
+    A place is ('arena', lo, hi), ('store', view) or ('temp', k). Moving one update may
+    overwrite the arena bytes where another update still waits, so moves run in an order in
+    which none overwrites a source still to be read; a cycle is broken by copying one source
+    to a temporary first (('stash', k, place) before the moves)."""
+    graph = plan.graph
+    starts = {key[0]: ("arena", lo, hi) for key, lo, hi in program.initial}
+    starts.update({name: ("store", view) for name, view in program.host_initial.items()})
+    pending = []
+    for name in starts:
+        t, updated = graph.tensors[name], graph.tensors.get(f"{name}.updated")
+        if not t.is_static or updated is None or f"{name}.updated" not in program.finals:
+            continue
+        if updated.shape != t.shape or updated.dtype != t.dtype:
+            continue
+        where = program.finals[f"{name}.updated"]
+        source = ("arena", where[1], where[2]) if where[0] == "arena" else ("store", where[1])
+        pending.append((name, source, starts[name]))
+
+    def overlaps(a, b) -> bool:
+        return a[0] == b[0] == "arena" and a[1] < b[2] and b[1] < a[2]
+
+    order: list[tuple[str, tuple | None, list]] = []
+    temps = 0
+    while pending:
+        for k, (name, source, target) in enumerate(pending):
+            if not any(j != k and overlaps(target, other[1]) for j, other in enumerate(pending)):
+                order.append((name, target, [("move", source, target)] if source != target else []))
+                pending.pop(k)
+                break
+        else:
+            name, source, target = pending[0]
+            order.append((name, None, [("stash", temps, source)]))
+            pending[0] = (name, ("temp", temps), target)
+            temps += 1
+    return order
 
 
 def _first_swap_in_tiers(plan: Plan) -> dict[str, str]:
@@ -474,45 +794,73 @@ def _rehearse(program: _Program, profile: MemoryProfile) -> tuple[np.ndarray, in
 
 
 # ---- running ----------------------------------------------------------------------------
-def _load(program: _Program, rt: "_Runtime", feeds: dict, statics: dict, poison: bool) -> None:
-    """Put this step's inputs and initializer values where the plan starts them."""
+def _load(program: _Program, rt: "_Runtime", graph: Graph, feeds: dict, first: bool, poison: bool) -> None:
+    """Put this step's inputs where the plan starts them, and the statics no update brings:
+    every static on the first step (read from the graph one at a time, so no second copy of
+    the parameters is kept), constants again on later steps (a freed one's bytes are reused).
+    With `poison`, every other byte of the arena is NaN bytes first."""
+    keep = [] if first else [target[1:] for _, target, _ in program.updates if target and target[0] == "arena"]
     if poison:
-        rt.fill(0, rt.arena_bytes, POISON)
+        for lo, hi in _subtract([(0, rt.arena_bytes)], _union(keep)):
+            rt.fill(lo, hi, POISON)
+    updated = set() if first else program.updated
     for key, lo, hi in program.initial:
         name = key[0]
-        value = feeds[name] if name in feeds else statics[name]
-        rt.write(lo, value)
+        if name in feeds:
+            rt.write(lo, feeds[name])
+        elif name not in updated:
+            rt.write(lo, tensor_value(graph.tensors[name], graph.base_dir))
     for name, store in program.host_initial.items():
-        store[:] = np.ascontiguousarray(statics[name]).reshape(-1).view(np.uint8)
+        if name not in updated:
+            value = np.ascontiguousarray(tensor_value(graph.tensors[name], graph.base_dir))
+            store[:] = value.reshape(-1).view(np.uint8)
+
+
+def _advance(program: _Program, rt: "_Runtime") -> None:
+    """Move each `<name>.updated` of the step that ran to where `<name>` starts the next one."""
+    temps: dict[int, np.ndarray] = {}
+    for _, _, moves in program.updates:
+        for op, a, b in moves:
+            if op == "stash":
+                temps[a] = rt.fetch(b)
+            else:
+                rt.put(b, temps.pop(a[1]) if a[0] == "temp" else a)
 
 
 def _execute(program: _Program, rt: "_Runtime", poison: bool) -> None:
-    """One step: the schedule's actions in order, releases poisoned when checking (not after
-    the last action: what is live then is the step's result)."""
-    last = len(program.actions) - 1
-    for i, (action, releases) in enumerate(zip(program.actions, program.releases)):
-        if isinstance(action, _Run):
-            rt.wait(action.waits)
-            action.session.run_with_iobinding(action.binding)
-        elif isinstance(action, _Copy):
-            rt.wait(action.waits)
-            if action.kind == "swap_out":
-                rt.copy_out(action.lo, action.hi, action.store, action.event)
-            else:
-                rt.copy_in(action.lo, action.hi, action.store, action.event)
-        if poison and i < last:
-            for _, lo, hi, kept in releases:
-                if not kept and hi > lo:
-                    rt.wait_all()
-                    rt.fill(lo, hi, POISON)
+    """One step: the segments, constants and copies in order, released bytes poisoned when
+    checking."""
+    for item in program.items:
+        rt.wait(item.waits)
+        if isinstance(item, _Segment):
+            item.session.run_with_iobinding(item.binding)
+        elif isinstance(item, _Const):
+            rt.write(item.lo, item.data)
+        elif item.kind == "swap_out":
+            rt.copy_out(item.lo, item.hi, item.store, item.event)
+        else:
+            rt.copy_in(item.lo, item.hi, item.store, item.event)
+        if poison and item.poison:
+            rt.wait_all()
+            for lo, hi in item.poison:
+                rt.fill(lo, hi, POISON)
 
 
-def _collect(program: _Program, rt: "_Runtime") -> dict[str, np.ndarray]:
+def _collect(program: _Program, rt: "_Runtime", last: bool) -> dict[str, np.ndarray]:
+    """The step's outputs. After the `last` step on CPU they are read-only views of the arena
+    and the stores, which nothing writes any more (no second copy of the updated parameters);
+    otherwise copies."""
+    views = last and rt.device == "cpu"
     outputs = {}
     for name, where in program.finals.items():
         dtype, shape = program.types[name]
-        raw = rt.read(where[1], where[2]) if where[0] == "arena" else np.array(where[1])
+        if where[0] == "arena":
+            raw = rt.arena[where[1]:where[2]] if views else rt.read(where[1], where[2])
+        else:
+            raw = where[1] if views else np.array(where[1])
         outputs[name] = raw.view(dtype).reshape(shape)
+        if views:
+            outputs[name].flags.writeable = False
     return outputs
 
 
@@ -523,43 +871,66 @@ def _provider_name(providers: Counter) -> str:
 
 
 # ---- sessions ---------------------------------------------------------------------------
-def session_options(threads: int):
-    """The options of every session, the reference included, so kernels and threading match."""
-    import onnxruntime as ort
+def segment_model(segment: _Segment, graph: Graph) -> tuple[onnx.ModelProto, list, list]:
+    """The segment's ops as one model whose every tensor is a graph input or output.
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-    return options
+    Values are named by what holds them, not by tensor: `x<k>` for a tensor read from outside
+    the segment, `v<k>` for each one a run writes (a recomputed tensor is a new value), so the
+    model is in SSA form whatever the schedule replays. Nodes are named `n<j>`, the j-th run.
+    A float16 value read inside the segment reaches its readers through an Identity written
+    onto its own bytes, as in the reference (`_fp16_barriers`): without it ONNX Runtime's CPU
+    provider, running ops without a float16 kernel in float32 between Casts, drops the Cast
+    pair between two of them and passes the float32 value on, unrounded.
+    Returns the model, its inputs [(value, tensor, lo)] and its outputs [(value, tensor, lo)]."""
+    inputs: dict[tuple[str, int], str] = {}
+    written: dict[str, tuple[str, int, int]] = {}    # tensor -> (value, lo, hi) of its latest write
+    barriers: dict[str, str] = {}                    # float16 value -> its Identity's output
+    ins, outs, nodes = [], [], []
+    for j, run in enumerate(segment.runs):
+        op = run.op
+        reads = iter(run.reads)
+        names = []
+        for t in op.inputs:
+            if not t:
+                names.append("")
+                continue
+            tensor, lo, hi = next(reads)
+            if tensor in written and written[tensor][1:] == (lo, hi):
+                value = written[tensor][0]
+                if graph.tensors[tensor].dtype == onnx.TensorProto.FLOAT16:
+                    if value not in barriers:
+                        barriers[value] = f"{value}.fp16"
+                        nodes.append(helper.make_node("Identity", [value], [barriers[value]], name=f"b{value}"))
+                        outs.append((barriers[value], tensor, lo))
+                    value = barriers[value]
+                names.append(value)
+                continue
+            if (tensor, lo) not in inputs:
+                inputs[(tensor, lo)] = f"x{len(inputs)}"
+                ins.append((inputs[(tensor, lo)], tensor, lo))
+            names.append(inputs[(tensor, lo)])
+        writes = iter(run.writes)
+        results = []
+        for t in op.outputs:
+            if not t:
+                results.append("")
+                continue
+            _, lo, hi, _ = next(writes)
+            value = f"v{len(outs)}"
+            written[t] = (value, lo, hi)
+            outs.append((value, t, lo))
+            results.append(value)
+        nodes.append(_make_node(dataclasses.replace(op, name=f"n{j}", inputs=names, outputs=results, doc_string="")))
 
+    def info(values):
+        return [helper.make_tensor_value_info(v, graph.tensors[t].dtype, list(graph.tensors[t].shape))
+                for v, t, _ in values]
 
-def providers_for(device: str) -> list:
-    if device == "cuda":
-        return [("CUDAExecutionProvider", {"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC"}),
-                "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
-def single_op_model(op: Op, graph: Graph) -> onnx.ModelProto:
-    """A model of one node with generic names i<k>/o<k>, so equal ops share one session."""
-    inputs = [f"i{k}" if t else "" for k, t in enumerate(op.inputs)]
-    outputs = [f"o{k}" if t else "" for k, t in enumerate(op.outputs)]
-    node = _make_node(dataclasses.replace(op, name="op", inputs=inputs, outputs=outputs, doc_string=""))
-
-    def info(names, tensors):
-        return [helper.make_tensor_value_info(n, graph.tensors[t].dtype, list(graph.tensors[t].shape))
-                for n, t in zip(names, tensors) if t]
-
-    g = helper.make_graph([node], "op", info(inputs, op.inputs), info(outputs, op.outputs))
+    g = helper.make_graph(nodes, "segment", info(ins), info(outs))
     opsets = [helper.make_opsetid(d, v) for d, v in graph.opset_imports.items() if d != MEMSCHED_DOMAIN]
     model = helper.make_model(g, opset_imports=opsets, producer_name="memsched")
     model.ir_version = graph.ir_version
-    return model
+    return model, ins, outs
 
 
 class _Runtime:
@@ -570,8 +941,8 @@ class _Runtime:
         self.arena_bytes = arena_bytes
         self.threads = threads
         self.nvdimm_dir = nvdimm_dir
-        self.sessions: dict[bytes, object] = {}
-        self.assigned: dict[bytes, str] = {}    # session -> the provider its op's node runs on
+        self.sessions: list = []
+        self.stored = 0                          # bytes of the host tiers' stores
         self._tmpdir: str | None = None
         self._mmaps: list = []
         self._cuda = _Cuda() if device == "cuda" else None
@@ -605,32 +976,37 @@ class _Runtime:
         return False
 
     # -- sessions
-    def bind(self, op: Op, graph: Graph, reads: list[tuple[str, int]], writes: list[tuple[str, int]]):
-        import onnxruntime as ort
+    def build(self, segment: _Segment, graph: Graph, exact: bool) -> bool:
+        """Make the segment's session and bind its inputs and outputs at their arena offsets.
 
-        model = single_op_model(op, graph).SerializeToString()
-        key = model + (op.name.encode() if draws_random(op) else b"")   # random ops keep their own state
-        session = self.sessions.get(key)
-        if session is None:
-            try:
-                session = ort.InferenceSession(model, session_options(self.threads),
-                                               providers=providers_for(self.device))
-            except Exception as exc:  # noqa: BLE001 - ORT raises several types; name the op
-                raise UserError(f"ONNX Runtime cannot run {op.op_type} node '{op.name}': "
-                                f"{str(exc).strip().splitlines()[0]}") from None
-            self.sessions[key] = session
-            self.assigned[key] = _assigned_provider(session)
+        With `exact`, the segment was cut for ONNX Runtime's priority order of the nodes as
+        given: if ORT added nodes of its own (or keeps no record of its nodes) no session is
+        kept and the answer is False."""
+        model, inputs, outputs = segment_model(segment, graph)
+        try:
+            session = bound_session(model.SerializeToString(), self.threads, self.device)
+        except Exception as exc:  # noqa: BLE001 - ORT raises several types; name the op
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            found = re.search(r"\bn(\d+)\b", message)
+            op = segment.runs[int(found.group(1)) if found and int(found.group(1)) < len(segment.runs) else 0].op
+            raise UserError(f"ONNX Runtime cannot run {op.op_type} node '{op.name}': "
+                            f"{re.sub(r'^.*?] ', '', message)}") from None
+        assigned = node_providers(session)
+        if exact and (set(assigned) != {node.name for node in model.graph.node} or len(segment.runs) == 0):
+            return False
         binding = session.io_binding()
         device = "cuda" if self.device == "cuda" else "cpu"
-        present = [k for k, t in enumerate(op.inputs) if t]
-        for k, (tensor, lo) in zip(present, reads):
+        for value, tensor, lo in inputs:
             t = graph.tensors[tensor]
-            binding.bind_input(f"i{k}", device, 0, t.dtype, list(t.shape), self.base + lo)
-        present = [k for k, t in enumerate(op.outputs) if t]
-        for k, (tensor, lo) in zip(present, writes):
+            binding.bind_input(value, device, 0, t.dtype, list(t.shape), self.base + lo)
+        for value, tensor, lo in outputs:
             t = graph.tensors[tensor]
-            binding.bind_output(f"o{k}", device, 0, t.dtype, list(t.shape), self.base + lo)
-        return session, binding, self.assigned[key]
+            binding.bind_output(value, device, 0, t.dtype, list(t.shape), self.base + lo)
+        for j, run in enumerate(segment.runs):
+            run.provider = assigned.get(f"n{j}", session.get_providers()[0])
+        segment.session, segment.binding = session, binding
+        self.sessions.append(session)
+        return True
 
     # -- the host tiers
     def stores(self, sizes: dict[tuple[str, str], int]) -> dict[tuple[str, str], np.ndarray]:
@@ -659,9 +1035,11 @@ class _Runtime:
             with handle:
                 mm = np.memmap(handle.name, dtype=np.uint8, mode="w+", shape=(max(nbytes, 1),))
             self._mmaps.append(mm)
+            self.stored += nbytes
             return mm
         if tier != "dram":
             raise ScheduleError(f"unknown host tier '{tier}' (tiers: dram, nvdimm)")
+        self.stored += nbytes
         if self._cuda is not None:
             return self._cuda.pinned(nbytes)
         return np.empty(nbytes, dtype=np.uint8)
@@ -680,6 +1058,25 @@ class _Runtime:
         out = np.empty(hi - lo, dtype=np.uint8)
         self._cuda.copy(out.ctypes.data, self.base + lo, hi - lo, _Cuda.D2H)
         return out
+
+    def store_bytes(self) -> int:
+        """Bytes of the host tiers' stores (DRAM and NVDIMM)."""
+        return self.stored
+
+    def fetch(self, place: tuple) -> np.ndarray:
+        """A host copy of the bytes at `place` (('arena', lo, hi) or ('store', view))."""
+        return self.read(place[1], place[2]) if place[0] == "arena" else np.array(place[1])
+
+    def put(self, place: tuple, source) -> None:
+        """Copy `source` (a place, or host bytes) to `place`; arena to arena stays on the device."""
+        if place[0] == "store":
+            place[1][:] = self.fetch(source) if isinstance(source, tuple) else source
+        elif not isinstance(source, tuple) or source[0] == "store":
+            self.write(place[1], source if not isinstance(source, tuple) else source[1])
+        elif self._cuda is None:
+            self.arena[place[1]:place[2]] = self.arena[source[1]:source[2]]
+        else:
+            self._cuda.copy(self.base + place[1], self.base + source[1], source[2] - source[1], _Cuda.D2D)
 
     def fill(self, lo: int, hi: int, byte: int) -> None:
         if self._cuda is None:
@@ -711,18 +1108,6 @@ class _Runtime:
         self.wait_all()
 
 
-def _assigned_provider(session) -> str:
-    """Where ONNX Runtime put the op's node (not the Casts or copies it added around it); a
-    CUDA session whose node fell back to CPU says CPUExecutionProvider."""
-    try:
-        for subgraph in session.get_provider_graph_assignment_info():
-            if any(node.name == "op" for node in subgraph.get_nodes()):
-                return subgraph.ep_name
-    except (AttributeError, RuntimeError):   # an ONNX Runtime without assignment records
-        pass
-    return session.get_providers()[0]
-
-
 def _resolve_device(device: str) -> tuple[str, str | None]:
     """'cuda' when a CUDA arena and session can really be made, else 'cpu' and the reason."""
     if device == "cpu":
@@ -731,24 +1116,22 @@ def _resolve_device(device: str) -> tuple[str, str | None]:
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return "cpu", "this ONNX Runtime build has no CUDA execution provider"
-    ort.set_default_logger_severity(4)   # we report the reason ourselves, once
-    try:
-        ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, "cuda", 0)
-        _Cuda().close()
-        probe = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
-                                  [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-                                  [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
-        model = helper.make_model(probe, opset_imports=[helper.make_opsetid("", 13)])
-        model.ir_version = 8
-        session = ort.InferenceSession(model.SerializeToString(), session_options(1),
-                                       providers=providers_for("cuda"))
-        if "CUDAExecutionProvider" not in session.get_providers():    # ORT dropped it (libraries missing)
-            return "cpu", "ONNX Runtime could not register its CUDA execution provider here"
-    except Exception as exc:  # noqa: BLE001 - any failure means no usable CUDA
-        reason = re.sub(r"^.*\) ", "", str(exc).strip().splitlines()[-1])   # drop ORT's source location
-        return "cpu", f"CUDA is not usable here: {reason[:160]}"
-    finally:
-        ort.set_default_logger_severity(2)  # ONNX Runtime's default: warnings
+    with quiet_logger():   # the reason is reported once, here
+        try:
+            ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, "cuda", 0)
+            _Cuda().close()
+            probe = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
+                                      [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                                      [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+            model = helper.make_model(probe, opset_imports=[helper.make_opsetid("", 13)])
+            model.ir_version = 8
+            session = ort.InferenceSession(model.SerializeToString(), session_options(1),
+                                           providers=providers_for("cuda"))
+            if "CUDAExecutionProvider" not in session.get_providers():    # ORT dropped it (libraries missing)
+                return "cpu", "ONNX Runtime could not register its CUDA execution provider here"
+        except Exception as exc:  # noqa: BLE001 - any failure means no usable CUDA
+            reason = re.sub(r"^.*\) ", "", str(exc).strip().splitlines()[-1])   # drop ORT's source location
+            return "cpu", f"CUDA is not usable here: {reason[:160]}"
     return "cuda", None
 
 
@@ -756,7 +1139,7 @@ class _Cuda:
     """The few CUDA runtime calls the executor needs (ctypes over libcudart): pinned host
     buffers and async copies on two copy streams (d2h, h2d), each copy with an event."""
 
-    H2D, D2H = 1, 2
+    H2D, D2H, D2D = 1, 2, 3
 
     def __init__(self):
         self.lib = _load_cudart()
@@ -885,4 +1268,4 @@ def _fp16_barriers(graph: Graph) -> Graph:
 
 
 __all__ = ["run_plan", "RunResult", "prepare_inputs", "feed_back", "compare_outputs", "reference_model",
-           "single_op_model", "session_options", "providers_for"]
+           "segment_model", "session_options", "providers_for"]

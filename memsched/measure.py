@@ -50,39 +50,11 @@ from .hardware import DRAM_LATENCY, Hardware, HostTier, optane_pmem
 from .ir import Graph, Op, tensor_value
 from .memory import analyze
 from .onnx_utils import make_model
+from .ort import PROVIDERS, make_session
 from .schedule import default_schedule
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 MIN_TIMED_SECONDS = 0.02     # keep timing a fast op until this much time is covered ...
 MAX_RUNS = 200               # ... or this many runs
-
-
-def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
-    """An InferenceSession on `device`; raises UserError if ONNX Runtime fell back elsewhere."""
-    import onnxruntime as ort
-
-    if device not in PROVIDERS:
-        raise UserError(f"unknown device '{device}'; use cpu or cuda")
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    wanted = PROVIDERS[device]
-    if wanted not in ort.get_available_providers():
-        raise UserError(f"ONNX Runtime here has no {wanted}; profile with --device cpu")
-    # a provider that fails to load logs a raw, coloured error through the default logger;
-    # the check below says it in one line instead
-    ort.set_default_logger_severity(4)
-    try:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=[wanted])
-    except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
-        raise UserError(f"ONNX Runtime cannot load the model: {str(exc).splitlines()[0]}") from None
-    finally:
-        ort.set_default_logger_severity(2)  # ONNX Runtime's default: warnings
-    if session.get_providers()[0] != wanted:
-        raise UserError(f"ONNX Runtime cannot run on {device} here (it fell back to {session.get_providers()[0]}; "
-                        f"its CUDA libraries are missing or there is no GPU)")
-    return session
 
 
 @dataclass
@@ -264,22 +236,35 @@ def overheads(device: str = "cpu", threads: int = 0, repeats: int = 200) -> tupl
 # ---- one op as a model -------------------------------------------------------------------
 def single_op_model(op: Op, graph: Graph) -> tuple[onnx.ModelProto, list[str]]:
     """A one-node model computing `op`: static inputs as initializers, the others as inputs.
-    Returns the model and the names of its (non-initializer) inputs, in order."""
+
+    Returns the model and, per model input in order, the tensor it is fed. Model inputs are
+    named by position (`FEED_PREFIX<k>`), one per non-static input slot even where a tensor
+    fills two (x * x): every op with the same signature then has the same inputs, so their
+    shared session can be fed any of them."""
     if op.domain not in ("", "ai.onnx"):
         raise UserError(f"op '{op.name}' is in domain '{op.domain}', which ONNX Runtime cannot time")
-    feeds, inits = [], []
-    for name in dict.fromkeys(op.present_inputs):
-        t = graph.tensors[name]
-        if t.is_static:
-            inits.append(numpy_helper.from_array(tensor_value(t, graph.base_dir), name))
+    inits = [numpy_helper.from_array(tensor_value(graph.tensors[name], graph.base_dir), name)
+             for name in dict.fromkeys(op.present_inputs) if graph.tensors[name].is_static]
+    inputs, infos = [], []
+    for k, name in enumerate(op.inputs):
+        if name and not graph.tensors[name].is_static:
+            inputs.append(f"{FEED_PREFIX}{k}")
+            infos.append(_value_info(graph, name, inputs[-1]))
         else:
-            feeds.append(name)
-    vi = lambda n: helper.make_tensor_value_info(n, graph.tensors[n].dtype, list(graph.tensors[n].shape))  # noqa: E731
-    node = helper.make_node(op.op_type, op.inputs, op.outputs, name=op.name, domain=op.domain or None)
+            inputs.append(name)
+    node = helper.make_node(op.op_type, inputs, op.outputs, name=op.name, domain=op.domain or None)
     node.attribute.extend(helper.make_attribute(k, v) for k, v in op.attributes.items())
-    g = helper.make_graph([node], op.name, [vi(n) for n in feeds], [vi(n) for n in op.present_outputs], inits)
+    g = helper.make_graph([node], op.name, infos, [_value_info(graph, n, n) for n in op.present_outputs], inits)
     opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 17))
-    return make_model(g, opset=opset, ir_version=graph.ir_version), feeds
+    return make_model(g, opset=opset, ir_version=graph.ir_version), _feeds_of(op, graph)
+
+
+FEED_PREFIX = "memsched.input."
+
+
+def _value_info(graph: Graph, tensor: str, name: str) -> onnx.ValueInfoProto:
+    t = graph.tensors[tensor]
+    return helper.make_tensor_value_info(name, t.dtype, list(t.shape))
 
 
 def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
@@ -316,7 +301,7 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
     for i, op in enumerate(graph.ops):
         for name in op.present_inputs:
             last_use[name] = i
-    sessions: dict[str, tuple[Timer, list[str], float]] = {}
+    sessions: dict[str, tuple[Timer, float]] = {}
     times: dict[str, float] = {}
     by_signature: dict[str, float] = {}
     for i, op in enumerate(graph.ops):
@@ -325,18 +310,20 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
         if sig not in sessions:
             model, feeds = single_op_model(op, graph)
             session = make_session(model, device, threads)
-            timer = Timer.bind(session, {n: values[n] for n in feeds}, outputs, device, threads)
+            inputs = [i.name for i in model.graph.input]
+            timer = Timer.bind(session, {s: values[t] for s, t in zip(inputs, feeds)}, outputs, device, threads)
             raw = timer.median(repeats)
-            sessions[sig] = (timer, feeds, max(raw - session_overhead, 0.0) + node_overhead)
-            by_signature[sig] = sessions[sig][2]
+            sessions[sig] = (timer, max(raw - session_overhead, 0.0) + node_overhead)
+            by_signature[sig] = sessions[sig][1]
         else:       # same signature: reuse the session (its input/output names are the first op's)
-            timer, feeds, _ = sessions[sig]
+            timer = sessions[sig][0]
+            inputs = [i.name for i in timer.session.get_inputs()]
             names = [o.name for o in timer.session.get_outputs()]
-            timer = Timer.bind(timer.session, {f: values[n] for f, n in zip(feeds, _feeds_of(op, graph))},
+            timer = Timer.bind(timer.session, {s: values[t] for s, t in zip(inputs, _feeds_of(op, graph))},
                                [(s, shape, dtype) for s, (_, shape, dtype) in zip(names, outputs)], device,
                                threads)
             timer.run()
-        times[op.name] = sessions[sig][2] + (dram.get(op.name, 0) / dram_bw if dram_bw else 0.0)
+        times[op.name] = sessions[sig][1] + (dram.get(op.name, 0) / dram_bw if dram_bw else 0.0)
         for (name, _, _), value in zip(outputs, timer.outputs()):
             values[name] = value
         for name in op.present_inputs:
@@ -355,8 +342,8 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
 
 
 def _feeds_of(op: Op, graph: Graph) -> list[str]:
-    """The non-static inputs of `op`, in the order single_op_model binds them."""
-    return [n for n in dict.fromkeys(op.present_inputs) if not graph.tensors[n].is_static]
+    """The tensors that fill `op`'s non-static input slots, in order (a tensor in two slots twice)."""
+    return [n for n in op.inputs if n and not graph.tensors[n].is_static]
 
 
 # ---- calibration -------------------------------------------------------------------------
@@ -435,8 +422,9 @@ def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0,
         model, feeds = single_op_model(op, g)
         values = random_inputs(g)
         outputs = [(n, g.tensors[n].shape, np_dtype(g, n)) for n in op.present_outputs]
-        timer = Timer.bind(make_session(model, device, threads), {n: values[n] for n in feeds}, outputs, device,
-                           threads)
+        inputs = [i.name for i in model.graph.input]
+        timer = Timer.bind(make_session(model, device, threads), {s: values[t] for s, t in zip(inputs, feeds)},
+                           outputs, device, threads)
         seconds = max(timer.median(repeats) - session_overhead, 0.0) + node_overhead
         c = op_cost(op, g)
         rows.append({"source": "microbenchmark", "op": op.op_type, "class": c.op_class, "ops": 1,
@@ -519,3 +507,53 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# ---- the process's real memory ---------------------------------------------------------------
+class ProcessMemory:
+    """The process's resident memory over a stretch of work, as the OS counts it: RSS when the
+    stretch starts and the peak RSS reached until `peak` is read (Linux: VmRSS and VmHWM of
+    /proc/self/status, the peak first reset to the current RSS through /proc/self/clear_refs, so
+    an earlier, higher peak of the process does not count). Elsewhere, or where the peak
+    cannot be reset, `available` is False and every figure is None.
+
+    Growth (peak - start) is what the work added: memory it allocated and touched, freed or not."""
+
+    STATUS = "/proc/self/status"
+    CLEAR_REFS = "/proc/self/clear_refs"
+
+    def __init__(self):
+        self.available = self._reset_peak() and self._status("VmRSS") is not None
+        self.start = self._status("VmRSS") if self.available else None
+
+    @classmethod
+    def _reset_peak(cls) -> bool:
+        try:
+            with open(cls.CLEAR_REFS, "w") as f:
+                f.write("5")           # 5: reset the peak resident set size to the current one
+            return True
+        except OSError:
+            return False
+
+    @classmethod
+    def _status(cls, field: str) -> int | None:
+        """One `kB` field of /proc/self/status, in bytes."""
+        try:
+            with open(cls.STATUS) as f:
+                for line in f:
+                    if line.startswith(field + ":"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
+    def current(self) -> int | None:
+        return self._status("VmRSS") if self.available else None
+
+    def peak(self) -> int | None:
+        return self._status("VmHWM") if self.available else None
+
+    def growth(self) -> int | None:
+        """Peak RSS since the start less RSS at the start, in bytes."""
+        peak = self.peak()
+        return None if peak is None or self.start is None else max(peak - self.start, 0)

@@ -302,6 +302,15 @@ def print_run(summary: dict) -> None:
                   format_seconds(predicted["step_time_s"])
                   + (f" ({_e(predicted['hardware'])} profile)" if predicted["hardware"] else ""))
     out.print(table)
+    process = summary.get("process")
+    if process and process["rss_growth_bytes"] is not None:
+        out.print(f"process memory growth (RSS): {format_bytes(process['rss_growth_bytes'])} "
+                  f"({process['rss_growth_bytes']:,} B) = arena {format_bytes(process['host_arena_bytes'])} + stores "
+                  f"{format_bytes(process['store_bytes'])} + executor overhead "
+                  f"{format_bytes(process['overhead_bytes'])}"
+                  + (" (with the check's reference run)" if process["includes_check"] else ""))
+    elif process:
+        out.print("process memory growth (RSS): unavailable here")
     for tier, nbytes in summary["swapped_bytes"].items():
         out.print(f"swapped out to {_e(tier)}: {format_bytes(nbytes)} per step")
     check = summary["check"]

@@ -433,3 +433,60 @@ def test_float16_training_steps_run_and_follow_the_float32_step(name):
     for param, exact in grads[np.float32].items():
         error = np.linalg.norm(grads[np.float16][param] - exact)
         assert error <= 0.01 * np.linalg.norm(exact) + 1e-4 * largest, param
+
+
+# ---- segments and the process's real memory ---------------------------------------------------
+def test_a_training_step_runs_in_few_sessions_and_reports_real_memory():
+    """order,reuse on a network's training step: one session covers many op runs, Constant
+    ops are written by the executor, and the run reports the process's memory beside the arena."""
+    plan = strategy_plans(training_graph("bert-base"))["reuse"]
+    result = run_plan(plan, check=True, steps=2, threads=1)
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+    _assert_measured_equals_planned(result, plan)
+    assert result.sessions * 20 < result.ops
+    process = result.process
+    assert process["arena_bytes"] == process["host_arena_bytes"] == result.arena_bytes
+    assert process["store_bytes"] == 0 and process["includes_check"] is True
+    if process["rss_source"] != "unavailable":     # in a long-lived process freed pages may be reused: >= 0
+        assert process["rss_growth_bytes"] >= process["setup_growth_bytes"] >= 0
+        assert process["overhead_bytes"] == process["rss_growth_bytes"] - process["arena_bytes"]
+
+
+def test_outputs_of_the_last_step_are_read_only_views_of_the_arena():
+    result = run_plan(PLANS["mlp-reuse"], steps=2)
+    loss = result.outputs["loss"]
+    assert not loss.flags.writeable and not loss.flags.owndata
+
+
+def test_the_order_guard_cuts_where_onnx_runtime_could_reorder():
+    """A Shape run that writes where a run it does not depend on read must not share its
+    session: ONNX Runtime's priority order takes Shape nodes as soon as they are ready."""
+    read = executor._Run(dataclasses.replace(MLP.ops[0], op_type="Relu"), [("a", 0, 64)], [(("b", 0), 64, 128, None)])
+    shape = executor._Run(dataclasses.replace(MLP.ops[0], op_type="Shape"), [("c", 256, 320)],
+                          [(("s", 0), 0, 16, None)])
+    plain = executor._Run(dataclasses.replace(MLP.ops[0], op_type="Relu"), [("c", 256, 320)], [(("d", 0), 0, 64, None)])
+    for order, run, admitted in ((executor._OrderGuard.ORDERED, shape, False),
+                                 (executor._OrderGuard.ORDERED, plain, True),
+                                 (executor._OrderGuard.ANY, plain, False)):
+        guard = executor._OrderGuard(order)
+        assert guard.admit(read)
+        assert guard.admit(run) is admitted, (order, run.op.op_type)
+    # a run that depends on the reader (through its output) may write there in any order
+    after = executor._Run(dataclasses.replace(MLP.ops[0], op_type="Shape"), [("b", 64, 128)], [(("s", 0), 0, 16, None)])
+    guard = executor._OrderGuard(executor._OrderGuard.ANY)
+    assert guard.admit(read) and guard.admit(after)
+
+
+def test_cli_run_json_reports_process_memory(cli, emitted):
+    import json
+
+    proc = cli("run", emitted["mlp-reuse"], "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["threads"] == 0
+    process = report["process"]
+    assert process["arena_bytes"] == report["measured"]["arena_bytes"]
+    if process["rss_source"] != "unavailable":
+        assert process["rss_growth_bytes"] > 0 and process["setup_growth_bytes"] >= 0
+    text = cli("run", emitted["mlp-reuse"], "--threads", "1")
+    assert text.returncode == 0 and "process memory growth (RSS)" in text.stdout

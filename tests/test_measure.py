@@ -10,6 +10,7 @@ from memsched.schedule import Plan
 from memsched.simulate import simulate
 
 from .graphs import mlp_model, reshape_model
+from .planbuild import SMALL_MODELS, training_graph
 from .simgraphs import chain
 
 
@@ -89,3 +90,66 @@ def test_dram_reads_follow_lru_reuse_distance_over_arena_buffers():
     # a 4 KiB cache: D's working set fits, but W2 (8 KiB) went through since D's W1 was last read
     assert dram_reads(g, 4096) == {"A": 0, "B": 0, "C": 0, "D": 1024}
     assert dram_reads(g, 64 * 1024) == {"A": 0, "B": 0, "C": 0, "D": 0}
+
+
+def test_ops_of_one_signature_share_a_session_whatever_tensor_fills_each_input():
+    """x * x and a * b have one signature: the shared session is fed per input slot, so the
+    second runs (it used to miss an input) and computes its own product."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from memsched.onnx_utils import make_model
+
+    vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [8])  # noqa: E731
+    for first, second in ((["x", "x"], ["a", "x"]), (["a", "x"], ["x", "x"])):
+        nodes = [helper.make_node("Neg", ["x"], ["a"], name="neg"),
+                 helper.make_node("Mul", first, ["p"], name="first"),
+                 helper.make_node("Mul", second, ["q"], name="second"),
+                 helper.make_node("Add", ["p", "q"], ["y"], name="add")]
+        g = frontend.lower(make_model(helper.make_graph(nodes, "square", [vi("x")], [vi("y")])))
+        model, feeds = single_op_model(g.op_by_name["first"], g)
+        assert feeds == first and len(model.graph.input) == 2
+        table = profile_graph(g, repeats=1, threads=1)
+        assert table.meta["timed_ops"] == 3 and set(table.times) == {"neg", "first", "second", "add"}
+    assert np.isfinite(list(table.times.values())).all()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("vgg16", "resnet50", "unet3d")
+                                  else n for n in sorted(SMALL_MODELS)])
+def test_every_bundled_training_step_profiles(name):
+    """`memsched profile MODEL --train` on every bundled model: each op of the step is timed."""
+    graph = training_graph(name)
+    table = profile_graph(graph, repeats=1, threads=1)
+    assert set(table.times) == {op.name for op in graph.ops}
+    assert all(t >= 0 for t in table.times.values())
+
+
+def test_cli_profile_train_on_bert(cli, tmp_path):
+    import json
+
+    model = tmp_path / "bert.onnx"
+    assert cli("models", "export", "bert-base", "-o", model, "--batch", "1", "--seq", "16", "--layers", "1"
+               ).returncode == 0
+    proc = cli("profile", model, "--train", "-o", tmp_path / "costs.json", "--repeats", "1", "--threads", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ops"] > report["timed_ops"] > 0 and report["total_s"] > 0
+
+
+def test_process_memory_reports_bytes_or_says_it_cannot():
+    """Growth is bytes from /proc (never negative), or None everywhere when unavailable. How
+    much a block adds depends on what the allocator kept from earlier tests, so no amount is
+    asserted here (bench/bench_footprint.py compares amounts in fresh processes)."""
+    import numpy as np
+
+    from memsched.measure import ProcessMemory
+
+    memory = ProcessMemory()
+    block = np.ones(8 * 2**20, np.uint8)
+    figures = (memory.start, memory.current(), memory.peak(), memory.growth())
+    if memory.available:
+        assert all(isinstance(f, int) and f >= 0 for f in figures)
+        assert memory.peak() >= memory.current() and memory.peak() - memory.start == memory.growth()
+    else:
+        assert figures == (None, None, None, None)
+    assert block.sum() == 8 * 2**20

@@ -1,0 +1,136 @@
+"""ONNX Runtime plumbing shared by the executor and the profiler: session options, providers,
+sessions that say in one line why they cannot be made, and where ORT put each node.
+
+Two kinds of session are made here:
+- `make_session`: a whole model as a user runs it (ONNX Runtime's default optimisations and
+  memory arena), for profiling and numerics;
+- `session_options` / `arena_free_options` / `bound_session`: the executor's sessions and the
+  reference run it is checked against. Both use the same optimisation level (OPTIMIZATION)
+  and thread count, so every kernel is the same; the executor's own sessions also allocate
+  from no arena of their own, because every tensor they touch is bound into the plan's arena
+  and only kernels' scratch is left.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import onnx
+
+from .errors import UserError
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+# No graph optimisation in the executor's sessions, nor in the reference they are checked
+# against. Even the basic level rewires data edges inside a segment -- a transpose of a
+# transpose is cancelled, so its consumer reads the first input instead, and common
+# subexpressions merge a recomputation into the op it replays -- and the plan reuses the
+# bytes of tensors it knows to be dead by the order it wrote; once a node reads another
+# tensor than the plan says, or a tensor is not written where the plan says, another tensor
+# may already hold those bytes. What the basic level would gain is nothing here: the
+# sessions have no initializers to fold and every tensor is a graph input or output, so no
+# fusion applies. Speed comes from fewer, larger sessions and from threads instead.
+OPTIMIZATION = "ORT_DISABLE_ALL"
+
+
+def _error_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+@contextlib.contextmanager
+def quiet_logger():
+    """Silence ONNX Runtime's default logger while a provider is probed or a model loaded: a
+    provider that fails to load logs a raw, coloured error there, and the caller says it in
+    one line instead."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(4)
+    try:
+        yield
+    finally:
+        ort.set_default_logger_severity(2)  # ONNX Runtime's default: warnings
+
+
+def session_options(threads: int, optimization: str = OPTIMIZATION):
+    """The options of the executor's sessions and of the reference, so kernels and threading
+    match. `threads` 0 lets ONNX Runtime use every core (its default)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, optimization)
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    return options
+
+
+def arena_free_options(threads: int):
+    """`session_options` for a session whose tensors all live in memory the caller binds: no
+    CPU arena (a kernel's scratch is allocated and freed per run instead of kept in an arena
+    per session), no memory pattern (there is nothing for it to plan), and the priority-based
+    node order (Kahn's algorithm over the nodes as given, Shape and Size nodes first when
+    ready), which keeps the caller's order wherever data edges allow it."""
+    import onnxruntime as ort
+
+    options = session_options(threads)
+    options.enable_cpu_mem_arena = False
+    options.enable_mem_pattern = False
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    return options
+
+
+def bound_session(model: bytes, threads: int, device: str):
+    """A session for a model whose every tensor the caller binds (`arena_free_options`)."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model, arena_free_options(threads), providers=providers_for(device))
+
+
+def providers_for(device: str) -> list:
+    """The provider list of the executor's sessions on `device` (CUDA falls back to the CPU
+    node by node, as ONNX Runtime assigns them)."""
+    if device == "cuda":
+        return [("CUDAExecutionProvider", {"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC"}),
+                "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
+    """An InferenceSession of `model` on `device` with ONNX Runtime's default optimisations and
+    memory arena, as a user runs it; UserError if ORT cannot load it or fell back elsewhere."""
+    import onnxruntime as ort
+
+    if device not in PROVIDERS:
+        raise UserError(f"unknown device '{device}'; use cpu or cuda")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    wanted = PROVIDERS[device]
+    if wanted not in ort.get_available_providers():
+        raise UserError(f"ONNX Runtime here has no {wanted}; profile with --device cpu")
+    with quiet_logger():
+        try:
+            session = ort.InferenceSession(model.SerializeToString(), options, providers=[wanted])
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+            raise UserError(f"ONNX Runtime cannot load the model: {_error_line(exc)}") from None
+    if session.get_providers()[0] != wanted:
+        raise UserError(f"ONNX Runtime cannot run on {device} here (it fell back to {session.get_providers()[0]}; "
+                        f"its CUDA libraries are missing or there is no GPU)")
+    return session
+
+
+def node_providers(session) -> dict[str, str]:
+    """Node name -> the execution provider ONNX Runtime assigned it to (not the Casts or copies
+    it added around nodes); empty where this ONNX Runtime keeps no assignment records."""
+    try:
+        return {node.name: subgraph.ep_name for subgraph in session.get_provider_graph_assignment_info()
+                for node in subgraph.get_nodes()}
+    except (AttributeError, RuntimeError):
+        return {}
+
+
+__all__ = ["PROVIDERS", "OPTIMIZATION", "quiet_logger", "session_options", "arena_free_options", "bound_session",
+           "providers_for", "make_session", "node_providers"]
