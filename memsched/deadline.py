@@ -79,3 +79,26 @@ class Deadline:
 def unlimited() -> Deadline:
     """A deadline that never expires (library calls without a time limit)."""
     return Deadline(None)
+
+
+class Work:
+    """A deterministic budget for a heuristic loop: `seconds` as the loop's own cost model
+    prices its steps (not as the clock measures them), so the same budget takes the same steps
+    on any machine and under any load; the command's `deadline`, where given, still ends it
+    early (and is marked as having cut it)."""
+
+    def __init__(self, seconds: float, deadline: Deadline | None = None):
+        self.budget = max(0.0, float(seconds))
+        self.left = self.budget
+        self.deadline = deadline
+
+    def ok(self) -> bool:
+        """Whether another step may run: budget left and the deadline not passed."""
+        return self.left > 0 and not (self.deadline is not None and self.deadline.expired)
+
+    def spend(self, seconds: float) -> None:
+        self.left -= seconds
+
+    @property
+    def spent(self) -> float:
+        return self.budget - self.left

@@ -644,6 +644,16 @@ def _subtract(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> lis
     return result
 
 
+def _same_place(a: tuple, b: tuple) -> bool:
+    """Whether two places (see `_updates`) are the same bytes: a store's place holds an array
+    view, compared by its address and size (== on arrays compares their elements)."""
+    if a[0] != b[0]:
+        return False
+    if a[0] == "store":
+        return (a[1].__array_interface__["data"][0], a[1].nbytes) == (b[1].__array_interface__["data"][0], b[1].nbytes)
+    return a == b
+
+
 def _updates(plan: Plan, program: _Program, region) -> list[tuple[str, tuple | None, list]]:
     """Per static with a `<name>.updated` output of its type: where it starts a step and the
     moves, in a safe order, that put the update there (none where the update is written in
@@ -675,7 +685,7 @@ def _updates(plan: Plan, program: _Program, region) -> list[tuple[str, tuple | N
     while pending:
         for k, (name, source, target) in enumerate(pending):
             if not any(j != k and overlaps(target, other[1]) for j, other in enumerate(pending)):
-                order.append((name, target, [("move", source, target)] if source != target else []))
+                order.append((name, target, [] if _same_place(source, target) else [("move", source, target)]))
                 pending.pop(k)
                 break
         else:

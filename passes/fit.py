@@ -22,9 +22,12 @@ ones while time is left; the best placed plan is kept throughout.
 1. First plans, at the QUICK share of the time limit per pass: recompute alone (where it
    adds no time, nothing is left to gain), swap alone, the joint candidates at
    RELAXATION_START, then the climb towards the faster neighbour until the fastest point has
-   both neighbours tried; then the same climb on drained orders.
-2. Improvement, at each of the IMPROVE shares in turn: the IMPROVE_COUNT fastest candidates
-   so far are planned again with that effort.
+   both neighbours tried.
+2. Improvement at the first IMPROVE share: the IMPROVE_COUNT fastest candidates so far are
+   planned again with that effort.
+3. Exploration: the same climb on drained orders (where the plan needs swap and draining
+   changes the recompute pass's orders).
+4. Improvement at each further IMPROVE share.
 Every phase is a fixed sequence given the attempts' results, and the passes keep
 deterministic limits inside, so the same input gives the same plan unless the deadline (or
 a Ctrl-C, `Deadline.stop`) cut the search, which `cut` reports.
@@ -41,15 +44,18 @@ from memsched.schedule import Plan
 from memsched.simulate import simulate
 from memsched.units import format_bytes
 
-# Re-planning rounds of one candidate against a lower target when its arena overshoots.
+# Re-planning rounds of one candidate against a lower target when its arena overshoots (in
+# the first plans, once a plan is kept, FIRST_ROUNDS: a candidate whose arena keeps
+# overshooting waits its turn).
 FIT_ROUNDS = 3
+FIRST_ROUNDS = 2
 # Relaxations of the joint candidates (x the target) and the two the climb starts from
 # (predicted on v100-16gb: BERT-base batch 660 best at 1.5x, ResNet-50 batch 975 at 1.75x).
 RELAXATION_GRID = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0)
 RELAXATION_START = (1.5, 2.0)
 # Effort per pass call, as shares of the command's time limit: the first plans, then the
 # improvement rounds, each re-planning the IMPROVE_COUNT fastest candidates.
-QUICK = 0.02
+QUICK = 0.04
 IMPROVE = (0.08, 0.2)
 IMPROVE_COUNT = 2
 # The effort given to placing one attempt, as a share of the time limit, and its bounds.
@@ -111,6 +117,7 @@ class Search:
         self.placed: Plan | None = None          # the last plan placed
         self.last_planned: Plan | None = None    # the last attempt's plan that fit its target
         self.history: list[dict] = []            # each new best: seconds into the command, its step time
+        self.unplaced: set[Candidate] = set()    # candidates whose last attempt's arena overshot
 
     # ---- the phases ----
     def first_plans(self) -> None:
@@ -119,21 +126,29 @@ class Search:
         if (self.budget is None or self.start_peak <= self.budget) and self._place_as_is():
             return
         effort = QUICK * self.time_limit
-        if "recompute" in self.strategies and self.attempt(Candidate("recompute"), effort) is not None and \
+        if "recompute" in self.strategies and \
+                self.attempt(Candidate("recompute"), effort, FIRST_ROUNDS) is not None and \
                 self.last_planned.notes["recompute"].get("overhead", 1.0) <= 0.0:
             return              # recompute alone adds no time: nothing to swap for
         if "swap" not in self.strategies:
             return
-        self.attempt(Candidate("swap"), effort)
+        self.attempt(Candidate("swap"), effort, FIRST_ROUNDS)
         if "recompute" in self.strategies:
             self.climb(False, effort)
-            if not self._stopping() and drains_anything(self.start):
-                self.climb(True, effort)
+
+    def explore(self) -> None:
+        """Phase 3: the joint candidates on drained orders too, where draining changes them and
+        the plan needs swap (their climb at QUICK effort)."""
+        if self.best is None or self.best.record < 0 or not {"recompute", "swap"} <= set(self.strategies):
+            return
+        if not self._stopping() and drains_anything(self.start):
+            self.climb(True, QUICK * self.time_limit)
 
     def improve(self, share: float) -> None:
         """Phase 2: the IMPROVE_COUNT fastest candidates so far, planned again at `share` of
-        the time limit per pass."""
-        ranked = sorted(self.times, key=lambda c: (self.times[c], c.name))[:IMPROVE_COUNT]
+        the time limit per pass; those whose arena last overshot the budget come after the
+        others (more effort seldom changes how an arena fragments)."""
+        ranked = sorted(self.times, key=lambda c: (c in self.unplaced, self.times[c], c.name))[:IMPROVE_COUNT]
         for candidate in ranked:
             if self._stopping():
                 return
@@ -144,7 +159,7 @@ class Search:
         start's peak (`climb_relaxations`)."""
         grid = [r for r in RELAXATION_GRID if self.start_peak > int(r * self.first_target)]
         climb_relaxations(lambda relax: None if self._stopping() else
-                          self.attempt(Candidate("joint", relax, drained), effort), grid)
+                          self.attempt(Candidate("joint", relax, drained), effort, FIRST_ROUNDS), grid)
 
     def _stopping(self) -> bool:
         """Whether to stop: on a stop (Ctrl-C), or once the time is up and a plan is kept (until
@@ -152,12 +167,12 @@ class Search:
         return self.deadline.stopped or (self.best is not None and self.deadline.expired)
 
     # ---- one attempt ----
-    def attempt(self, candidate: Candidate, effort: float) -> float | None:
+    def attempt(self, candidate: Candidate, effort: float, rounds: int = FIT_ROUNDS) -> float | None:
         """Plan `candidate` with `effort` seconds per pass; place it where it beats the best
-        so far, against lower targets while its arena overshoots. Returns its step time (None
-        where it does not fit its target, or the deadline passed)."""
+        so far, against lower targets while its arena overshoots (at most `rounds` plans).
+        Returns its step time (None where it does not fit its target, or the deadline passed)."""
         fastest = None
-        for _ in range(FIT_ROUNDS):
+        for _ in range(rounds if self.best is not None else max(rounds, FIT_ROUNDS)):   # all rounds for a first plan
             if self._stopping():
                 break
             target = self._target(candidate)
@@ -175,8 +190,10 @@ class Search:
                 break           # slower than a placed plan: placing it cannot win
             arena = self._place(plan, record)
             if arena <= self.budget:
+                self.unplaced.discard(candidate)
                 self._keep(Best(step_time, self.placed, record))
                 break
+            self.unplaced.add(candidate)
             self._overshot(candidate, target, arena)
         return fastest
 

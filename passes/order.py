@@ -62,6 +62,10 @@ STRUCTURAL_BOUND_OPS = 12000   # bitset reachability beyond this costs too much 
 HEURISTIC_SHARE = 0.5          # of the time limit, at most, for the heuristic starts
 BOUND_SHARE = 0.15             # of the time limit, for min-cut lower bounds before the search
 WRAP_UP_SHARE = 0.02           # of the time limit, kept back at the end of the search
+SEARCH_SHARE = 0.6             # of the time limit, CP-SAT's to spend, counted in solver limits (not what
+                               # the clock leaves), so the same limit gives the same order; the clock
+                               # (the pass's end, the command's deadline) only cuts a loaded machine short
+WINDOW_SHARE = 0.1             # of the search's seconds for one window model, at least one second
 
 
 def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None,
@@ -89,14 +93,14 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     lower = bounds.value
 
     # the search stops a little early: the wrap-up (a judge call, the notes) fits in the limit
-    search = Search(problem, judge, best, deadline - WRAP_UP_SHARE * budget, lower, outer)
+    search = Search(problem, judge, best, deadline - WRAP_UP_SHARE * budget, lower, outer, SEARCH_SHARE * budget)
     if peaks[first] <= lower:
         search.ended = "the start meets the lower bound"
     elif len(order) <= WHOLE_GRAPH_OPS:
         search.whole()
     else:
         if len(order) <= WHOLE_FIRST_OPS:   # a whole-graph model first, with half the time
-            search.whole(search.left() / 2)
+            search.whole(search.seconds / 2)
         if search.proven is None and search.profile.peak_bytes > lower:
             search.windows()
     best, aliases, peak = search.order, search.aliases, search.profile.peak_bytes
@@ -744,9 +748,11 @@ class Search:
     """CP-SAT improvement of an order: one whole-graph model, or windows around the peak."""
 
     def __init__(self, problem: Problem, judge: Judge, order: list[str], deadline: float,
-                 lower_bound: int = 0, outer: Deadline | None = None):
+                 lower_bound: int = 0, outer: Deadline | None = None, seconds: float = math.inf):
         self.problem = problem
         self.outer = outer
+        self.seconds = seconds       # CP-SAT's limits add up to at most this (a count, not the clock)
+        self.spent = 0.0
         self.lower_bound = lower_bound
         self.judge = judge
         self.order = list(order)
@@ -774,7 +780,10 @@ class Search:
         if n == 0 or self.left() <= 0.05:
             self.ended = "no time" if n else "empty graph"
             return
-        limit = self.left() if time_limit is None else min(self.left(), time_limit)
+        if time_limit is None:
+            limit = self.seconds - self.spent if self.seconds < math.inf else self.left()
+        else:
+            limit = time_limit
         solved, scale, modelled_static = self._step(0, n, limit, floor=self.lower_bound)
         if solved is not None and solved.status == "optimal":
             # the whole graph's exact model: its optimum bounds every order from below
@@ -788,9 +797,13 @@ class Search:
         self.mode = "windows" if self.mode is None else f"{self.mode}, then windows"
         tried: set[tuple[int, float]] = set()
         n = len(self.order)
+        window_limit = max(1.0, WINDOW_SHARE * self.seconds)
         while True:
-            if self.left() <= 0.1:
+            if self.spent + window_limit > self.seconds:
                 self.ended = "time limit"
+                return
+            if self.left() <= 0.1:
+                self.ended = "the clock (a loaded machine)"
                 self.deterministic = False
                 return
             live = self.profile.live_bytes
@@ -807,7 +820,7 @@ class Search:
             ws = max(0, min(step - int(self.window_ops * place), n - self.window_ops))
             we = min(n, ws + self.window_ops)
             peak = self.profile.peak_bytes
-            self._step(ws, we, min(self.left(), max(1.0, 0.1 * self.left())))
+            self._step(ws, we, window_limit)
             tried.update((s, place) for s in peak_steps if ws <= s < we)
             if self.profile.peak_bytes < peak:
                 tried.clear()
@@ -819,6 +832,7 @@ class Search:
         model, positions, scale, pairs, modelled_static = window_model(self.problem, self.order, ws, we,
                                                                        self.aliases, floor)
         solved = solve(model, time_limit, presolve=False, deadline=self.outer)
+        self.spent += time_limit
         self.solves += 1
         self.statuses[solved.status] = self.statuses.get(solved.status, 0) + 1
         self.deterministic &= solved.deterministic

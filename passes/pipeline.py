@@ -175,10 +175,13 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
             split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze), budget_bytes)
         if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
             searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ")
-        for share in IMPROVE:
+        for level, share in enumerate(IMPROVE):
             for name in sorted(searches, key=lambda n: (_best_time(searches[n]), n)):
                 if not deadline.expired and searches[name].best is not None and searches[name].best.record >= 0:
                     searches[name].improve(share)
+            for name in sorted(searches, key=lambda n: (_best_time(searches[n]), n)) if level == 0 else ():
+                if not deadline.expired:
+                    searches[name].explore()
     try:
         plan = _faster(searches, split[1] if split is not None else None, strategies, hw, costs)
     except BudgetError:

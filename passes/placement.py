@@ -52,7 +52,10 @@ ALIGNMENT = 64
 # 10 s on the model zoo's training graphs (ResNet-18 with 441 buffers, ResNet-50 with 1104)
 MAX_CPSAT_BUFFERS = 250
 LARGE_SHARE = 0.01            # ... and where that misses the budget, every buffer of 1% of the peak or more
-LOCAL_SEARCH_TRIES = 2000     # moves of the greedy's placing sequence, at most (or half the time limit)
+LOCAL_SEARCH_TRIES = 2000     # moves of the greedy's placing sequence, at most
+LOCAL_SEARCH_RATE = 150_000   # ... and no more than the time limit x this / buffers (a move packs every
+                              # buffer: 513 buffers, 170 moves a second on 2 cores); it stops once the
+                              # arena holds the budget
 LOCAL_SEARCH_PATIENCE = 500   # ... and it stops after this many in a row that lowered nothing (on the
                               # encoder of the module doc the last gain came at move 454 of 3,000)
 LOCAL_SEARCH_SEED = 20240607
@@ -117,7 +120,8 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
         info["search"] = "skipped: the greedy arena holds the budget"
         return greedy, info
     if arena > bound:
-        searched, tried = improved_offsets(items, n_steps, GREEDY_ORDERS[name], deadline, LOCAL_SEARCH_TRIES)
+        tries = min(LOCAL_SEARCH_TRIES, int(time_limit * LOCAL_SEARCH_RATE / max(1, len(items))))
+        searched, tried = improved_offsets(items, n_steps, GREEDY_ORDERS[name], deadline, tries, goal=budget)
         info["local_search_moves"] = tried
         searched_arena = _arena_aligned(items, searched, ALIGNMENT)
         if searched_arena < arena:
@@ -220,15 +224,16 @@ def greedy_offsets(items: list[Buffer], n_steps: int, order=GREEDY_ORDERS["size"
 
 
 def improved_offsets(items: list[Buffer], n_steps: int, order, deadline: Deadline | None = None,
-                     tries: int = LOCAL_SEARCH_TRIES, alignment: int = ALIGNMENT) -> tuple[dict, int]:
+                     tries: int = LOCAL_SEARCH_TRIES, alignment: int = ALIGNMENT,
+                     goal: int | None = None) -> tuple[dict, int]:
     """A local search over the greedy's placing sequence (first `order`): the buffer that sets
     the arena's top moves earlier, or a buffer placed before it that overlaps it in time moves
     after it; a move is kept when the arena does not grow. Stops at the aligned peak (nothing
-    lower exists), after `tries` moves or LOCAL_SEARCH_PATIENCE moves in a row that lowered
+    lower exists) or at `goal` (an arena within the budget needs no tighter packing), after `tries` moves or LOCAL_SEARCH_PATIENCE moves in a row that lowered
     nothing (a fixed seed: the same answer each time), or at the command's `deadline`. Returns
     (offsets, moves tried)."""
     offsets, base = _stack_whole_step(items, n_steps, alignment)
-    bound = aligned_peak(items, n_steps, alignment)
+    bound = max(aligned_peak(items, n_steps, alignment), goal or 0)
     sequence = sorted((b for b in items if not _whole_step(b, n_steps)), key=order)
     los, his = _pack(sequence, base, alignment)
     rng = np.random.default_rng(LOCAL_SEARCH_SEED)

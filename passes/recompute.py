@@ -76,7 +76,7 @@ import numpy as np
 
 from memsched import hardware as hardware_mod
 from memsched.cost import op_time
-from memsched.deadline import Deadline, unlimited
+from memsched.deadline import Deadline, Work, unlimited
 from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.executor import draws_random
 from memsched.ir import Graph, Op
@@ -97,6 +97,10 @@ PRUNE_SHARE = 0.15          # of a round's time kept for pruning the answer
 SEED_FAMILY = 33           # members of the keep-costly family (quantiles of time per byte)
 SEED_CONTINUED = 3          # of them continued by the greedy
 DEEP_GREEDY = (3, 4)        # computations per op the extra greedy seeds may use (remat.plan's own: 2)
+EVALUATE_COST = 1e-6        # seconds per node of one judged plan (2,197 nodes: 1.6 ms), and
+GREEDY_COST = 2.5e-7        # seconds per node squared of one greedy run (2,197 nodes: 1.0-1.3 s on 2 cores): the
+                            # heuristics count their steps against these prices (memsched.deadline.Work),
+                            # not the clock, so the same time limit plans the same on any machine
 POLISH_SHARE = 0.3          # of the time limit kept for the local search on the best plan found
 ANCESTRY = 4                # levels of inputs of a kept node whose replays the search prunes again
 REPLAYABLE_PHASES = frozenset({"forward", "loss", "backward"})   # not updates: they write new parameters
@@ -117,7 +121,7 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
     """
     outer = deadline or unlimited()
     started = time.perf_counter()
-    deadline = started + outer.cap(max(0.0, float(time_limit)))
+    time_limit = outer.cap(max(0.0, float(time_limit)))
     if plan.budget is None:
         raise UserError("the recompute pass needs a memory budget")
     order = compute_order(plan.schedule)
@@ -137,14 +141,11 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
 
     best, rounds, base_name, problem, base_of_best = None, [], None, None, None
     bases = base_orders(plan, order, drained)
-    searched = deadline - (POLISH_SHARE * (deadline - started) if method == "auto" else 0.0)
-    for i, (name, base) in enumerate(bases.items()):
-        share = 1.0 / (len(bases) - i)   # of the time left; a base that ends early leaves it to the next
+    searched = time_limit * (1 - POLISH_SHARE if method == "auto" else 1.0)
+    for name, base in bases.items():
         base_plan = _with_order(plan, base)
         base_problem = to_problem(base_plan)
-        found, base_rounds = search(base_problem, base_plan, budget,
-                                    time.perf_counter() + share * max(0.0, searched - time.perf_counter()), method,
-                                    outer)
+        found, base_rounds = search(base_problem, base_plan, budget, searched / len(bases), method, outer)
         rounds += [{"base_order": name, **r} for r in base_rounds]
         if found is not None and (best is None or found[0].total_cost < best[0].total_cost):
             best, base_name, problem, base_of_best = found, name, base_problem, base_plan
@@ -153,7 +154,7 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
         raise BudgetError(f"recompute cannot fit the budget of {format_bytes(budget)} ({budget:,} B): the smallest "
                           f"peak reached is {format_bytes(reached)} ({reached:,} B)", reached)
     if method == "auto":
-        best = polish(problem, base_of_best, best, budget, deadline)
+        best = polish(problem, base_of_best, best, budget, Work(POLISH_SHARE * time_limit, outer))
 
     result, schedule, aliases, peak, _ = best
     new_plan = dataclasses.replace(plan, schedule=schedule, aliases=aliases, offsets=None)
@@ -414,7 +415,7 @@ def plan_cost_peak(problem: remat.RematProblem, plan: list[list[int]]) -> tuple[
     return total - problem.base_cost, peak
 
 
-def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, deadline: float,
+def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, work: Work,
           nodes=None, first: bool = False) -> list[list[int]]:
     """Drop replays that the budget does not need, the dearest per byte first: every replay of
     a node at once, then later single replays of a node replayed more than once (their readers
@@ -423,20 +424,23 @@ def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, deadl
     nodes' replays (default: all). `first`: the first of several replays may go too, its
     readers then reading the node's computation before (the local search's pruning: plans
     that fill the budget at more steps are cheaper, but leave less room to a swap pass run
-    after a relaxed recompute)."""
+    after a relaxed recompute). Each trial is charged to `work`; it stops when that is spent."""
     plan = _without_unread_replays(problem, plan)
     dearest = sorted((v for v in (range(problem.n) if nodes is None else nodes) if plan[v]),
                      key=lambda v: -problem.cost[v] / max(1, problem.size[v]))
+    trial = EVALUATE_COST * problem.n
     for v in dearest:
-        if time.perf_counter() > deadline:
+        if not work.ok():
             return plan
+        work.spend(trial)
         stages, plan[v] = plan[v], []
         if plan_cost_peak(problem, plan)[1] > budget:
             plan[v] = stages
     for v in dearest:
         for stage in list(plan[v] if first else plan[v][1:]) if len(plan[v]) > 1 else ():
-            if time.perf_counter() > deadline:
+            if not work.ok():
                 return plan
+            work.spend(trial)
             plan[v].remove(stage)
             if plan_cost_peak(problem, plan)[1] > budget:
                 bisect.insort(plan[v], stage)
@@ -461,7 +465,7 @@ def _without_unread_replays(problem: remat.RematProblem, plan: list[list[int]]) 
     return plan
 
 
-def improve(problem: remat.RematProblem, plan: list[list[int]], budget: int, deadline: float,
+def improve(problem: remat.RematProblem, plan: list[list[int]], budget: int, work: Work,
             copies: int = DEEP_GREEDY[0]) -> list[list[int]]:
     """A cheaper plan within `budget` near a fitting `plan`, by local search (ruin and
     recreate): keep one replayed node's output instead (its replays dropped), let the greedy,
@@ -469,7 +473,7 @@ def improve(problem: remat.RematProblem, plan: list[list[int]], budget: int, dea
     (and those of the kept node's inputs), and take the result if it costs less. Nodes kept by
     an accepted move stay kept: else the greedy undoes the move, the freed node being again
     the cheapest per byte at the peak. Dearest replays first, pass after pass while one
-    improves, until `deadline`.
+    improves, until `work` is spent (each move charged a greedy run, its prune its trials).
 
     Why: the greedy chooses per byte at one peak step at a time. On BERT-base at half its
     zero-overhead peak it replays every layer's first FFN Linear (0.31 ms each) to keep the
@@ -479,22 +483,23 @@ def improve(problem: remat.RematProblem, plan: list[list[int]], budget: int, dea
     cost = plan_cost_peak(problem, plan)[0]
     kept: set[int] = set()
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and work.ok():
         improved = False
         for v in sorted((v for v in range(problem.n) if plan[v]), key=lambda v: -problem.cost[v] * len(plan[v])):
-            if time.perf_counter() > deadline:
+            if not work.ok():
                 break
             if not plan[v]:
                 continue   # an earlier move this pass dropped its replays
             start = [list(stages) for stages in plan]
             start[v] = []
             barred = dataclasses.replace(problem, fixed=problem.fixed | kept | {v})
+            work.spend(GREEDY_COST * problem.n ** 2)
             found = remat.solve_greedy(barred, budget, copies, start=start)
             if not found.fits:
                 continue
             grown = remat.plan_from_schedule(problem, found.schedule)
             moved = {u for u in range(problem.n) if grown[u] != plan[u]} | _ancestors(problem, v, ANCESTRY)
-            trial = prune(problem, grown, budget, deadline, moved, first=True)
+            trial = prune(problem, grown, budget, work, moved, first=True)
             added, peak = plan_cost_peak(problem, trial)
             if peak <= budget and added < cost * (1 - 1e-9):
                 plan, cost, improved = trial, added, True
@@ -511,7 +516,7 @@ def _ancestors(problem: remat.RematProblem, v: int, depth: int) -> set[int]:
     return seen
 
 
-def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, deadline: float,
+def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, work: Work,
                family: int = SEED_FAMILY, continued: int = SEED_CONTINUED) -> dict[str, list[list[int]]]:
     """Starting plans for `remat.plan` at `budget`, from a family of `drop_plan`s.
 
@@ -538,17 +543,15 @@ def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, deadl
     fitting = [m for m in members if m[1] <= budget]
     seeds = {}
     if fitting:
-        seeds["keep-costly"] = prune(problem, fitting[0][2], budget, deadline)
+        seeds["keep-costly"] = prune(problem, fitting[0][2], budget, work)
     cheaper = sorted((m for m in members if m[1] > budget and (not fitting or m[0] < fitting[0][0])),
                      key=lambda m: m[1])
     best = None
     for _, _, start in cheaper[:continued]:
-        if time.perf_counter() > deadline:
-            break
         found = remat.solve_greedy(problem, budget, 2, start=start)
         plan = remat.plan_from_schedule(problem, found.schedule)
         if found.fits:
-            plan = prune(problem, plan, budget, deadline)
+            plan = prune(problem, plan, budget, work)
         cost, peak = plan_cost_peak(problem, plan)
         if best is None or (peak <= budget, -cost, -peak) > (best[1] <= budget, -best[0], -best[1]):
             best = (cost, peak, plan)
@@ -559,26 +562,36 @@ def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, deadl
 
 # ---- the search over abstract budgets ----------------------------------------------------------
 def solve(problem: remat.RematProblem, late: list[bool], budget: int, seconds: float,
-          method: str = "auto") -> remat.Result:
-    """One abstract solve at `budget` within about `seconds`: the training-aware seeds (auto and
-    cpsat only; pruned before CP-SAT, which may spend all its time and find nothing on a large
-    graph), `remat.plan` (baselines, then CP-SAT from the best), then `prune` of the answer
-    (its status drops to feasible/heuristic if that made it cheaper)."""
+          method: str = "auto", outer: Deadline | None = None) -> remat.Result:
+    """One abstract solve at `budget` with `seconds` of work (memsched.deadline.Work): the
+    training-aware seeds (auto and cpsat only; pruned before CP-SAT, which may spend all its
+    time and find nothing on a large graph; the optional greedy ones as many as `greedy_runs`
+    affords), `remat.plan` (baselines, then CP-SAT from the best) in what the seeds left, then
+    `prune` of the answer (its status drops to feasible/heuristic if that made it cheaper)."""
     started = time.perf_counter()
-    seeds = seed_plans(problem, late, budget, started + SEED_SHARE * seconds) \
-        if method in ("auto", remat.CPSAT) else {}
+    work = Work((1 - PRUNE_SHARE) * seconds, outer)
+    runs = greedy_runs(problem, seconds)
+    deep = DEEP_GREEDY[:runs] if method == "auto" else ()
+    seeds = seed_plans(problem, late, budget, Work(SEED_SHARE * seconds, outer),
+                       continued=min(SEED_CONTINUED, runs - len(deep))) if method in ("auto", remat.CPSAT) else {}
+    work.spend(min(SEED_SHARE * seconds, GREEDY_COST * problem.n ** 2 * (runs - len(deep))))
     if method == "auto":
-        for copies in DEEP_GREEDY:
+        for copies in deep:
+            work.spend(GREEDY_COST * problem.n ** 2)
             found = remat.solve_greedy(problem, budget, copies, name=f"greedy-{copies}")
             plan = remat.plan_from_schedule(problem, found.schedule)
-            pruned = prune(problem, plan, budget, started + (1 - PRUNE_SHARE) * seconds) if found.fits else plan
+            pruned = prune(problem, plan, budget, work) if found.fits else plan
             seeds[found.method if pruned == plan else f"{found.method}+prune"] = pruned
-    left = started + (1 - PRUNE_SHARE) * seconds - time.perf_counter()
-    result = remat.plan(problem, budget, max(0.05, left), method, seeds=seeds)
+    result = remat.plan(problem, budget, max(0.05, work.left), method, seeds=seeds)
     if result.status == "optimal":
         return result
-    plan = prune(problem, remat.plan_from_schedule(problem, result.schedule), budget, started + seconds)
+    plan = prune(problem, remat.plan_from_schedule(problem, result.schedule), budget, Work(PRUNE_SHARE * seconds, outer))
     return _cheaper(problem, result, plan, "prune", started) or result
+
+
+def greedy_runs(problem: remat.RematProblem, seconds: float) -> int:
+    """How many optional greedy runs (deep seeds, continued seeds) `seconds` afford on `problem`."""
+    return int(seconds / (GREEDY_COST * max(1, problem.n) ** 2))
 
 
 def _cheaper(problem: remat.RematProblem, result: remat.Result, plan: list[list[int]], how: str,
@@ -597,9 +610,11 @@ def _cheaper(problem: remat.RematProblem, result: remat.Result, plan: list[list[
                                status=status, seconds=time.perf_counter() - started)
 
 
-def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float, method: str = "auto",
+def search(problem: remat.RematProblem, plan: Plan, budget: int, seconds: float, method: str = "auto",
            outer: Deadline | None = None):
-    """Solve the abstract problem at abstract budgets steered by the judge (module docstring).
+    """Solve the abstract problem at abstract budgets steered by the judge (module docstring),
+    with `seconds` of work shared by the rounds: FIRST_ROUND_SHARE to the first, then each
+    an equal share of the rest (all of it to a retry), a count, not the clock.
 
     Returns (best, rounds): best = (remat Result, schedule, aliases, judged peak, abstract
     budget it was found at) of the cheapest plan within `budget` by the judge, or None;
@@ -610,17 +625,18 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
     target = budget
     fits_at, over_at = None, None     # highest abstract budget whose plan fit, lowest whose plan overshot
     best, rounds = None, []
+    left = seconds
     for r in range(MAX_ROUNDS):
         now = time.perf_counter()
-        if r and (outer is not None and outer.stopped or deadline - now < min(record["seconds"] for record in rounds)):
-            break   # a round takes at least about as long as the quickest one so far
-        left = max(0.05, deadline - now)
+        if r and outer is not None and outer.expired:
+            break
         retry = any(target == record["abstract_budget_bytes"] for record in rounds)
         share = left if retry else left * FIRST_ROUND_SHARE if r == 0 else left / (MAX_ROUNDS - r)
-        record = {"abstract_budget_bytes": target}
+        left -= share
+        record = {"abstract_budget_bytes": target, "work_s": round(share, 3)}
         rounds.append(record)
         try:
-            result = solve(problem, late, target, share, method)
+            result = solve(problem, late, target, max(0.05, share), method, outer)
         except remat.BudgetInfeasible as exc:   # judge the closest all the same: the judge may differ
             result = exc.closest
             record["abstract"] = "infeasible"
@@ -649,15 +665,15 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, deadline: float
     return best, rounds
 
 
-def polish(problem: remat.RematProblem, plan: Plan, best: tuple, budget: int, deadline: float) -> tuple:
+def polish(problem: remat.RematProblem, plan: Plan, best: tuple, budget: int, work: Work) -> tuple:
     """`best` (as `search` returns it, on `plan`'s order) improved by `improve` at the abstract
-    budget it was found at, until `deadline`, where the judge agrees that it fits; else `best`."""
+    budget it was found at, with `work`, where the judge agrees that it fits; else `best`."""
     result, _, _, _, target = best
     started = time.perf_counter()
-    if result.status == "optimal" or result.total_cost <= problem.base_cost or started >= deadline:
+    if result.status == "optimal" or result.total_cost <= problem.base_cost or not work.ok():
         return best   # nothing cheaper at that abstract budget, or no time
     start = remat.plan_from_schedule(problem, result.schedule)
-    better = _cheaper(problem, result, improve(problem, start, target, deadline), "search", started) \
+    better = _cheaper(problem, result, improve(problem, start, target, work), "search", started) \
         if start is not None else None
     if better is None:
         return best

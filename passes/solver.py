@@ -22,6 +22,11 @@ SEED = 20240607
 # share of the wall limit given as deterministic time; CP-SAT's deterministic seconds run
 # slower than wall seconds on a loaded machine, so this leaves room for the reproducible limit
 DETERMINISTIC_SHARE = 0.5
+# the wall limit is this many times the caller's limit, and at least WALL_FLOOR seconds: the
+# deterministic limit ends the search first even on a loaded machine, where a short solve's
+# start-up alone can take longer than its limit (the command's deadline still caps it)
+WALL_SLACK = 2.0
+WALL_FLOOR = 1.0
 
 
 @dataclass
@@ -64,7 +69,7 @@ def solve(model: cp_model.CpModel, time_limit: float, presolve: bool = True,
     solver = cp_model.CpSolver()
     params = solver.parameters
     spent = 0.0 if started is None else time.perf_counter() - started
-    wall = max(min_seconds, float(time_limit) - spent)
+    wall = max(min_seconds, WALL_FLOOR, WALL_SLACK * float(time_limit) - spent)
     params.max_time_in_seconds = wall if deadline is None else max(0.001, deadline.cap(wall))
     params.max_deterministic_time = max(0.005, DETERMINISTIC_SHARE * float(time_limit))
     params.num_workers = workers()

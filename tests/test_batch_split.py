@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from memsched import views
+from memsched.deadline import unlimited
 from memsched.executor import run_plan
 from memsched.frontend import lower
 from memsched.memory import validate
@@ -125,7 +126,8 @@ SPLIT_BUDGET = 5900
 
 def test_compile_plans_micro_batches_where_the_step_as_given_cannot_fit(capsys):
     forward = cnn()
-    result = compile(forward, train=True, lr=0.1, strategies=ALL, budget=SPLIT_BUDGET, time_limit=2)
+    result = compile(forward, train=True, lr=0.1, strategies=ALL, budget=SPLIT_BUDGET, time_limit=2,
+                     deadline=unlimited())
     note = result.plan.notes["batch_split"]
     assert note["chosen"] and note["chunks"] == 2 and note["step_time_s"]["given"] is None
     assert "cannot be met" in note["errors"]["given"]
@@ -154,7 +156,7 @@ def test_the_cli_compiles_micro_batches_and_runs_them_against_the_step_as_given(
     model, scheduled = tmp_path / "cnn.onnx", tmp_path / "scheduled.onnx"
     save_model_atomic(cnn().to_onnx(), model)
     result = run_cli("compile", model, "--train", "--lr", "0.1", "--budget", f"{SPLIT_BUDGET}B", "--strategies", ALL,
-                     "--time-limit", "2", "-o", scheduled, "--json")
+                     "--time-limit", "10", "-o", scheduled, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["plan"]["micro_batches"] == 2
     run = run_cli("run", scheduled, "--check", "--json")

@@ -156,12 +156,12 @@ def test_where_the_largest_miss_the_budget_every_large_buffer_goes_to_cpsat(monk
     assert max(offsets[k] + b for k, _, _, b in items) == 768_000
 
 
-def test_no_time_keeps_the_counted_local_search_and_skips_cpsat():
-    """The local search is bounded by moves, not by the clock: with no time it still runs
-    (the same answer on any machine); CP-SAT, which needs time, is skipped."""
+def test_no_time_keeps_the_greedy():
+    """The local search's moves are counted from the time limit (not the clock): none for no
+    time, and CP-SAT is skipped."""
     offsets, info = place_buffers(HARD, 6, time_limit=0)
-    assert offsets == improved_offsets(HARD, 6, GREEDY_ORDERS["size"])[0]
-    assert "cpsat" not in info or info["cpsat"].startswith("skipped")
+    assert offsets == greedy_offsets(HARD, 6) == best_greedy(HARD, 6)[0]
+    assert info["status"] == "heuristic" and info["cpsat"].startswith("skipped")
 
 
 def test_judge_rejects_overlapping_offsets():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections import Counter
 
 import networkx as nx
@@ -21,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import models
 from memsched.cost import op_time
+from memsched.deadline import Work
 from memsched.executor import run_plan
 from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.frontend import lower
@@ -384,10 +384,10 @@ def test_prune_drops_a_second_replay_that_the_budget_does_not_need():
     assert plan_cost_peak(problem, twice) == (2.0, 101)
     assert plan_cost_peak(problem, [[3]] + twice[1:]) == (1.0, 106)
     assert plan_cost_peak(problem, [[]] + twice[1:]) == (0.0, 111)
-    deadline = time.perf_counter() + 60
-    assert prune(problem, twice, 106, deadline)[0] == [3]
-    assert prune(problem, twice, 105, deadline)[0] == [3, 6]
-    assert prune(problem, twice, 111, deadline)[0] == []
+    assert prune(problem, twice, 106, Work(60))[0] == [3]
+    assert prune(problem, twice, 105, Work(60))[0] == [3, 6]
+    assert prune(problem, twice, 111, Work(60))[0] == []
+    assert prune(problem, twice, 111, Work(0))[0] == [3, 6]     # no work: nothing tried
 
 
 def test_prune_drops_a_first_replay_that_the_next_one_leaves_unread():
@@ -404,7 +404,7 @@ def test_prune_drops_a_first_replay_that_the_next_one_leaves_unread():
     assert plan_cost_peak(problem, twice) == (2.0, 101)
     assert plan_cost_peak(problem, [[1]] + twice[1:])[1] == 111
     assert plan_cost_peak(problem, [[5]] + twice[1:]) == (1.0, 101)
-    assert prune(problem, twice, 101, time.perf_counter() + 60)[0] == [5]
+    assert prune(problem, twice, 101, Work(60))[0] == [5]
 
 
 def test_local_search_beats_the_greedy_on_a_layered_training_graph():
@@ -420,15 +420,16 @@ def test_local_search_beats_the_greedy_on_a_layered_training_graph():
     preds = ((), (0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (9,), (10,), (11,),
              (12, 11, 10), (13, 8, 7), (14, 5, 4), (15, 2, 1))
     problem = remat.RematProblem(ids, cost, size, preds, 0, frozenset({0}))
-    budget, deadline = 12, time.perf_counter() + 60
+    budget = 12
     greedy = remat.solve_greedy(problem, budget, 3)
     assert greedy.fits
-    start = prune(problem, remat.plan_from_schedule(problem, greedy.schedule), budget, deadline)
+    start = prune(problem, remat.plan_from_schedule(problem, greedy.schedule), budget, Work(60))
     assert plan_cost_peak(problem, start) == (20.0, 12)
-    better = improve(problem, start, budget, deadline)
+    better = improve(problem, start, budget, Work(60))
     assert plan_cost_peak(problem, better) == (16.0, 12)
     assert problem.base_cost == 58.0
-    assert improve(problem, better, budget, deadline) == better   # nothing cheaper one move away
+    assert improve(problem, better, budget, Work(60)) == better   # nothing cheaper one move away
+    assert improve(problem, start, budget, Work(0)) == start      # no work: no move
 
 
 def test_replays_write_in_place_where_every_run_may():
@@ -580,6 +581,7 @@ def test_fit_climbs_the_relaxations_on_drained_orders_too_where_draining_changes
     assert fit.drains_anything(start)
     search = _fit_search(start, int(0.4 * analyze_plan(start).peak_bytes))
     search.first_plans()
+    search.explore()
     names = [t["candidate"] for t in search.tried]
     drained = [n for n in names if n.endswith(" on drained orders too, then swap")]
     plain = [n for n in names if n.startswith("recompute to") and n not in drained]
