@@ -21,13 +21,26 @@ Measured: a `CostTable` (written by `memsched profile`, see memsched.measure) ma
 name to seconds, and each op signature (type, attributes, input shapes/dtypes) to seconds so
 a table also prices ops it was not made from but that match one it timed.
 
+Rewritten ops: the passes that rewrite a training step (fused updates, concat-split parts,
+micro-batch copies) record what they replaced and the names of the ops they added in the
+step's metadata (`passes.reuse.record_rewrite`). An added op the table has no time for is
+priced from the ops it was made from: a fused update by the sum of the ops it replaces (the
+dW Gemm and the update ops it fed), a part or chunk copy (`X/part0`, `X/chunk1/grad/Conv`)
+by the time of `X` (`X/grad/Conv`) scaled by its share of `X`'s work (FLOPs, else the bytes
+of its inputs and outputs). Added glue (the Splits, Concats and Adds around the parts) has no
+source: it is priced by the roofline on the profile of the table's device (`cpu` for a CPU
+table, else v100-16gb). `CostTable.pricing(graph)` says which ops were priced how. Every
+other op the table lacks is an error: the table was made from another graph.
+
 `op_time(op, graph, source)` is the one entry point: source is a Hardware or a CostTable.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +50,7 @@ from onnx import numpy_helper
 
 from .errors import UserError
 from .hardware import Hardware
-from .ir import Graph, Op, tensor_value
+from .ir import Graph, Op, Tensor, tensor_value
 from .onnx_utils import write_text_atomic
 
 SHAPE_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Shape", "Size", "Identity", "Constant"})
@@ -176,13 +189,68 @@ class CostTable:
     meta: dict = field(default_factory=dict)
 
     def time(self, op: Op, graph: Graph) -> float:
+        return self.priced(op, graph)[0]
+
+    def priced(self, op: Op, graph: Graph) -> tuple[float, str, list[str]]:
+        """(seconds, how, sources): how is "name", "signature", "sources" (a rewritten op priced
+        from the ops it was made from, named in sources) or "roofline" (added glue, on the
+        profile named in sources). Raises UserError for an op no rule prices."""
         if op.name in self.times:
-            return self.times[op.name]
+            return self.times[op.name], "name", []
         sig = signature(op, graph)
         if sig in self.by_signature:
-            return self.by_signature[sig]
-        raise UserError(f"the cost table has no time for op '{op.name}' ({op.op_type}); "
-                        f"profile this graph with `memsched profile`")
+            return self.by_signature[sig], "signature", []
+        record = _added_by(op.name, graph.metadata)
+        if record is None:
+            raise UserError(f"the cost table has no time for op '{op.name}' ({op.op_type}); "
+                            f"profile this graph with `memsched profile`")
+        found = self._from_sources(op, graph, record)
+        if found is not None:
+            return found
+        hw = self.fallback_hardware()
+        return roofline_time(op, graph, hw), "roofline", [hw.name]
+
+    def pricing(self, graph: Graph) -> dict:
+        """How the table prices `graph`'s ops (JSON-able): counts per way, the rewritten ops
+        priced from their sources (op -> sources) and those priced by the roofline (op -> profile)."""
+        counts = {"name": 0, "signature": 0, "sources": 0, "roofline": 0}
+        from_sources, roofline = {}, {}
+        for op in graph.ops:
+            _, how, sources = self.priced(op, graph)
+            counts[how] += 1
+            if how == "sources":
+                from_sources[op.name] = sources
+            elif how == "roofline":
+                roofline[op.name] = sources[0]
+        return {"source": "table", "device": self.meta.get("device"), "ops": counts,
+                "from_sources": from_sources, "roofline": roofline}
+
+    def fallback_hardware(self) -> Hardware:
+        """The profile that prices added glue ops: `cpu` for a table measured on the CPU (where
+        this install has it), else the default GPU preset."""
+        from . import hardware
+
+        if self.meta.get("device") == "cpu":
+            try:
+                return hardware.load("cpu")
+            except UserError:
+                pass
+        return hardware.load(FALLBACK_HARDWARE)
+
+    def _from_sources(self, op: Op, graph: Graph, record: dict) -> tuple[float, str, list[str]] | None:
+        """A rewritten op priced from the ops it was made from (module docstring), or None where
+        the table times none of them."""
+        removed = {o["name"]: o for o in record.get("ops", []) if isinstance(o, dict) and "name" in o}
+        base = _source_name(op.name)
+        if base != op.name and base in self.times:
+            source = _op_of(removed[base]) if base in removed else graph.op_by_name.get(base)
+            share = _work_share(op, graph, source, record) if source is not None else 1.0
+            return self.times[base] * share, "sources", [base]
+        sources = _replaced_producers(op, removed)
+        if sources and all(name in self.times for name in sources) \
+                and _same_inputs(op, graph, sources, removed, record):
+            return sum(self.times[name] for name in sources), "sources", sources
+        return None
 
     def total(self) -> float:
         return sum(self.times.values())
@@ -209,6 +277,103 @@ class CostTable:
         by_sig = _seconds_table(data.get("by_signature", {}), "by_signature", path)
         meta = {k: v for k, v in data.items() if k not in ("format", "version", "times", "by_signature")}
         return cls(times, by_sig, meta)
+
+
+FALLBACK_HARDWARE = "v100-16gb"
+COPY_SEGMENT = re.compile(r"/(?:chunk|part)\d+(?=/|$)|/backward(?=/|$)")   # what a part or chunk copy adds
+
+
+def _added_by(name: str, metadata: dict[str, str]) -> dict | None:
+    """The rewrite record (passes.reuse.record_rewrite) in `metadata` whose added ops include `name`."""
+    for text in metadata.values():
+        record = _rewrite_record(text)
+        if record is not None and name in record["added"]:
+            return record
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _rewrite_record(text: str) -> dict | None:
+    """A metadata value parsed as a rewrite record ({"added": [...], "ops": [...], ...}), else None."""
+    if not text.startswith("{") or '"added"' not in text:
+        return None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("added"), list):
+        return None
+    return {**record, "added": frozenset(n for n in record["added"] if isinstance(n, str))}
+
+
+def _source_name(name: str) -> str:
+    """The op a part or chunk copy was made from: `X/part0` -> `X`, `X/chunk1/grad/Conv` -> `X/grad/Conv`."""
+    return COPY_SEGMENT.sub("", name)
+
+
+def _replaced_producers(op: Op, removed: dict[str, dict]) -> list[str]:
+    """The replaced ops that made `op`'s outputs and, back through their inputs, the replaced ops
+    feeding them (a fused update: the update ops and the dW Gemm), in record order."""
+    producer = {t: name for name, o in removed.items() for t in o.get("outputs", []) if t}
+    found: set[str] = set()
+    todo = [producer[t] for t in op.present_outputs if t in producer]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        todo.extend(producer[t] for t in removed[name].get("inputs", []) if t in producer)
+    return [name for name in removed if name in found]
+
+
+def _same_inputs(op: Op, graph: Graph, sources: list[str], removed: dict[str, dict], record: dict) -> bool:
+    """Whether the replaced ops `sources` read, from outside themselves, no computed tensor
+    that `op` does not read: they did `op`'s work (a fused update: the Gemm's A and B, the
+    weight and the constants), not merely lie upstream of it (the Concat before split parts)."""
+    made = {t for name in sources for t in removed[name].get("outputs", [])}
+    recorded = {t.get("name"): t for t in record.get("tensors", []) if isinstance(t, dict)}
+    for name in sources:
+        for t in removed[name].get("inputs", []):
+            if not t or t in made or t in op.inputs:
+                continue
+            static = graph.tensors[t].is_static if t in graph.tensors else recorded.get(t, {}).get("value") is not None
+            if not static:
+                return False
+    return True
+
+
+def _op_of(o: dict) -> Op:
+    """A replaced op from its record entry (attributes as recorded: enough for `op_cost`)."""
+    return Op(o["name"], o.get("op_type", ""), list(o.get("inputs", [])), list(o.get("outputs", [])),
+              dict(o.get("attributes", {})), o.get("domain", ""))
+
+
+def _work_share(op: Op, graph: Graph, source: Op, record: dict) -> float:
+    """`op`'s work over `source`'s (FLOPs where both compute, else the bytes of their inputs and
+    outputs); 1 where unknown.
+    The source's tensors are the graph's, or the record's where the rewrite replaced them."""
+    tensors = dict(graph.tensors)
+    for t in record.get("tensors", []):
+        if isinstance(t, dict) and t.get("shape") is not None:
+            tensors[t["name"]] = Tensor(t["name"], tuple(t["shape"]), int(t["dtype"]), t.get("kind", "activation"))
+    if any(name not in tensors for name in source.present_inputs + source.present_outputs):
+        return 1.0
+    try:
+        mine, theirs = op_cost(op, graph).flops, op_cost(source, _Tensors(tensors)).flops
+    except (IndexError, KeyError, TypeError, ValueError):
+        return 1.0
+    if mine and theirs:
+        return mine / theirs
+    mine, theirs = (sum(g[t].nbytes for t in o.present_inputs + o.present_outputs)
+                    for o, g in ((op, graph.tensors), (source, tensors)))
+    return mine / theirs if mine and theirs else 1.0
+
+
+@dataclass
+class _Tensors:
+    """What `op_cost` reads of a graph: its tensors."""
+
+    tensors: dict[str, Tensor]
 
 
 MAX_OP_SECONDS = 3600.0    # an op timed longer than an hour is a broken table, and sums of such overflow

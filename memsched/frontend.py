@@ -2,7 +2,8 @@
 
 Steps: check the file, parse it without external data (cheap, works past 2 GB), check the
 external-data files lie in the model's folder and exist, treat inputs that have an initializer
-as initializers (IR < 4 lists them as both), inline local functions, bind symbolic dimensions (`--dim N=V`),
+as initializers (IR < 4 lists them as both), inline local functions, refuse control flow whose
+subgraphs capture main-graph tensors, bind symbolic dimensions (`--dim N=V`),
 infer shapes (ONNX inference with data propagation; where that leaves a tensor unknown, one
 probe run of ONNX Runtime on zeros), then lower to the IR and insist that every tensor has
 a static shape and dtype.
@@ -36,6 +37,7 @@ def lower(model: onnx.ModelProto, dims: dict[str, int] | None = None, base_dir: 
     """Bind dims, infer shapes and lower an in-memory model (initializer data may be external)."""
     model = _inline_functions(model)
     _check_domains(model)
+    _check_captures(model)
     _bind_dims(model, dict(dims or {}))
     model = _infer_shapes(model, base_dir)
     try:  # after inference: outputs declared without shapes are fine once inferred
@@ -186,6 +188,52 @@ def _check_domains(model: onnx.ModelProto) -> None:
         if node.domain not in SUPPORTED_DOMAINS:
             raise UserError(f"unsupported op '{node.op_type}' from domain '{node.domain}' at node "
                             f"'{node.name or index}'; memsched handles standard ONNX ops only")
+
+
+def subgraphs(attributes) -> list[onnx.GraphProto]:
+    """The subgraphs among an op's attribute values (If's branches, a Loop's or Scan's body)."""
+    found = []
+    for value in attributes:
+        if isinstance(value, onnx.GraphProto):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, onnx.GraphProto))
+    return found
+
+
+def captured_names(graph: onnx.GraphProto) -> list[str]:
+    """Names `graph`'s nodes (and theirs, nested) read without defining them: tensors of an
+    enclosing graph it captures implicitly, in order of first use."""
+    defined = {vi.name for vi in graph.input} | {i.name for i in graph.initializer} \
+        | {i.values.name for i in graph.sparse_initializer}
+    free: dict[str, None] = {}
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in defined:
+                free[name] = None
+        for sub in subgraphs(helper.get_attribute_value(a) for a in node.attribute):
+            free.update(dict.fromkeys(n for n in captured_names(sub) if n not in defined))
+        defined.update(node.output)
+    return list(free)
+
+
+def _check_captures(model: onnx.ModelProto) -> None:
+    """Refuse control flow whose subgraphs read main-graph tensors. The schedule sees only an
+    op's listed inputs: a captured tensor could be freed, swapped or its buffer reused before
+    the If, Loop or Scan runs, the executor's per-segment models would not bind it, and a
+    parameter read only inside a branch would get no gradient. Control flow that reads only
+    its listed inputs is planned and run like any op."""
+    for index, node in enumerate(model.graph.node):
+        captured = list(dict.fromkeys(
+            name for sub in subgraphs(helper.get_attribute_value(a) for a in node.attribute)
+            for name in captured_names(sub)))
+        if captured:
+            shown = ", ".join(repr(n) for n in captured[:3]) + (f" and {len(captured) - 3} more"
+                                                                 if len(captured) > 3 else "")
+            raise UserError(f"memsched cannot plan {node.op_type} node '{node.name or index}' (control flow): "
+                            f"its subgraph reads {shown} from the main graph, which the schedule and the "
+                            f"backward pass cannot see; export the model with the control flow unrolled or "
+                            f"the branch taken")
 
 
 def _bind_dims(model: onnx.ModelProto, dims: dict[str, int]) -> None:

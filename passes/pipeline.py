@@ -246,6 +246,7 @@ def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], mo
     graph = baseline.graph     # the model as given (the plan's may have fused updates, split convs)
     report = build_report(graph, hw, plan.budget, strategies, baseline_profile, baseline_sim, plan, profile,
                           sim, timings, model)
+    report["costs"] = costs.pricing(plan.graph) if costs is not None else {"source": "roofline", "hardware": hw.name}
     report["tensors"] = tensor_decisions(plan)
     report["input_pipeline"] = input_pipeline(graph, hw, sim.step_time, sim.stream_busy.get("h2d", 0.0))
     if data_parallel:

@@ -165,3 +165,134 @@ def random_dag(seed: int, n_ops: int, max_bytes: int = 1000) -> Graph:
         if t not in consumed or rnd.random() < 0.1:
             b.output(t)
     return b.graph()
+
+
+def _opset17(nodes, name, inputs, outputs, initializers) -> "onnx.ModelProto":
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def if_capture_model() -> "onnx.ModelProto":
+    """x[2,4] -> MatMul W1 -> h; an If on sum(x) > 0 whose branches compute MatMul(h, Wa) or
+    MatMul(h, Wb): both read h, Wa and Wb from the main graph (implicit captures), so the If's
+    only listed input is its condition. Three trainable weights, two of them seen only inside."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+             for name, shape in (("W1", (4, 4)), ("Wa", (4, 3)), ("Wb", (4, 3)))]
+    inits.append(numpy_helper.from_array(np.array(0, np.float32), "zero"))
+
+    def branch(name: str, weight: str) -> "onnx.GraphProto":
+        return helper.make_graph([helper.make_node("MatMul", ["h", weight], [f"y_{name}"], name=f"{name}_mm")],
+                                 name, [], [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, [2, 3])])
+
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"),
+             helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="positive"),
+             helper.make_node("If", ["c"], ["y"], name="branch", then_branch=branch("then", "Wa"),
+                              else_branch=branch("else", "Wb"))]
+    return _opset17(nodes, "if_capture", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], inits)
+
+
+def loop_model(capture: bool = False) -> "onnx.ModelProto":
+    """x[2,4] -> MatMul W -> h -> Loop (3 trips of v = Tanh(v * 0.5), reading only its listed
+    inputs, or with `capture` also adding W2 from the main graph) -> MatMul W2 -> y[2,3]."""
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+             for name, shape in (("W", (4, 4)), ("W2", (4, 3)))]
+    inits += [numpy_helper.from_array(np.array(3, np.int64), "trips"),
+              numpy_helper.from_array(np.array(True), "go")]
+    half = numpy_helper.from_array(np.array(0.5, np.float32), "half")
+    body_nodes = [helper.make_node("Identity", ["go_in"], ["go_out"], name="body_go"),
+                  helper.make_node("Mul", ["v", "half"], ["v_half"], name="body_mul"),
+                  helper.make_node("Tanh", ["v_half"], ["v_out" if not capture else "v_tanh"], name="body_tanh")]
+    if capture:
+        body_nodes.append(helper.make_node("ReduceSum", ["W2"], ["w_sum"], name="body_wsum", keepdims=0))
+        body_nodes.append(helper.make_node("Add", ["v_tanh", "w_sum"], ["v_out"], name="body_add"))
+    body = helper.make_graph(body_nodes, "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("go_in", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("v", TensorProto.FLOAT, [2, 4])],
+                             [helper.make_tensor_value_info("go_out", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [2, 4])], [half])
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
+             helper.make_node("Loop", ["trips", "go", "h"], ["looped"], name="loop", body=body),
+             helper.make_node("MatMul", ["looped", "W2"], ["y"], name="head")]
+    return _opset17(nodes, "loop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], inits)
+
+
+def scan_model() -> "onnx.ModelProto":
+    """x[5,4] -> Relu -> Scan over its rows keeping a running sum s[4] (the body reads only its
+    listed inputs) -> the final sum and the per-row sums [5,4] -> Add -> y[5,4]."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "row"], ["s_out"], name="body_add"),
+         helper.make_node("Identity", ["s_out"], ["row_out"], name="body_copy")],
+        "scan_body", [helper.make_tensor_value_info("s_in", TensorProto.FLOAT, [4]),
+                      helper.make_tensor_value_info("row", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("s_out", TensorProto.FLOAT, [4]),
+         helper.make_tensor_value_info("row_out", TensorProto.FLOAT, [4])])
+    start = numpy_helper.from_array(np.zeros(4, np.float32), "start")
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Scan", ["start", "r"], ["total", "running"], name="scan", body=body,
+                              num_scan_inputs=1),
+             helper.make_node("Add", ["running", "total"], ["y"], name="add")]
+    return _opset17(nodes, "scan", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 4])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 4])], [start])
+
+
+FUZZ_UNARY = ("Relu", "Sigmoid", "Tanh")
+
+
+def random_onnx_model(seed: int, batch: int = 4) -> "onnx.ModelProto":
+    """A seeded random float model of Add/Mul/Relu/Sigmoid/Tanh/MatMul (opset 17, IR 8) with 2 or
+    3 MatMul weights: a chain or a DAG (ops read any earlier tensor of a matching shape; some
+    results are left unread, a few Adds take a bias initializer). The last weight's MatMul makes
+    the classes (and an elementwise op may follow it), so y[batch, classes] always reaches a weight."""
+    rnd = random.Random(seed)
+    rng = np.random.default_rng(seed)
+    pool = [("x", rnd.randint(3, 12))]      # (tensor, features); every tensor is [batch, features]
+    inits, nodes = [], []
+    dag = rnd.random() < 0.6
+
+    def pick(features: int | None = None, last: bool = False) -> tuple[str, int]:
+        choices = [p for p in (pool if dag and not last else pool[-1:]) if features is None or p[1] == features]
+        return rnd.choice(choices) if choices else pool[-1]
+
+    def add(op_type: str, inputs: list[str], features: int) -> None:
+        out = f"t{len(nodes)}"
+        nodes.append(helper.make_node(op_type, inputs, [out], name=f"{op_type.lower()}{len(nodes)}"))
+        pool.append((out, features))
+
+    def matmul(out_features: int) -> None:
+        src, features = pick()
+        name = f"W{sum(i.name.startswith('W') for i in inits)}"
+        inits.append(numpy_helper.from_array(
+            (rng.standard_normal((features, out_features)) / np.sqrt(features)).astype(np.float32), name))
+        add("MatMul", [src, name], out_features)
+
+    def elementwise(last: bool = False) -> None:
+        """One elementwise op; `last`: on the newest tensor (the chain goes on from it)."""
+        a, features = pick(last=last)
+        if rnd.random() < 0.5:
+            add(rnd.choice(FUZZ_UNARY), [a], features)
+        elif rnd.random() < 0.25:
+            bias = f"b{len(inits)}"
+            inits.append(numpy_helper.from_array((rng.standard_normal(features) * 0.1).astype(np.float32), bias))
+            add(rnd.choice(("Add", "Mul")), [a, bias], features)
+        else:
+            add(rnd.choice(("Add", "Mul")), [a, pick(features)[0]], features)
+
+    hidden = rnd.randint(1, 2)              # weights before the last
+    kinds = ["matmul"] * hidden + ["elementwise"] * rnd.randint(1, 6)
+    rnd.shuffle(kinds)
+    for kind in kinds:
+        matmul(rnd.randint(3, 12)) if kind == "matmul" else elementwise()
+    matmul(rnd.randint(2, 6))
+    if rnd.random() < 0.5:
+        elementwise(last=True)
+    out, classes = pool[-1]
+    nodes.append(helper.make_node("Identity", [out], ["y"], name="output"))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, pool[0][1]])]
+    return _opset17(nodes, f"fuzz{seed}", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                                                 [batch, classes])], inits)

@@ -137,7 +137,7 @@ def small_model(tmp_path_factory):
 def test_ctrl_c_writes_the_best_plan_so_far(small_model, tmp_path):
     """One Ctrl-C once a plan fits: the search stops and the best plan is written, exit 0."""
     out = tmp_path / "plan.onnx"
-    terminal = Terminal([str(small_model), "--train", "--budget", "50%", "--time-limit", "600", "-o", str(out),
+    terminal = Terminal([str(small_model), "--train", "--budget", "50%", "--time-limit", "120", "-o", str(out),
                          "--json"])
     assert terminal.wait_for("best so far", timeout=240), terminal.text[-2000:]
     terminal.process.send_signal(signal.SIGINT)
@@ -150,7 +150,7 @@ def test_ctrl_c_writes_the_best_plan_so_far(small_model, tmp_path):
 
 def test_a_second_ctrl_c_aborts_with_nothing_written(small_model, tmp_path):
     out = tmp_path / "plan.onnx"
-    terminal = Terminal([str(small_model), "--train", "--budget", "50%", "--time-limit", "600", "-o", str(out)])
+    terminal = Terminal([str(small_model), "--train", "--budget", "50%", "--time-limit", "120", "-o", str(out)])
     assert terminal.wait_for("order", timeout=240), terminal.text[-2000:]
     terminal.process.send_signal(signal.SIGINT)
     time.sleep(1.0)     # two signals sent at once may arrive as one

@@ -26,7 +26,7 @@ from memsched.units import parse_bytes, parse_percent
 from tests.planbuild import edit_plan_metadata, mlp_train_graph, swap_plan
 
 from .conftest import ROOT, run_cli
-from .graphs import mlp_model
+from .graphs import if_capture_model, loop_model, mlp_model, scan_model
 
 
 def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -409,3 +409,104 @@ def test_digest_survives_the_external_data_save(tmp_path, monkeypatch):
     path = write_plan(plan, tmp_path / "plan.onnx")
     assert any(n.endswith(".data") for n in os.listdir(tmp_path))
     assert read_plan(path).schedule == plan.schedule
+
+
+# ---- 3: control flow -----------------------------------------------------------------------------------------
+def _saved(model, path):
+    return onnx_utils.save_model_atomic(model, path)
+
+
+def _compiles_and_runs(model, tmp_path, *args: str) -> None:
+    """`compile MODEL ARGS -o plan.onnx` exits 0 and `run plan.onnx --check` passes."""
+    plan = tmp_path / "plan.onnx"
+    compiled = run_cli("compile", model, *args, "-o", plan, "--time-limit", "10")
+    assert compiled.returncode == 0, compiled.stderr
+    ran = run_cli("run", plan, "--check", "--json")
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout)["check"]["passed"]
+
+
+@pytest.mark.parametrize("model, node, captured", [(if_capture_model, "If node 'branch'", "'Wa'"),
+                                                   (lambda: loop_model(capture=True), "Loop node 'loop'", "'W2'")])
+def test_control_flow_that_captures_main_graph_tensors_is_refused(tmp_path, model, node, captured):
+    path = _saved(model(), tmp_path / "m.onnx")
+    out = tmp_path / "out.onnx"
+    for args in (("train-graph", path, "-o", out), ("compile", path, "--train", "-o", out),
+                 ("compile", path, "-o", out), ("inspect", path)):
+        one_line_error(run_cli(*args), node, "(control flow)", captured)
+    assert not out.exists()
+
+
+def test_autodiff_refuses_captures_in_a_graph_that_skipped_the_front_end():
+    from memsched.ir import Graph
+    from passes.autodiff import build_training_step
+
+    graph = Graph.from_onnx(onnx.shape_inference.infer_shapes(if_capture_model()))
+    with pytest.raises(UserError, match=r"cannot differentiate through If node 'branch' \(control flow\).*'Wa'"):
+        build_training_step(graph)
+
+
+def test_control_flow_on_the_gradient_path_is_refused_unless_frozen_before_it(tmp_path):
+    path = _saved(loop_model(), tmp_path / "loop.onnx")
+    for args in (("train-graph", path, "-o", tmp_path / "t.onnx"), ("compile", path, "--train")):
+        one_line_error(run_cli(*args), "cannot differentiate through Loop node 'loop' (control flow)", "--freeze")
+    _compiles_and_runs(path, tmp_path, "--train", "--freeze", "W")      # W2 after the loop still trains
+    described = run_cli("train-graph", path, "--freeze", "W", "-o", tmp_path / "t.onnx", "--json")
+    assert json.loads(described.stdout)["trainable_parameters"] == 1
+
+
+@pytest.mark.parametrize("model", [loop_model, scan_model])
+def test_control_flow_reading_only_its_inputs_compiles_and_runs_forward(tmp_path, model):
+    _compiles_and_runs(_saved(model(), tmp_path / "m.onnx"), tmp_path)
+
+
+# ---- 6: measured costs for rewritten ops ----------------------------------------------------------------------
+def test_profile_then_compile_with_the_costs_prices_the_fused_updates(tmp_path):
+    model, costs, plan = tmp_path / "m.onnx", tmp_path / "costs.json", tmp_path / "plan.onnx"
+    assert run_cli("models", "export", "mlp", "-o", model, "--batch", "8").returncode == 0
+    profiled = run_cli("profile", model, "--train", "-o", costs)
+    assert profiled.returncode == 0, profiled.stderr
+    compiled = run_cli("compile", model, "--train", "--costs", costs, "-o", plan, "--json")
+    assert compiled.returncode == 0, compiled.stderr
+    table = CostTable.load(costs)
+    graph = read_plan(plan).graph
+    fused = [op.name for op in graph.ops if op.name.endswith("/FusedGemm")]
+    assert fused, "the plan fuses no update: nothing here tests the fallback"
+    pricing = table.pricing(graph)
+    assert json.loads(compiled.stdout)["costs"] == pricing      # the report says how each op was priced
+    assert pricing["source"] == "table" and pricing["roofline"] == {}
+    assert sorted(pricing["from_sources"]) == sorted(fused)
+    assert pricing["ops"]["name"] + pricing["ops"]["sources"] == len(graph.ops)
+    for name in fused:       # the dW Gemm and the update ops it replaces, timed in the table
+        sources = pricing["from_sources"][name]
+        assert any("/grad/" in s for s in sources) and any("/update/" in s for s in sources)
+        assert table.time(graph.op_by_name[name], graph) == pytest.approx(sum(table.times[s] for s in sources))
+
+
+def test_split_and_micro_batch_copies_take_their_share_of_the_op_they_were_made_from():
+    from passes.batch_split import split_training_step as batch_split
+    from passes.concat_split import split_training_step as concat_split
+    from tests.test_batch_split import BUILD, cnn
+    from tests.test_concat_split import build, concat_model
+
+    forward = cnn()
+    given = BUILD(forward)
+    step = batch_split(forward, given, BUILD, 2)
+    table = CostTable({op.name: 1e-6 * (i + 1) for i, op in enumerate(given.ops)}, meta={"device": "cuda"})
+    for name in ("conv/chunk0", "conv/chunk1/grad/Conv"):   # two equal chunks: half the FLOPs each
+        source = name.replace("/chunk0", "").replace("/chunk1", "")
+        assert table.priced(step.op_by_name[name], step) == (pytest.approx(table.times[source] / 2), "sources",
+                                                             [source])
+    seconds, how, where = table.priced(step.op_by_name["x/SplitBatch"], step)     # glue: no source
+    assert how == "roofline" and where == ["v100-16gb"] and seconds > 0
+
+    forward = concat_model()
+    given = build(forward)
+    step = concat_split(forward, given, build)
+    table = CostTable({op.name: 1e-6 for op in given.ops}, meta={"device": "cpu"})
+    parts = [table.priced(step.op_by_name[f"head/part{i}"], step) for i in range(2)]
+    assert [how for _, how, _ in parts] == ["sources", "sources"]
+    assert sum(seconds for seconds, _, _ in parts) == pytest.approx(1e-6)      # 3 and 5 of the 8 channels
+    assert table.pricing(step)["roofline"]["head/Sum1"] == table.fallback_hardware().name
+    with pytest.raises(UserError, match="no time for op 'head'"):           # an op no rewrite made
+        CostTable({}).time(given.op_by_name["head"], given)

@@ -7,6 +7,7 @@ import math
 from collections import defaultdict
 
 from memsched.errors import UserError
+from memsched.frontend import captured_names, subgraphs
 from memsched.ir import Graph, Op
 from memsched.onnx_utils import IR_VERSION, OPSET
 
@@ -29,8 +30,9 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     """Forward + loss + backward (+ optimizer update) of `graph` as one Graph.
 
     Identity nodes and Dropouts that drop nothing are left out first (`simplify.drop_no_ops`):
-    they would be real copies in the step. Raises UserError for bad options and for every node
-    that has no gradient rule, before anything is built."""
+    they would be real copies in the step. Raises UserError for bad options, for control flow
+    the gradient would have to pass through and for every node that has no gradient rule,
+    before anything is built."""
     hyper = _check_options(loss, optimizer, lr, momentum, betas, eps)
     opset = _training_opset(graph)
     graph = drop_no_ops(graph)
@@ -38,11 +40,13 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
         raise UserError("the model has no output to train on")
     output = graph.outputs[0]
     live = _reaching_output(graph, output)
+    _check_control_flow(graph, live, [])
     params = _trainable(graph, live, freeze)
     requiring = _requiring_grad(graph, params)
     needed = [op for op in graph.ops
               if any(t in live for t in differentiable_outputs(op, graph.tensors))
               and any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors))]
+    _check_control_flow(graph, live, needed)
     em = Emitter(graph, opset)
     _check_supported(em, needed)
     _check_free_names(graph, loss, optimizer, params)
@@ -169,6 +173,28 @@ def _requiring_grad(graph: Graph, params: list[str]) -> set[str]:
 def _wants(graph: Graph, op: Op, requiring: set[str]) -> list[bool]:
     positions = set(differentiable_positions(op, graph.tensors))
     return [i in positions and op.inputs[i] in requiring for i in range(len(op.inputs))]
+
+
+def _check_control_flow(graph: Graph, live: set[str], needed: list[Op]) -> None:
+    """Refuse an If, Loop or Scan (any op with a subgraph) that the backward pass would have to
+    go through: one in `needed` (a gradient flows into its listed inputs), or one whose outputs
+    reach the loss while its subgraph reads main-graph tensors (a parameter read only there
+    would silently get no gradient). Control flow whose outputs reach the loss from inputs that
+    need no gradient is kept as a forward op."""
+    needed_names = {op.name for op in needed}
+    for op in graph.ops:
+        bodies = subgraphs(op.attributes.values())
+        if not bodies:
+            continue
+        reaches = any(t in live for t in differentiable_outputs(op, graph.tensors))
+        captured = list(dict.fromkeys(n for body in bodies for n in captured_names(body)))
+        if op.name in needed_names or (reaches and captured):
+            why = (f"its subgraph reads {', '.join(repr(n) for n in captured[:3])} from the main graph, "
+                   f"whose gradients would be lost" if captured else "a gradient would have to flow through "
+                   "its subgraph, and memsched has no gradient rule for subgraphs")
+            fix = "" if captured else ", or --freeze the parameters before it"
+            raise UserError(f"memsched cannot differentiate through {op.op_type} node '{op.name}' (control "
+                            f"flow); {why}: export the model with the control flow unrolled{fix}")
 
 
 def _check_supported(em: Emitter, needed: list[Op]) -> None:
