@@ -13,6 +13,7 @@ from memsched.onnx_utils import IR_VERSION, OPSET
 
 from . import rules_elementwise, rules_nn, rules_shape  # noqa: F401 - they fill RULES
 from .emitter import Emitter
+from .fuse import fuse_patterns
 from .loss import LOSS_NAME, LOSSES, emit_loss
 from .optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
 from .registry import FLOAT_TYPES, RULES, differentiable_outputs, differentiable_positions
@@ -26,16 +27,19 @@ MIN_OPSET, MAX_OPSET = 13, 21
 def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: str = "none",
                         lr: float = 0.01, freeze: tuple[str, ...] | list[str] = (), *,
                         momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999),
-                        eps: float = 1e-8) -> Graph:
+                        eps: float = 1e-8, fuse: bool = True) -> Graph:
     """Forward + loss + backward (+ optimizer update) of `graph` as one Graph.
 
     Identity nodes and Dropouts that drop nothing are left out first (`simplify.drop_no_ops`):
     they would be real copies in the step. Raises UserError for bad options, for control flow
     the gradient would have to pass through and for every node that has no gradient rule,
-    before anything is built."""
+    before anything is built. With `fuse`, GELU, LayerNorm and softmax written out in
+    primitive ops become one op each first (`fuse.fuse_patterns`): their backward then keeps
+    what PyTorch's kernels keep, not every intermediate of the forward."""
     hyper = _check_options(loss, optimizer, lr, momentum, betas, eps)
     opset = _training_opset(graph)
     graph = drop_no_ops(graph)
+    graph, fusions = fuse_patterns(graph) if fuse else (graph, {})
     if not graph.outputs:
         raise UserError("the model has no output to train on")
     output = graph.outputs[0]
@@ -47,7 +51,7 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
               if any(t in live for t in differentiable_outputs(op, graph.tensors))
               and any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors))]
     _check_control_flow(graph, live, needed)
-    em = Emitter(graph, opset)
+    em = Emitter(graph, opset, fusions)
     _check_supported(em, needed)
     _check_free_names(graph, loss, optimizer, params)
 

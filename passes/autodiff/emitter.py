@@ -33,14 +33,16 @@ _FOLD_LIMIT = 1 << 16  # elements: folding is for shapes and scalars, not for we
 class Emitter:
     """The ops and tensors of the graph being built, plus naming, phase and helpers."""
 
-    def __init__(self, source: Graph, opset: int):
+    def __init__(self, source: Graph, opset: int, fusions: dict | None = None):
         self.source = source
         self.opset = opset
         self.ops: list[Op] = []
         self.tensors: dict[str, Tensor] = {n: dataclasses.replace(t) for n, t in source.tensors.items()}
         self.phase = "forward"
         self._scope = ""
-        self._taken: set[str] = set(source.tensors) | {op.name for op in source.ops}
+        self.fusions = dict(fusions or {})   # fused op -> passes.autodiff.fuse.Fusion
+        self._taken: set[str] = (set(source.tensors) | {op.name for op in source.ops}
+                                 | {op.name for fusion in self.fusions.values() for op in fusion.ops})
         self._consts: dict[tuple, str] = {}
         self._values: dict[str, np.ndarray | None] = {}
         self._producer: dict[str, Op] = {}

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from .fuse import emit_original
 from .registry import FLOAT_TYPES, rule
 from .rules_shape import folded_product, folds_into_matmul_scale, scaled_scores
 
@@ -102,29 +103,44 @@ def _check_gelu(em, op):
     return None if approx in ("none", "tanh") else f"approximate='{approx}' is not supported"
 
 
-@rule("Gelu", check=_check_gelu)
+def _gelu_forward(em, op, needed):
+    """A Gelu node of the model as it is; a GELU that `fuse.fuse_patterns` found written out
+    in primitive ops as a Gelu op where the step's opset has one (20 on), else as those ops."""
+    fusion = em.fusions.get(op.name)
+    if fusion is None:
+        em.keep(op)
+    elif em.opset >= 20:
+        em.op("Gelu", op.inputs, outputs=op.outputs, name=op.name, **op.attributes)
+    else:
+        emit_original(em, fusion)
+
+
+@rule("Gelu", check=_check_gelu, forward=_gelu_forward)
 def gelu(em, op, dys, wants):
-    """none: d/dx x*Phi(x) = Phi(x) + x*phi(x); tanh: the derivative of its tanh formula."""
+    """From x alone, recomputing erf or tanh (PyTorch's gelu_backward keeps x only too):
+    none: Phi(x) + x * phi(x), with Phi(x) = 0.5 + 0.5 * erf(x / sqrt2);
+    tanh: with t = tanh(u), u = c * (x + k * x^3), du = c * (1 + 3k * x^2), the derivative of
+    0.5 * x * (1 + t) is 0.5 * (1 + t) * (1 + x * (1 - t) * du), since 1 - t^2 = (1 + t)(1 - t).
+    Each form holds at most three x-sized temporaries at once, and neither writes
+    0.5 * (1 + tanh(.)) or (1 + erf(.)) * x, which ONNX Runtime's Gelu fusions would rewrite."""
     x, dy = _x(op), dys[0]
     approx = op.attributes.get("approximate", "none")
     approx = approx.decode() if isinstance(approx, bytes) else approx
     half = em.scalar(0.5, x)
+    square = em.op("Mul", [x, x])
     if approx == "tanh":
         c, k = math.sqrt(2 / math.pi), 0.044715
-        x2 = em.op("Mul", [x, x])
-        inner = em.op("Mul", [em.op("Add", [em.scalar(1, x), em.op("Mul", [x2, em.scalar(k, x)])]),
-                              em.op("Mul", [x, em.scalar(c, x)])])
-        t = em.op("Tanh", [inner])
-        dinner = em.op("Add", [em.scalar(c, x), em.op("Mul", [x2, em.scalar(3 * k * c, x)])])
-        sech2 = em.op("Sub", [em.scalar(1, x), em.op("Mul", [t, t])])
-        left = em.op("Mul", [em.op("Add", [em.scalar(1, x), t]), half])
-        right = em.op("Mul", [em.op("Mul", [x, half]), em.op("Mul", [sech2, dinner])])
-        return [em.op("Mul", [dy, em.op("Add", [left, right])])]
-    cdf = em.op("Mul", [em.op("Add", [em.scalar(1, x), em.op("Erf", [em.op("Mul", [x, em.scalar(
-        1 / math.sqrt(2), x)])])]), half])
-    pdf = em.op("Mul", [em.op("Exp", [em.op("Mul", [em.op("Mul", [x, x]), em.scalar(-0.5, x)])]),
-                        em.scalar(1 / math.sqrt(2 * math.pi), x)])
-    return [em.op("Mul", [dy, em.op("Add", [cdf, em.op("Mul", [x, pdf])])])]
+        u = em.op("Mul", [em.op("Add", [em.op("Mul", [square, em.scalar(c * k, x)]), em.scalar(c, x)]), x])
+        du = em.op("Add", [em.op("Mul", [square, em.scalar(3 * c * k, x)]), em.scalar(c, x)])
+        t = em.op("Tanh", [u])
+        slope = em.op("Mul", [em.op("Mul", [du, x]), em.op("Sub", [em.scalar(1, x), t])])
+        rising = em.op("Add", [em.op("Mul", [t, half]), half])
+        return [em.op("Mul", [dy, em.op("Mul", [rising, em.op("Add", [slope, em.scalar(1, x)])])])]
+    density = em.op("Mul", [em.op("Exp", [em.op("Mul", [square, em.scalar(-0.5, x)])]), x])
+    erf = em.op("Erf", [em.op("Mul", [x, em.scalar(1 / math.sqrt(2), x)])])
+    cdf = em.op("Add", [em.op("Mul", [erf, half]), half])
+    pdf = em.op("Mul", [density, em.scalar(1 / math.sqrt(2 * math.pi), x)])
+    return [em.op("Mul", [dy, em.op("Add", [cdf, pdf])])]
 
 
 @rule("Clip", inputs=(0,))
