@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --device cuda: run on the CPU when CUDA is not usable instead of failing")
     p.add_argument("--check", action="store_true",
                    help="compare every output with a plain ONNX Runtime run of the unscheduled graph")
+    p.add_argument("--against", metavar="MODEL.onnx",
+                   help="with --check: also rebuild MODEL's step with the plan's training options and compare "
+                        "every output with a plain run of it, within a tolerance (MODEL's own weights)")
     p.add_argument("--nvdimm-dir", metavar="DIR", help="directory for the NVDIMM tier's store (default: a temp dir)")
     p.add_argument("--threads", type=int, default=0,
                    help="ONNX Runtime intra-op threads (default 0: every core, as ONNX Runtime does; 1 for timing)")
@@ -504,32 +507,42 @@ def cmd_tune_batch(args) -> int:
 
 def cmd_run(args) -> int:
     from memsched.emit import read_plan
+    from passes.rebuild import model_step
+    from memsched.errors import UserError
     from memsched.executor import run_plan
     from memsched.summary import predicted_step_time, run_summary
     from memsched.views import print_run, step_progress
     from passes.batch_split import given_graph
 
+    if args.against and not args.check:
+        raise UserError("--against compares the plan's outputs with the model's; give --check with it")
     plan = read_plan(args.plan)
     given = given_graph(plan.graph) if args.check else plan.graph     # only a check runs the model as given
+    against = model_step(plan, args.against) if args.against else None
     bar = args.steps > 1 and sys.stdout.isatty() and not args.json
     with step_progress(args.steps, enabled=bar) as progress:
         result = run_plan(plan, steps=args.steps, device=args.device, check=args.check,
                           nvdimm_dir=args.nvdimm_dir, progress=progress, threads=args.threads,
-                          given=given if given is not plan.graph else None, allow_fallback=args.allow_fallback)
+                          given=given if given is not plan.graph else None, allow_fallback=args.allow_fallback,
+                          against=against)
     device = "cuda" if result.provider.startswith("CUDA") else "cpu"
     summary = {**run_summary(result, args.plan, predicted_step_time(plan, device)),
                "threads": result.threads, "process": result.process}
+    if against is not None:
+        summary["check"]["against"]["model"] = args.against
     if args.json:
         print_json(summary)
     else:
         print_run(summary)
     check = summary["check"]
-    for failed, against in ((check, "the plain ONNX Runtime run"),
-                            (check and check["given"], "a plain run of the model as given")):
-        if failed is not None and not failed["passed"]:
+    for failed, reference in ((check, "the plain ONNX Runtime run"),
+                              (check and check["given"], "a plain run of the model as given"),
+                              (check and check["against"], f"a plain run of the step rebuilt from {args.against}")):
+        if failed and not failed["passed"]:
             worst = max(failed["per_output"], key=failed["per_output"].get)
-            print(f"memsched: error: check failed: output '{worst}' differs from {against} "
-                  f"by up to {failed['max_abs_diff']:.3g}", file=sys.stderr)
+            within = "" if failed["exact"] else f" (tolerance {failed['tolerance']:g})"
+            print(f"memsched: error: check failed: output '{worst}' differs from {reference} "
+                  f"by up to {failed['max_abs_diff']:.3g}{within}", file=sys.stderr)
             return 1
     return 0
 

@@ -19,6 +19,10 @@ the plan; the nodes are its rendering, and a file whose nodes disagree with its 
 node out of order, a SwapOut whose `tier` attribute names another tier, an initializer whose
 data does not fill its shape, a graph that no longer matches its digest) is rejected rather
 than guessed at.
+
+`model_step` builds again, from the user's original model file, the step a plan claims to run
+(the training options are in the plan's `memsched.training` metadata), so `run --against` can
+compare the plan with the model and not only with itself.
 """
 from __future__ import annotations
 
@@ -331,3 +335,6 @@ def _check_initializer_sizes(model: onnx.ModelProto, source: str) -> None:
 
 _SUB_BYTE = {getattr(TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
              if hasattr(TensorProto, n)}     # packed below a byte: numpy's itemsize does not give their size
+
+
+# ---- the model a plan was compiled from --------------------------------------------------

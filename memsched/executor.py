@@ -100,7 +100,7 @@ class RunResult:
 def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = False,
              inputs: dict[str, np.ndarray] | None = None, nvdimm_dir: str | None = None,
              progress: Callable[[int, int], None] | None = None, threads: int = 0,
-             given: Graph | None = None, allow_fallback: bool = True) -> RunResult:
+             given: Graph | None = None, allow_fallback: bool = True, against: Graph | None = None) -> RunResult:
     """Run `steps` training steps of `plan`; with `check`, compare against a plain ORT run.
 
     Multi-step runs feed each `<tensor>.updated` output back as `<tensor>` for the next step
@@ -109,8 +109,11 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     session, 0 for ONNX Runtime's default (every core); 1 times kernels on the calling thread.
     `given`: the graph as the user gave it, where the plan's differs from it by rewrites that
     change rounding only (fused updates); with `check`, the step is also compared to a plain
-    run of it, within CUDA_TOLERANCE (`check["given"]`). Without `allow_fallback`, a CUDA
-    request that CUDA here cannot serve is a UserError instead of a run on the CPU."""
+    run of it, within CUDA_TOLERANCE (`check["given"]`). `against`: the step rebuilt from the
+    user's original model, with the same inputs and outputs as the plan's graph but its own
+    initializers (weights); with `check`, compared the same way (`check["against"]`), so a plan
+    whose ops, constants or weights differ from the model's fails. Without `allow_fallback`, a
+    CUDA request that CUDA here cannot serve is a UserError instead of a run on the CPU."""
     import onnxruntime  # noqa: F401 - loaded before memory is measured: the library is any ORT user's
 
     memory = ProcessMemory()
@@ -137,9 +140,11 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         setup_growth = memory.growth()
         reference = _Reference(graph, actual_device, threads) if check else None
         ref_statics = _statics(graph) if check else {}
-        as_given = _Reference(given, actual_device, threads) if check and given is not None else None
-        given_statics = _statics(given) if as_given is not None else {}
-        times, diffs, given_diffs = [], [], []
+        others = {key: g for key, g in (("given", given), ("against", against)) if check and g is not None}
+        other_runs = {key: _Reference(g, actual_device, threads) for key, g in others.items()}
+        other_statics = {key: _statics(g) for key, g in others.items()}
+        other_diffs: dict[str, list] = {key: [] for key in others}
+        times, diffs = [], []
         outputs: dict[str, np.ndarray] = {}
         for k in range(steps):
             start = time.perf_counter()
@@ -159,10 +164,10 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
                 expected = reference.run(feeds, ref_statics)
                 diffs.append(compare_outputs(outputs, expected))
                 ref_statics = feed_back(graph, ref_statics, expected)
-            if as_given is not None:
-                expected = as_given.run(feeds, given_statics)
-                given_diffs.append(compare_outputs(outputs, expected))
-                given_statics = feed_back(given, given_statics, expected)
+            for key, other in others.items():       # within tolerance: these graphs round differently
+                expected = other_runs[key].run(feeds, other_statics[key])
+                other_diffs[key].append(compare_outputs(outputs, expected))
+                other_statics[key] = feed_back(other, other_statics[key], expected)
             if progress is not None:
                 progress(k + 1, steps)
         providers = Counter(run.provider for run in program.actions if isinstance(run, _Run))
@@ -175,7 +180,8 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         outputs=outputs, sessions=sessions, ops=sum(isinstance(a, _Run) for a in program.actions),
         swapped_bytes=dict(program.swapped_bytes),
         check=({**_check_summary(diffs, exact=actual_device == "cpu"),
-                "given": _check_summary(given_diffs, exact=False) if as_given is not None else None}
+                **{key: _check_summary(other_diffs[key], exact=False) if key in others else None
+                   for key in ("given", "against")}}
                if check else None),
         process=_process_memory(memory, setup_growth, growth, allocated, stored, actual_device, check),
         threads=threads)

@@ -322,6 +322,12 @@ def print_run(summary: dict) -> None:
             out.print("check against the model as given (fused updates, split convolutions and micro-batches "
                       f"round differently): {_verdict(given)}, max |diff| {given['max_abs_diff']:.3g} "
                       f"(tolerance {given['tolerance']:g})")
+        against = check.get("against")
+        if against is not None:
+            model = _e(against.get("model", "the model"))
+            out.print(f"check against the step rebuilt from {model} (its own weights, the plan's "
+                      f"training options): {_verdict(against)}, max |diff| {against['max_abs_diff']:.3g} "
+                      f"(tolerance {against['tolerance']:g})")
 
 
 def _verdict(check: dict) -> str:
