@@ -35,7 +35,6 @@ the peak of the rounded sizes (also reported).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import numpy as np

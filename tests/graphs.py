@@ -1,13 +1,14 @@
 """Tiny hand-written ONNX graphs for tests (exact byte figures are easy to work out by hand)."""
 from __future__ import annotations
 
+import random
+
 import numpy as np
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from memsched.onnx_utils import make_model
-import random
-from onnx import TensorProto
 from memsched.ir import Graph, Op, Tensor
+from memsched.onnx_utils import make_model
 
 
 def mlp_model(batch: int | str = 2, width: int = 4) -> "onnx.ModelProto":

@@ -1,7 +1,6 @@
 """Data parallel on a hand-built two-layer training step: exact step times with and without overlap."""
 from __future__ import annotations
 
-import pytest
 from onnx import helper
 
 from memsched.data_parallel import allreduce_time, data_parallel

@@ -15,7 +15,7 @@ from memsched.emit import read_plan, write_plan
 from memsched.errors import ScheduleError, UserError
 from memsched.executor import run_plan
 from memsched.memory import analyze_plan, check_placement
-from memsched.schedule import Plan, default_schedule, free, recompute, swap_in, swap_out
+from memsched.schedule import Plan, default_schedule, free, recompute, swap_out
 from tests.planbuild import (SMALL_MODELS, all_plans, cnn_graph, edit_plan_metadata, lower_graph, mlp_train_graph,
                              order_plan, place, small_model, strategy_plans, training_graph, with_recomputes,
                              with_step_inserted, with_swaps)

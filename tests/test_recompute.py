@@ -604,7 +604,7 @@ def test_fit_climbs_the_relaxations_on_drained_orders_too_where_draining_changes
 def test_fit_climbs_only_relaxations_under_the_start_peak():
     """A joint candidate whose relaxed target lies above the start's peak would recompute
     nothing: the climb leaves it out."""
-    from passes import fit, pipeline
+    from passes import pipeline
 
     model = lower(models.build("gpt2", **TINY["gpt2"]))
     graph = pipeline.load_graph(model, train=True)
