@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=None, help="recompute seconds per case (60; quick 10)")
     parser.add_argument("--order-limit", type=float, default=None, help="order pass seconds (30; quick 5)")
     parser.add_argument("--fractions", default=None,
-                        help="budget fractions of the zero-overhead peak (0.5; quick 0.65: parameters weigh more there)")
+                        help="budget fractions of the zero-overhead peak "
+                             "(0.5; quick 0.65: parameters weigh more there)")
     parser.add_argument("--only", nargs="*", help="model names to run")
     args = parser.parse_args(argv)
     cases = QUICK if args.quick else FULL

@@ -47,16 +47,24 @@ def method_summary(run: remat.Result | None, full_peak: int) -> dict:
             "seconds": round(run.seconds, 3)}
 
 
-def bench_case(name: str, problem: remat.RematProblem, fraction: float, time_limit: float) -> dict:
-    full_peak = remat.checkpoint_all_peak(problem)
+def planned(name: str, problem: remat.RematProblem, fraction: float, time_limit: float):
+    """(the row's common keys, remat.plan's result), or (the row saying why none, None)."""
     budget = remat.budget_from_fraction(problem, fraction)
     started = time.perf_counter()
     row = {"graph": name, "nodes": problem.n, "fraction": fraction, "budget_bytes": budget}
     try:
-        result = remat.plan(problem, budget, time_limit_s=time_limit)
+        return row, remat.plan(problem, budget, time_limit_s=time_limit)
     except remat.BudgetInfeasible as err:
         row.update(feasible=False, smallest_budget_bytes=err.smallest_budget,
                    seconds=round(time.perf_counter() - started, 2))
+        return row, None
+
+
+def bench_case(name: str, problem: remat.RematProblem, fraction: float, time_limit: float) -> dict:
+    full_peak = remat.checkpoint_all_peak(problem)
+    started = time.perf_counter()
+    row, result = planned(name, problem, fraction, time_limit)
+    if result is None:
         return row
     runs = result.runs
     methods = {m: method_summary(runs.get(m), full_peak) for m in remat.METHODS}
@@ -76,14 +84,9 @@ def bench_case(name: str, problem: remat.RematProblem, fraction: float, time_lim
 def anytime_row(name: str, problem: remat.RematProblem, fraction: float, time_limit: float) -> dict:
     """How `plan` gets there: the first fitting plan (seconds from the start, overhead) and the
     final one, with what each phase produced."""
-    budget = remat.budget_from_fraction(problem, fraction)
     started = time.perf_counter()
-    row = {"graph": name, "nodes": problem.n, "fraction": fraction, "budget_bytes": budget}
-    try:
-        result = remat.plan(problem, budget, time_limit_s=time_limit)
-    except remat.BudgetInfeasible as err:
-        row.update(feasible=False, smallest_budget_bytes=err.smallest_budget,
-                   seconds=round(time.perf_counter() - started, 2))
+    row, result = planned(name, problem, fraction, time_limit)
+    if result is None:
         return row
     fitting = sorted((r for r in result.runs.values() if r.fits), key=lambda r: r.found_at)
     first = fitting[0]
@@ -94,7 +97,8 @@ def anytime_row(name: str, problem: remat.RematProblem, fraction: float, time_li
         lower_bound_overhead=(round(result.lower_bound / problem.base_cost - 1, 6)
                               if result.lower_bound is not None else None),
         runs={m: {"fits": r.fits, "overhead": round(r.overhead, 6), "found_at": round(r.found_at, 2),
-                  "peak_fraction_of_budget": round(r.peak_bytes / budget, 4)} for m, r in result.runs.items()})
+                  "peak_fraction_of_budget": round(r.peak_bytes / row["budget_bytes"], 4)}
+              for m, r in result.runs.items()})
     return row
 
 

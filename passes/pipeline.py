@@ -156,7 +156,8 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
 
     def search(step: Plan, step_variants: dict[str, Graph], label: str) -> Search:
         """The fit search of `step` after reuse and order, its first plans made."""
-        passes = _passes(fuse_updates=not data_parallel, variants=step_variants)  # data parallel all-reduces every gradient
+        # data parallel all-reduces every gradient: no update fused into its dW Gemm
+        passes = _passes(fuse_updates=not data_parallel, variants=step_variants)
         start, peak = dataclasses.replace(step, budget=None), validate(step).peak_bytes
         for name in ("reuse", "order"):
             if name in strategies:

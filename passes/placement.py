@@ -228,7 +228,8 @@ def improved_offsets(items: list[Buffer], n_steps: int, order, deadline: Deadlin
     """A local search over the greedy's placing sequence (first `order`): the buffer that sets
     the arena's top moves earlier, or a buffer placed before it that overlaps it in time moves
     after it; a move is kept when the arena does not grow. Stops at the aligned peak (nothing
-    lower exists) or at `goal` (an arena within the budget needs no tighter packing), after `tries` moves or LOCAL_SEARCH_PATIENCE moves in a row that lowered
+    lower exists) or at `goal` (an arena within the budget needs no tighter packing), after
+    `tries` moves or LOCAL_SEARCH_PATIENCE moves in a row that lowered
     nothing (a fixed seed: the same answer each time), or at the command's `deadline`. Returns
     (offsets, moves tried)."""
     offsets, base = _stack_whole_step(items, n_steps, alignment)

@@ -585,7 +585,8 @@ def solve(problem: remat.RematProblem, late: list[bool], budget: int, seconds: f
     result = remat.plan(problem, budget, max(0.05, work.left), method, seeds=seeds)
     if result.status == "optimal":
         return result
-    plan = prune(problem, remat.plan_from_schedule(problem, result.schedule), budget, Work(PRUNE_SHARE * seconds, outer))
+    plan = prune(problem, remat.plan_from_schedule(problem, result.schedule), budget,
+                 Work(PRUNE_SHARE * seconds, outer))
     return _cheaper(problem, result, plan, "prune", started) or result
 
 

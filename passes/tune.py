@@ -112,7 +112,8 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
         else:
             report = result.report
             peak = report["plan"]["peak_bytes"]
-            row.update(fits=peak <= capacity, peak_bytes=peak, arena_bytes=report["plan"]["arena_bytes"], baseline_peak_bytes=report["baseline"]["peak_bytes"],
+            row.update(fits=peak <= capacity, peak_bytes=peak, arena_bytes=report["plan"]["arena_bytes"],
+                       baseline_peak_bytes=report["baseline"]["peak_bytes"],
                        step_time_s=report["plan"]["step_time_s"],
                        time_per_sample_s=report["plan"]["step_time_s"] / batch,
                        overhead=report["plan"]["overhead"])

@@ -393,7 +393,8 @@ def test_read_running_statistics_follow_onnx_training_mode():
     inits = [_init("w", rng.standard_normal((1, 3, 1, 1)).astype(f)), _init("s", np.ones(3, f)),
              _init("b", np.zeros(3, f)), _init("m", rng.standard_normal(3).astype(f)),
              _init("v", rng.random(3).astype(f) + 0.5)]
-    nodes.insert(0, helper.make_node("Constant", [], ["r"], value=_init("r", rng.standard_normal((4, 3, 2, 2)).astype(f))))
+    weight = rng.standard_normal((4, 3, 2, 2)).astype(f)
+    nodes.insert(0, helper.make_node("Constant", [], ["r"], value=_init("r", weight)))
     graph = helper.make_graph(nodes, "bn", [helper.make_tensor_value_info("x0", FLOAT, [4, 3, 2, 2])],
                               [helper.make_tensor_value_info("out", FLOAT, [])], inits)
     model = make_model(graph)

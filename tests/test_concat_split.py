@@ -45,8 +45,8 @@ def concat_model(axis: int = 1, second_reader: bool = False, group: int = 1, bat
     if second_reader:
         nodes.append(helper.make_node("Relu", ["c"], ["c_relu"], name="second"))
         outputs.append(helper.make_tensor_value_info("c_relu", TensorProto.FLOAT, None))
-    graph = helper.make_graph(nodes, "concat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 2, 4, 4])],
-                              outputs, inits)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 2, 4, 4])
+    graph = helper.make_graph(nodes, "concat", [x], outputs, inits)
     return lower(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
 
 

@@ -396,7 +396,8 @@ def test_cli_run_bad_input(cli, tmp_path, emitted, args, code, message):
     plain = tmp_path / "plain.onnx"
     plain.write_bytes(MLP.to_onnx().SerializeToString())
     unplaced = write_plan(dataclasses.replace(PLANS["mlp-order"], offsets=None), tmp_path / "unplaced.onnx")
-    names = {"PLAIN": plain, "UNPLACED": unplaced, "PLAN": emitted["mlp-order"], "missing.onnx": tmp_path / "missing.onnx"}
+    names = {"PLAIN": plain, "UNPLACED": unplaced, "PLAN": emitted["mlp-order"],
+             "missing.onnx": tmp_path / "missing.onnx"}
     proc = cli("run", *[names.get(a, a) for a in args])
     assert proc.returncode == code and message in proc.stderr
     assert "Traceback" not in proc.stderr
