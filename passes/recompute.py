@@ -142,6 +142,10 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
     best, rounds, base_name, problem, base_of_best = None, [], None, None, None
     bases = base_orders(plan, order, drained)
     searched = time_limit * (1 - POLISH_SHARE if method == "auto" else 1.0)
+    # every round runs remat's greedy at least once: as many bases as the work affords one
+    # round each (the first always: an answer comes), the rest left out
+    greedy = GREEDY_COST * len(order) ** 2
+    bases = dict(list(bases.items())[:max(1, min(len(bases), int(searched / greedy)))])
     for name, base in bases.items():
         base_plan = _with_order(plan, base)
         base_problem = to_problem(base_plan)
@@ -629,8 +633,8 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, seconds: float,
     left = seconds
     for r in range(MAX_ROUNDS):
         now = time.perf_counter()
-        if r and outer is not None and outer.expired:
-            break
+        if r and (left < GREEDY_COST * problem.n ** 2 or outer is not None and outer.expired):
+            break   # a round runs remat's greedy at least once: no work left for one
         retry = any(target == record["abstract_budget_bytes"] for record in rounds)
         share = left if retry else left * FIRST_ROUND_SHARE if r == 0 else left / (MAX_ROUNDS - r)
         left -= share
