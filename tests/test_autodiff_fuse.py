@@ -109,9 +109,9 @@ def _feeds():
     return {"x": np.random.default_rng(2).standard_normal((ROWS, WIDTH)).astype(np.float32) * 0.5}
 
 
-def _gelu_torch(nodes, inits, h):
-    """torch.onnx's gelu: h * (erf(h / sqrt2) + 1) * 0.5."""
-    nodes += [helper.make_node("Div", [h, _const(nodes, "sqrt2", math.sqrt(2))], ["g_div"], name="g_div"),
+def _gelu_torch(nodes, inits, h, divisor: float = math.sqrt(2)):
+    """torch.onnx's gelu: h * (erf(h / sqrt2) + 1) * 0.5 (with another `divisor`, not a GELU)."""
+    nodes += [helper.make_node("Div", [h, _const(nodes, "divisor", divisor)], ["g_div"], name="g_div"),
               helper.make_node("Erf", ["g_div"], ["g_erf"], name="g_erf"),
               helper.make_node("Add", ["g_erf", _const(nodes, "one", 1.0)], ["g_add"], name="g_add"),
               helper.make_node("Mul", [h, "g_add"], ["g_mul"], name="g_mul"),
@@ -145,12 +145,7 @@ def _gelu_tanh_torch(nodes, inits, h):
 
 def _not_gelu(nodes, inits, h):
     """h * (erf(h / 2) + 1) * 0.5: the erf's scale is not 1 / sqrt2."""
-    nodes += [helper.make_node("Div", [h, _const(nodes, "two", 2.0)], ["g_div"], name="g_div"),
-              helper.make_node("Erf", ["g_div"], ["g_erf"], name="g_erf"),
-              helper.make_node("Add", ["g_erf", _const(nodes, "one", 1.0)], ["g_add"], name="g_add"),
-              helper.make_node("Mul", [h, "g_add"], ["g_mul"], name="g_mul"),
-              helper.make_node("Mul", ["g_mul", _const(nodes, "half", 0.5)], ["g"], name="g_half")]
-    return "g"
+    return _gelu_torch(nodes, inits, h, divisor=2.0)
 
 
 def _gelu_erf_read_twice(nodes, inits, h):
