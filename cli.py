@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse", "output"])
     p.add_argument("--optimizer", default="sgd", choices=["none", "sgd", "momentum", "adam"])
     p.add_argument("--time-limit", type=positive_seconds, default=5.0, metavar="S",
-                   help="seconds per solver per batch")
+                   help="seconds for the whole compile of each batch (default 5)")
     p.add_argument("--max-batch", type=int, default=1 << 16, help="stop the search here")
     p.add_argument("--plot", metavar="OUT.svg", help="write time per sample against batch size")
     p.add_argument("--measure", nargs="?", const="cpu", choices=["cpu", "cuda"],
