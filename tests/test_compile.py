@@ -151,7 +151,7 @@ def test_a_compiled_plan_fits_its_budget_with_its_arena(capsys):
     candidate is planned again against a lower target (notes['fit'] lists every attempt)."""
     graph = __import__("memsched.frontend", fromlist=["lower"]).lower(models.build("resnet18", batch=2, size=32,
                                                                                    weights=False))
-    result = compile_plan(graph, train=True, hardware="v100-16gb", budget="50%", time_limit=60)
+    result = compile_plan(graph, train=True, hardware="v100-16gb", budget="50%", time_limit=20)
     assert result.report["strategies"] == ["order", "reuse", "recompute", "swap"]   # a budget alone: all four
     plan = result.report["plan"]
     assert plan["peak_bytes"] <= plan["arena_bytes"] <= result.report["budget_bytes"]

@@ -568,6 +568,7 @@ def _fit_search(start, target, strategies=("reuse", "recompute", "swap")):
     return fit.Search(start, peak, target, strategies, pipeline._passes(), run, 20, unlimited())
 
 
+@pytest.mark.slow
 def test_fit_climbs_the_relaxations_on_drained_orders_too_where_draining_changes_them():
     """The drained bases (`passes.order.drain`) make a second family of joint candidates,
     planned by the recompute pass on them and the others, each its own climb from
@@ -601,6 +602,7 @@ def test_fit_climbs_the_relaxations_on_drained_orders_too_where_draining_changes
     assert not fit.drains_anything(Plan.initial(g.graph(), hardware="v100-16gb"))
 
 
+@pytest.mark.slow
 def test_fit_climbs_only_relaxations_under_the_start_peak():
     """A joint candidate whose relaxed target lies above the start's peak would recompute
     nothing: the climb leaves it out."""
