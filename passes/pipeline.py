@@ -177,12 +177,13 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
             searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ")
         for level, share in enumerate(IMPROVE):
-            for name in sorted(searches, key=lambda n: (_best_time(searches[n]), n)):
-                if not deadline.expired and searches[name].best is not None and searches[name].best.record >= 0:
-                    searches[name].improve(share)
-            for name in sorted(searches, key=lambda n: (_best_time(searches[n]), n)) if level == 0 else ():
+            ranked = [searches[n] for n in sorted(searches, key=lambda n: (_best_time(searches[n]), n))]
+            for found in ranked:
+                if not deadline.expired and found.best is not None and found.best.record >= 0:
+                    found.improve(share)
+            for found in ranked if level == 0 else ():
                 if not deadline.expired:
-                    searches[name].explore()
+                    found.explore()
     try:
         plan = _faster(searches, split[1] if split is not None else None, strategies, hw, costs)
     except BudgetError:

@@ -53,9 +53,10 @@ def solve(model: cp_model.CpModel, time_limit: float, presolve: bool = True,
     """Solve `model` within `time_limit` wall seconds; never raises on a time-out.
 
     `started` (a `time.perf_counter()` reading) is when the caller's `time_limit` began: the
-    wall limit is what is left of it (never under `min_seconds`), while the deterministic
-    limit is a share of all of it, so the time spent before the solve (building the model, a
-    heuristic) moves only the wall limit and a loaded machine still gets the same plan.
+    wall limit is what is left of WALL_SLACK times it (never under `min_seconds` nor
+    WALL_FLOOR), while the deterministic limit is a share of all of it, so the time spent
+    before the solve (building the model, a heuristic) moves only the wall limit and a loaded
+    machine still gets the same plan.
     `presolve=False` suits the scheduling models, whose presolve (probing a Cumulative over
     hundreds of variable intervals) can take the whole time limit before any search; it is
     safe only with a hint that is a solution: OR-Tools 9.12-9.15 abort the process ("Check
