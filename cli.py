@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_check_numerics)
 
+    p = sub.add_parser("doctor", help="can plans run on CUDA here: providers, GPU, CUDA libraries, and the fix")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_doctor)
+
     p = sub.add_parser("run", help="run a scheduled plan with the bundled executor and measure it")
     p.add_argument("plan", help="a scheduled .onnx written by memsched")
     p.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
@@ -502,6 +506,18 @@ def cmd_tune_batch(args) -> int:
         print_json(out)
     else:
         print_tune(out)
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from memsched.doctor import diagnose
+    from memsched.views import print_doctor
+
+    report = diagnose()
+    if args.json:
+        print_json(report)
+    else:
+        print_doctor(report)
     return 0
 
 

@@ -344,3 +344,26 @@ def step_progress(total: int, enabled: bool):
                   console=console(), transient=True) as progress:
         task = progress.add_task("steps", total=total)
         yield lambda done, _total: progress.update(task, completed=done)
+
+
+def print_doctor(report: dict) -> None:
+    out = console()
+    ort = report["onnxruntime"]
+    out.print(f"ONNX Runtime {_e(ort['version'])} (CUDA build: {_e(ort['cuda_build'] or 'none')}); "
+              f"providers: {_e(', '.join(ort['providers']))}")
+    for gpu in report["gpus"]:
+        out.print(f"GPU {gpu['index']}: {_e(gpu['name'])}, {format_bytes(gpu['memory_bytes'])}")
+    if not report["gpus"]:
+        out.print("GPU: none seen by the NVIDIA driver")
+    libraries = _table("CUDA libraries the CUDA provider needs", "library", "found at")
+    for name, path in report["libraries"].items():
+        libraries.add_row(_e(name), _e(path) if path else "[red]not found[/red]")
+    if report["libraries"]:
+        out.print(libraries)
+    if report["cuda_usable"]:
+        memory = report["device_memory"]
+        out.print(f"[green]CUDA is usable[/green]: a session runs on {_e(', '.join(report['session_providers']))}; "
+                  f"device memory {format_bytes(memory['free_bytes'])} free of {format_bytes(memory['total_bytes'])}")
+    else:
+        out.print(f"[yellow]CUDA is not usable[/yellow]: {_e(report['reason'])}")
+        out.print(f"fix: {_e(report['fix'])}")

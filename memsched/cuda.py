@@ -1,0 +1,191 @@
+"""The CUDA libraries: which ones ONNX Runtime's CUDA provider needs, where they are, loading them.
+
+onnxruntime-gpu's CUDA provider (`libonnxruntime_providers_cuda.so`) links the CUDA runtime,
+cuBLAS and cuRAND by soname (its ELF `DT_NEEDED` entries, read here from the installed file,
+so the list follows the installed build) and loads cuDNN at run time. The `[cuda]` extra of
+memsched installs them as NVIDIA's pip wheels (`nvidia-cuda-runtime`, `nvidia-cublas`,
+`nvidia-curand`, `nvidia-cudnn-cu13`), which put them under `site-packages/nvidia/*/lib`,
+where the dynamic loader does not look: `preload()` asks ONNX Runtime to load them
+(`onnxruntime.preload_dlls`) before the first session, and `load_cudart()` gives the
+executor the same libcudart. `libcuda.so.1` comes with the NVIDIA driver, never from pip.
+
+`locate()` says where each library is: the path the process has it loaded from (read from
+/proc/self/maps), else the first match in the wheels' folders, else None.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import io
+import os
+import struct
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+DRIVER = "libcuda.so.1"
+CUDNN = "libcudnn.so.9"      # loaded by the CUDA provider at run time (cuDNN 9), not linked
+CUDART_NAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
+# library (soname up to ".so") -> the NVIDIA wheel that ships it, as the `[cuda]` extra lists them
+WHEELS = {"libcudart": "nvidia-cuda-runtime", "libcublas": "nvidia-cublas", "libcublasLt": "nvidia-cublas",
+          "libcurand": "nvidia-curand", "libcudnn": "nvidia-cudnn-cu13"}
+# the system libraries every Linux process has; not worth reporting
+_SYSTEM = ("libc.so", "libm.so", "libdl.so", "librt.so", "libpthread.so", "libstdc++.so", "libgcc_s.so", "ld-linux")
+
+
+def provider_library() -> Path | None:
+    """ONNX Runtime's CUDA provider library, where this build has one."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    path = Path(onnxruntime.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
+    return path if path.exists() else None
+
+
+def elf_needed(path: str | Path) -> list[str]:
+    """The DT_NEEDED sonames of a 64-bit little-endian ELF shared library, in file order."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError(f"{path}: not a 64-bit little-endian ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = []
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind != 6:                                  # SHT_DYNAMIC
+            continue
+        strtab_offset = sections[link][4]
+        for at in range(offset, offset + size, entsize or 16):
+            tag, value = struct.unpack_from("<qQ", data, at)
+            if tag == 0:                               # DT_NULL
+                break
+            if tag == 1:                               # DT_NEEDED
+                end = data.index(b"\0", strtab_offset + value)
+                names.append(data[strtab_offset + value:end].decode())
+    return names
+
+
+def required_libraries() -> list[str]:
+    """The CUDA libraries the installed CUDA provider needs: its linked ones, the driver first,
+    then cuDNN. Empty where this ONNX Runtime build has no CUDA provider."""
+    library = provider_library()
+    if library is None:
+        return []
+    linked = [name for name in elf_needed(library) if not name.startswith(_SYSTEM)]
+    return [DRIVER] + [name for name in linked if name != DRIVER] + [CUDNN]
+
+
+def wheel_library_dirs() -> list[str]:
+    """The `nvidia/*/lib` folders of NVIDIA's pip wheels on sys.path (and one level deeper, as
+    CUDA 13's wheels nest them), in sys.path order."""
+    found: list[str] = []
+    for root in sys.path:
+        if not root or not os.path.isdir(os.path.join(root, "nvidia")):
+            continue
+        for pattern in ("nvidia/*/lib", "nvidia/*/*/lib"):
+            found.extend(d for d in sorted(glob.glob(os.path.join(root, pattern))) if d not in found)
+    return found
+
+
+def loaded_libraries() -> dict[str, str]:
+    """soname-like file name -> path of every shared library this process has mapped."""
+    paths: dict[str, str] = {}
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if path.startswith("/") and ".so" in path:
+                    paths.setdefault(os.path.basename(path), path)
+    except OSError:
+        pass
+    return paths
+
+
+def locate(names: list[str]) -> dict[str, str | None]:
+    """Where each library is: loaded in this process, else in a wheel's folder, else None."""
+    loaded = loaded_libraries()
+    dirs = wheel_library_dirs()
+    where: dict[str, str | None] = {}
+    for name in names:
+        path = loaded.get(name) or next((p for p in loaded.values() if os.path.basename(p).startswith(name)), None)
+        if path is None:
+            path = next((os.path.join(d, name) for d in dirs if os.path.exists(os.path.join(d, name))), None)
+        where[name] = path
+    return where
+
+
+def preload() -> str | None:
+    """Load the CUDA and cuDNN libraries of NVIDIA's wheels into the process (ONNX Runtime's
+    `preload_dlls`, whose messages are captured), so a CUDA session and the executor find
+    them; None, or the libraries that failed to load."""
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        return str(exc)
+    if not hasattr(onnxruntime, "preload_dlls"):
+        return "this ONNX Runtime has no preload_dlls"
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):
+            onnxruntime.preload_dlls(directory="")
+    except Exception as exc:  # noqa: BLE001 - ORT raises whatever loading raised
+        return str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    failed = [line.split(":")[0].removeprefix("Failed to load ").strip()
+              for line in said.getvalue().splitlines() if line.startswith("Failed to load")]
+    return f"could not load {', '.join(failed)}" if failed else None
+
+
+def load_cudart():
+    """The CUDA runtime (ctypes), from the process, the wheels or the system; UserError if none."""
+    preload()
+    for name in CUDART_NAMES:
+        for path in [name] + [os.path.join(d, name) for d in wheel_library_dirs()]:
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    raise UserError("the CUDA runtime library (libcudart) was not found: pip install -e '.[cuda]'")
+
+
+def device_memory(cudart) -> tuple[int, int]:
+    """(free, total) device memory in bytes of the current device (cudaMemGetInfo)."""
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    status = cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total))
+    if status != 0:
+        raise UserError(f"CUDA call cudaMemGetInfo failed with error {status}")
+    return int(free.value), int(total.value)
+
+
+def gpus() -> list[dict]:
+    """Name and memory of every GPU the NVIDIA driver's NVML sees (empty without a driver)."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return []
+    if nvml.nvmlInit_v2() != 0:
+        return []
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return []
+        found = []
+        for index in range(count.value):
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+                continue
+            name = ctypes.create_string_buffer(96)
+            nvml.nvmlDeviceGetName(handle, name, 96)
+            memory = (ctypes.c_ulonglong * 3)()                  # total, free, used
+            nvml.nvmlDeviceGetMemoryInfo(handle, memory)
+            found.append({"index": index, "name": name.value.decode(errors="replace"),
+                          "memory_bytes": int(memory[0]), "free_bytes": int(memory[1])})
+        return found
+    finally:
+        nvml.nvmlShutdown()
+
+
+__all__ = ["DRIVER", "CUDNN", "WHEELS", "provider_library", "elf_needed", "required_libraries", "wheel_library_dirs",
+           "loaded_libraries", "locate", "preload", "load_cudart", "device_memory", "gpus"]

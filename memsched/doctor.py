@@ -1,0 +1,79 @@
+"""`memsched doctor`: can this machine run plans on CUDA, and if not, why and what fixes it.
+
+The checks run in the order a CUDA session needs them, and the first one that fails gives the
+reason and its fix: an ONNX Runtime build with the CUDA provider (onnxruntime-gpu), the NVIDIA
+driver (libcuda.so.1, which only a GPU machine has), the CUDA libraries the provider links
+(memsched.cuda reads them from the installed provider; the `[cuda]` extra installs them as
+wheels, loaded by ONNX Runtime's preload_dlls), and last a real session on a one-op model, whose
+`get_providers()` says what ONNX Runtime really gave (it falls back to the CPU silently).
+"""
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from . import cuda
+from .errors import UserError
+
+CUDA_PROVIDER = "CUDAExecutionProvider"
+FIX_BUILD = "pip install onnxruntime-gpu (it replaces the CPU-only onnxruntime package)"
+FIX_DRIVER = "run on a machine with an NVIDIA GPU and its driver; memsched plans and runs on the CPU meanwhile"
+FIX_LIBRARIES = "pip install -e '.[cuda]' (NVIDIA's CUDA 13 runtime, cuBLAS, cuRAND and cuDNN 9 wheels)"
+
+
+def probe_model() -> onnx.ModelProto:
+    """A one-op model (Identity on one float), the smallest thing a provider can be asked to run."""
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+def diagnose() -> dict:
+    """What the CUDA path finds here: ONNX Runtime, libraries, GPUs, a probe session; with
+    `cuda_usable` and, where it is not, the first `reason` and its `fix`."""
+    import onnxruntime as ort
+
+    from .ort import make_session
+
+    providers = ort.get_available_providers()
+    needed = cuda.required_libraries()
+    preload_error = cuda.preload() if needed else None
+    libraries = cuda.locate(needed)
+    driver = _loadable(cuda.DRIVER)
+    report = {"onnxruntime": {"version": ort.__version__, "providers": providers,
+                              "cuda_build": getattr(ort, "cuda_version", None) or None},
+              "libraries": libraries, "preload": preload_error or "ok", "gpus": cuda.gpus(),
+              "session_providers": None, "cuda_usable": False, "reason": None, "fix": None}
+    missing = [name for name, path in libraries.items() if path is None and name != cuda.DRIVER]
+    if CUDA_PROVIDER not in providers:
+        report.update(reason="this ONNX Runtime build has no CUDA execution provider", fix=FIX_BUILD)
+    elif not driver:
+        report.update(reason=f"no NVIDIA driver here ({cuda.DRIVER} cannot be loaded)", fix=FIX_DRIVER)
+    elif missing:
+        report.update(reason=f"CUDA libraries not found: {', '.join(missing)}", fix=FIX_LIBRARIES)
+    else:
+        try:
+            session = make_session(probe_model(), "cuda")
+            report["session_providers"] = session.get_providers()
+            report["cuda_usable"] = True
+            free, total = cuda.device_memory(cuda.load_cudart())
+            report["device_memory"] = {"free_bytes": free, "total_bytes": total}
+        except UserError as err:
+            report.update(reason=str(err), fix=FIX_LIBRARIES)
+    return report
+
+
+def _loadable(name: str) -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL(name)
+    except OSError:
+        return False
+    return True
+
+
+__all__ = ["CUDA_PROVIDER", "probe_model", "diagnose"]

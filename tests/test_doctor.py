@@ -1,0 +1,99 @@
+"""memsched doctor, the CUDA library finder and bench/gpu_check.py, on a machine without a GPU."""
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import cli
+from memsched import cuda, doctor
+
+ROOT = Path(__file__).resolve().parent.parent
+no_gpu = pytest.mark.skipif(bool(cuda.gpus()), reason="a GPU is present: these tests check the CPU-only answers")
+
+
+@no_gpu
+def test_doctor_says_why_cuda_is_off(capsys):
+    assert cli.main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cuda_usable"] is False
+    assert report["reason"] and report["fix"]
+    assert "CUDAExecutionProvider" in report["onnxruntime"]["providers"] or "no CUDA" in report["reason"]
+    assert cli.main(["doctor"]) == 0
+    assert "CUDA is not usable" in capsys.readouterr().out
+
+
+def test_doctor_reasons_come_in_the_order_a_session_needs_them(monkeypatch):
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert doctor.diagnose()["fix"] == doctor.FIX_BUILD
+    monkeypatch.setattr(onnxruntime, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(doctor, "_loadable", lambda name: False)
+    assert doctor.diagnose()["fix"] == doctor.FIX_DRIVER
+    monkeypatch.setattr(doctor, "_loadable", lambda name: True)
+    monkeypatch.setattr(cuda, "required_libraries", lambda: [cuda.DRIVER, "libcublas.so.13", cuda.CUDNN])
+    monkeypatch.setattr(cuda, "locate", lambda names: {name: None for name in names})
+    report = doctor.diagnose()
+    assert report["fix"] == doctor.FIX_LIBRARIES
+    assert report["reason"] == "CUDA libraries not found: libcublas.so.13, libcudnn.so.9"
+
+
+def test_the_provider_needs_are_read_from_the_installed_library():
+    library = cuda.provider_library()
+    if library is None:
+        pytest.skip("this ONNX Runtime has no CUDA provider")
+    needed = cuda.elf_needed(library)
+    assert any(name.startswith("libcudart.so.") for name in needed)
+    required = cuda.required_libraries()
+    assert required[0] == cuda.DRIVER and required[-1] == cuda.CUDNN
+    assert not any(name.startswith(("libc.so", "libstdc++")) for name in required)
+
+
+def test_elf_needed_refuses_what_is_not_elf(tmp_path):
+    path = tmp_path / "libnot.so"
+    path.write_bytes(b"not an elf file at all")
+    with pytest.raises(ValueError, match="not a 64-bit"):
+        cuda.elf_needed(path)
+
+
+def test_locate_finds_a_library_in_a_wheel_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "nvidia" / "cu13" / "lib"
+    folder.mkdir(parents=True)
+    (folder / "libmemschedtest.so.1").write_bytes(b"")
+    monkeypatch.setattr(sys, "path", [str(tmp_path)] + sys.path)
+    assert cuda.locate(["libmemschedtest.so.1", "libabsent.so.7"]) == {
+        "libmemschedtest.so.1": str(folder / "libmemschedtest.so.1"), "libabsent.so.7": None}
+
+
+def test_the_cuda_extra_ships_every_library_the_provider_links():
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cuda"]
+    packages = {requirement.split(">")[0].split("=")[0].split("<")[0].strip() for requirement in extra}
+    required = cuda.required_libraries() or ["libcudart.so.13", "libcublas.so.13", "libcurand.so.10", cuda.CUDNN]
+    for name in required:
+        if name == cuda.DRIVER:
+            continue
+        assert cuda.WHEELS[name.split(".so")[0]] in packages, name
+
+
+@no_gpu
+def test_gpu_check_without_a_gpu_says_so_in_one_line():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py")], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and "CUDA is not usable here" in lines[0]
+
+
+@pytest.mark.slow
+def test_the_cuda_extra_resolves(tmp_path):
+    """pip resolves the extra's wheels for this Python (from the package index; nothing installed)."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                           "--report", str(tmp_path / "report.json"), f"{ROOT}[cuda]"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = {item["metadata"]["name"] for item in json.loads((tmp_path / "report.json").read_text())["install"]}
+    assert set(cuda.WHEELS.values()) <= names
