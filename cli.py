@@ -118,13 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("profile", metavar="NAME|FILE")
     p.add_argument("--json", action="store_true", help="print the profile as JSON (a valid profile file)")
     p.set_defaults(handler=cmd_hardware_show)
-    p = hw_sub.add_parser("calibrate", help="measure this machine's CPU with ONNX Runtime microbenchmarks")
+    p = hw_sub.add_parser("calibrate", help="fit this machine's per-op-class costs with ONNX Runtime timings")
     p.add_argument("-o", "--output", required=True, help="profile file to write (.json)")
-    p.add_argument("--repeats", type=int, default=20, help="timed runs per microbenchmark (median)")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per op (median)")
     p.add_argument("--threads", type=int, default=1,
                    help="ONNX Runtime intra-op threads (default 1: timed in CPU time, immune to other load)")
-    p.add_argument("--references", default="vgg16,unet2d", metavar="MODELS",
-                   help="bundled models whose training steps the class rates are fitted to ('' for none)")
+    p.add_argument("--references", default="all", metavar="MODELS",
+                   help="bundled models whose training steps (small sizes) the class costs are fitted to, "
+                        "with the microbenchmarks ('all': every bundled model; '' for none)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_hardware_calibrate)
 
@@ -322,10 +323,11 @@ def cmd_hardware_calibrate(args) -> int:
     from memsched.measure import calibrate
     from memsched.onnx_utils import write_text_atomic
     from memsched.views import print_hardware
-    from passes.calibration import reference_graphs
+    from passes.calibration import DEFAULT_REFERENCES, reference_graphs
 
     check_outputs({"-o": args.output})
-    references = reference_graphs([n.strip() for n in args.references.split(",") if n.strip()])
+    names = DEFAULT_REFERENCES if args.references == "all" else [n.strip() for n in args.references.split(",")]
+    references = reference_graphs([n for n in names if n])
     hw, rows = calibrate(repeats=args.repeats, threads=args.threads, references=references)
     profile = {**hw.to_dict(), "calibration": rows}
     write_text_atomic(args.output, json.dumps(profile, indent=1) + "\n")

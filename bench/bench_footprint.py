@@ -2,9 +2,22 @@
 
 For each model (its SGD training step at a small size, bench_executor.SIZES) two plans are
 compiled for the `cpu` profile: order,reuse, and every strategy at 60% of the baseline peak.
-Each plan's step is then run in fresh subprocesses, one per configuration, so that every
-process starts alike (Python, numpy, ONNX Runtime and memsched loaded, the plan read, the
-inputs made) and its memory growth is comparable:
+
+Memory: each plan's step runs in fresh subprocesses, one per configuration, and every process
+gets to the same starting point before it is measured: Python, numpy, ONNX Runtime and
+memsched imported, ONNX Runtime's environment made (memsched.ort.warm_environment: one
+throwaway one-node session run once; it maps ~7 MiB of the library's code, which any ONNX
+Runtime user pays before its first step), the plan read and the inputs made (for a plain
+session also its model serialized, as a user holds it before building a session; the plan
+is kept, as memsched's run keeps it), and the C heap's free pages given back to the OS
+(`release_free_heap`). Growth is then the peak RSS
+(memsched.measure.ProcessMemory) during the session builds and `--steps` + 1 steps, less RSS
+at that start: the memory the step needs. For memsched that is `run_plan`: its arena, its
+sessions, kernels' scratch, its own tables; for a plain session: its weights, its arena,
+kernels' scratch and the outputs it returns. Each run also reports `file_growth_bytes`, the
+part of its growth that is library code paged in (RssFile), and the ratios add
+`anonymous_memory_vs_ort_defaults`, the memory ratio without it, for information: the
+acceptance figure is the whole RSS growth.
 
 - `memsched`: `memsched run` (executor.run_plan) with --threads N (default 1) and with its
   default (every core);
@@ -14,14 +27,15 @@ inputs made) and its memory growth is comparable:
 - `ort_same_threads`: the same with ONNX Runtime's default options but N threads;
 - `ort_defaults`: ONNX Runtime's defaults (every optimisation, its memory arena, every core).
 
-Memory is measured the same way in every process (memsched.measure.ProcessMemory): peak RSS
-during the session builds and the steps, less RSS just before; for memsched that includes
-copying the outputs out of the arena. Step time is the median over --steps steps after one
-warm-up step; times are only compared as ratios measured in this one run.
+Time: one more subprocess runs every configuration in turn, --rounds times (each round a
+fresh run_plan and, for the plain sessions, sessions built once), so a shared machine's load
+falls on all of them alike; each configuration's step time is the median of its steps after
+the first of each round (warm-up). Times are only compared as ratios measured in that process.
 
 Prints one JSON object (and writes it to -o FILE if given).
 
-    python bench/bench_footprint.py [--models resnet18,bert-base] [--steps 3] [--threads 1] [--time-limit 20]
+    python bench/bench_footprint.py [--models resnet18,bert-base] [--steps 3] [--rounds 3] [--threads 1]
+                                    [--time-limit 20]
 """
 from __future__ import annotations
 
@@ -35,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -47,43 +62,116 @@ PLANS = [("order,reuse", None), ("order,reuse,recompute,swap", "60%")]
 TARGETS = {"memory_vs_ort_defaults": 0.6, "time_vs_ort_same_threads": 1.1, "time_vs_ort_defaults": 1.25}
 
 
-# ---- the worker: one configuration in a fresh process ---------------------------------------
+# ---- the workers: each in a fresh process -----------------------------------------------
+KINDS = ("memsched", "ort_same", "ort_same_threads", "ort_defaults")
+
+
+def plain_options(kind: str, threads: int | None):
+    import onnxruntime as ort
+
+    from memsched.ort import session_options
+
+    if kind == "ort_same":
+        return session_options(threads or 0)
+    options = ort.SessionOptions()
+    if kind == "ort_same_threads":
+        options.intra_op_num_threads = threads or 0
+    return options
+
+
+def plain_steps(session, feeds: dict, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc malloc_trim) right before measuring.
+
+    Why: what a process freed before the start stays resident and is reused without growing
+    RSS. Serializing the plain session's model frees as much as its weights again (the model
+    proto that `to_onnx` builds), so without this its session would grow into that memory
+    unseen and look smaller than it is; memsched's process frees far less there."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):       # not glibc: nothing to release this way
+        pass
+
+
+def file_resident() -> int:
+    """Resident file-backed pages (RssFile): mostly shared libraries' code, in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def worker(kind: str, plan_path: str, threads: int | None, steps: int) -> dict:
-    """Run `steps` + 1 steps of the plan's step in this process; return its memory and times."""
+    """Memory: run `steps` + 1 steps of the plan's step in this process, measured from the
+    common starting point (module docstring). `file_growth_bytes`: how much of the growth is
+    library code paged in (kernels run for the first time), which both sides pay per kernel
+    they use and which no plan can change; reported beside the growth, not taken from it."""
     import onnxruntime as ort
 
     from memsched.emit import read_plan
     from memsched.executor import prepare_inputs, run_plan
     from memsched.measure import ProcessMemory
-    from memsched.ort import session_options
+    from memsched.ort import warm_environment
 
+    warm_environment()
     plan = read_plan(plan_path)
     feeds = prepare_inputs(plan.graph)
     if kind == "memsched":
-        memory = ProcessMemory()
+        release_free_heap()
+        files, memory = file_resident(), ProcessMemory()
         result = run_plan(plan, steps=steps + 1, threads=threads or 0, inputs=feeds)
-        return {"rss_growth_bytes": memory.growth(), "step_time_s": statistics.median(result.step_times[1:]),
-                "run_report": result.process, "sessions": result.sessions, "ops": result.ops}
+        return {"rss_growth_bytes": memory.growth(), "file_growth_bytes": file_resident() - files,
+                "step_time_s": statistics.median(result.step_times[1:]), "run_report": result.process,
+                "sessions": result.sessions, "ops": result.ops}
     model = plan.graph.to_onnx().SerializeToString()
-    del plan
-    if kind == "ort_same":
-        options = session_options(threads or 0)
-    else:
-        options = ort.SessionOptions()
-        if kind == "ort_same_threads":
-            options.intra_op_num_threads = threads or 0
-    memory = ProcessMemory()
-    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
-        session.run(None, feeds)
-        times.append(time.perf_counter() - start)
-    return {"rss_growth_bytes": memory.growth(), "step_time_s": statistics.median(times[1:])}
+    # the plan stays: freeing it here would hand the plain session heap that memsched's run
+    # (which keeps the plan) does not get, and its growth would look smaller than it is
+    release_free_heap()
+    files, memory = file_resident(), ProcessMemory()
+    session = ort.InferenceSession(model, plain_options(kind, threads), providers=["CPUExecutionProvider"])
+    times = plain_steps(session, feeds, steps + 1)
+    return {"rss_growth_bytes": memory.growth(), "file_growth_bytes": file_resident() - files,
+            "step_time_s": statistics.median(times[1:])}
 
 
-def run_worker(kind: str, plan_path: Path, threads: int | None, steps: int) -> dict:
-    command = [sys.executable, __file__, "--worker", kind, "--plan", str(plan_path), "--steps", str(steps)]
+def timing_worker(plan_path: str, threads: int, steps: int, rounds: int) -> dict:
+    """Time: every configuration in turn, `rounds` times, in this one process; per
+    configuration the median step time over the rounds (the first step of each dropped)."""
+    import onnxruntime as ort
+
+    from memsched.emit import read_plan
+    from memsched.executor import prepare_inputs, run_plan
+    from memsched.ort import warm_environment
+
+    warm_environment()
+    plan = read_plan(plan_path)
+    feeds = prepare_inputs(plan.graph)
+    model = plan.graph.to_onnx().SerializeToString()
+    plain = {(kind, t): ort.InferenceSession(model, plain_options(kind, t), providers=["CPUExecutionProvider"])
+             for kind, t in (("ort_same", threads), ("ort_same_threads", threads), ("ort_defaults", None))}
+    times: dict[str, list[float]] = defaultdict(list)
+    for _ in range(rounds):
+        for t, key in ((threads, "memsched"), (0, "memsched_default_threads")):
+            times[key] += run_plan(plan, steps=steps + 1, threads=t, inputs=feeds).step_times[1:]
+        for (kind, t), session in plain.items():
+            times[kind] += plain_steps(session, feeds, steps + 1)[1:]
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def run_worker(kind: str, plan_path: Path, threads: int | None, steps: int, rounds: int = 1) -> dict:
+    command = [sys.executable, __file__, "--worker", kind, "--plan", str(plan_path), "--steps", str(steps),
+               "--rounds", str(rounds)]
     if threads is not None:
         command += ["--threads", str(threads)]
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -93,7 +181,7 @@ def run_worker(kind: str, plan_path: Path, threads: int | None, steps: int) -> d
 
 
 # ---- the driver --------------------------------------------------------------------------
-def bench_plan(plan_path: Path, arena: int, steps: int, threads: int) -> dict:
+def bench_plan(plan_path: Path, arena: int, steps: int, threads: int, rounds: int) -> dict:
     runs = {
         "memsched": run_worker("memsched", plan_path, threads, steps),
         "memsched_default_threads": run_worker("memsched", plan_path, None, steps),
@@ -101,19 +189,22 @@ def bench_plan(plan_path: Path, arena: int, steps: int, threads: int) -> dict:
         "ort_same_threads": run_worker("ort_same_threads", plan_path, threads, steps),
         "ort_defaults": run_worker("ort_defaults", plan_path, None, steps),
     }
-    ours = runs["memsched_default_threads"]
+    times = run_worker("timing", plan_path, threads, steps, rounds)
+    grown = {key: run["rss_growth_bytes"] for key, run in runs.items()}
     ratios = {
-        "memory_vs_ort_defaults": ours["rss_growth_bytes"] / runs["ort_defaults"]["rss_growth_bytes"],
-        "memory_vs_ort_same": runs["memsched"]["rss_growth_bytes"] / runs["ort_same"]["rss_growth_bytes"],
-        "time_vs_ort_same": runs["memsched"]["step_time_s"] / runs["ort_same"]["step_time_s"],
-        "time_vs_ort_same_threads": runs["memsched"]["step_time_s"] / runs["ort_same_threads"]["step_time_s"],
-        "time_vs_ort_defaults": ours["step_time_s"] / runs["ort_defaults"]["step_time_s"],
+        "memory_vs_ort_defaults": grown["memsched_default_threads"] / grown["ort_defaults"],
+        "memory_vs_ort_same": grown["memsched"] / grown["ort_same"],
+        "time_vs_ort_same": times["memsched"] / times["ort_same"],
+        "time_vs_ort_same_threads": times["memsched"] / times["ort_same_threads"],
+        "time_vs_ort_defaults": times["memsched_default_threads"] / times["ort_defaults"],
     }
     met = {key: ratios[key] <= limit for key, limit in TARGETS.items()}
-    return {"arena_bytes": arena, "runs": runs, "ratios": ratios, "targets_met": met}
+    anonymous = {key: run["rss_growth_bytes"] - run["file_growth_bytes"] for key, run in runs.items()}
+    ratios["anonymous_memory_vs_ort_defaults"] = anonymous["memsched_default_threads"] / anonymous["ort_defaults"]
+    return {"arena_bytes": arena, "runs": runs, "step_time_s": times, "ratios": ratios, "targets_met": met}
 
 
-def bench_model(name: str, directory: Path, steps: int, threads: int, time_limit: float) -> dict:
+def bench_model(name: str, directory: Path, steps: int, threads: int, rounds: int, time_limit: float) -> dict:
     import models
     from memsched import frontend
     from memsched.emit import write_plan
@@ -137,7 +228,7 @@ def bench_model(name: str, directory: Path, steps: int, threads: int, time_limit
         plan = dataclasses.replace(compiled.plan, budget=None)
         path = write_plan(plan, directory / f"{name}-{len(entry['plans'])}.onnx")
         row["peak_bytes"] = analyze_plan(plan).peak_bytes
-        row.update(bench_plan(path, check_placement(analyze_plan(plan), plan.offsets), steps, threads))
+        row.update(bench_plan(path, check_placement(analyze_plan(plan), plan.offsets), steps, threads, rounds))
         entry["plans"].append(row)
         print(f"{name} {strategies} {budget or ''}: " + ", ".join(f"{k} {v:.3f}" for k, v in row["ratios"].items()),
               file=sys.stderr, flush=True)
@@ -147,33 +238,41 @@ def bench_model(name: str, directory: Path, steps: int, threads: int, time_limit
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(SIZES), help="comma-separated model names")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per run (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per run and per timing round (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds (every configuration once in each)")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of the equal-threads runs (default 1); the default-threads runs "
                              "use every core")
     parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per compile")
     parser.add_argument("-o", "--output", help="also write the JSON here")
-    parser.add_argument("--worker", choices=("memsched", "ort_same", "ort_same_threads", "ort_defaults"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=KINDS + ("timing",), help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker == "timing":
+        print(json.dumps(timing_worker(args.plan, args.threads or 0, args.steps, args.rounds)))
+        return 0
     if args.worker:
         print(json.dumps(worker(args.worker, args.plan, args.threads, args.steps)))
         return 0
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1")
     threads = 1 if args.threads is None else args.threads
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in SIZES]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SIZES)}")
+    load = list(os.getloadavg())      # 1, 5 and 15 minute load averages: how shared the machine was
     with tempfile.TemporaryDirectory(prefix="memsched-footprint-") as directory:
-        rows = [bench_model(name, Path(directory), args.steps, threads, args.time_limit) for name in names]
+        rows = [bench_model(name, Path(directory), args.steps, threads, args.rounds, args.time_limit)
+                for name in names]
     done = [p for r in rows for p in r["plans"] if "ratios" in p]
     summary = {"plans": len(done),
                "worst": {key: max(p["ratios"][key] for p in done) for key in done[0]["ratios"]} if done else {},
                "all_targets_met": {key: all(p["targets_met"][key] for p in done) for key in TARGETS}}
     report = {"machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-                          "cores": os.cpu_count()},
-              "threads": threads, "steps": args.steps, "targets": TARGETS, "summary": summary, "models": rows}
+                          "cores": os.cpu_count(), "load_before": load, "load_after": list(os.getloadavg())},
+              "threads": threads, "steps": args.steps, "rounds": args.rounds, "targets": TARGETS, "summary": summary,
+              "models": rows}
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:

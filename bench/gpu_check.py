@@ -13,7 +13,8 @@ and each plan runs in fresh subprocesses:
 Each worker's device memory is read from outside by the parent, through NVML's per-process
 figure (nvmlDeviceGetComputeRunningProcesses), polled while the worker runs: its peak is the
 process's real device footprint (plan arena, ONNX Runtime's own workspace and the CUDA context
-together), reported next to the planned arena. Not measured yet: how much of the swap traffic
+together), reported next to the planned arena and to the executor's own cudaMemGetInfo figure
+(`run --json`'s `process.device`). Not measured yet: how much of the swap traffic
 the copy streams hid behind compute (the executor does not time copies with CUDA events), and
 a calibrated GPU profile (`hardware calibrate` measures the CPU): the JSON says so.
 
@@ -60,7 +61,8 @@ def worker(kind: str, plan_path: str, steps: int) -> dict:
         result = run_plan(plan, steps=steps + 1, device="cuda", check=True, threads=1, inputs=feeds)
         return {"provider": result.provider, "fallback": result.fallback,
                 "check": {k: result.check[k] for k in ("passed", "exact", "max_abs_diff") if k in result.check},
-                "step_time_s": statistics.median(result.step_times[1:]), "arena_bytes": result.arena_bytes}
+                "step_time_s": statistics.median(result.step_times[1:]), "arena_bytes": result.arena_bytes,
+                "device_memory_inside": (result.process or {}).get("device")}
     import onnxruntime as ort
 
     from memsched.ort import make_session

@@ -1,13 +1,23 @@
 """The cost model: how long one op takes, from a roofline on a Hardware or from a measured table.
 
-Roofline: every op has an op class, a FLOP count and the bytes it moves (each input read
-once, each output written once; gathers read only the rows they fetch). On a profile,
+Every op has an op class (OP_CLASSES: by op type, and by shape where one efficiency cannot
+fit: weight-gradient, transposed, grouped and 3-D convolutions, batched MatMuls), a FLOP count,
+the bytes it moves (each input read once, each output written once; gathers read only the rows
+they fetch) and, for a broadcasting elementwise op, the inner loops ONNX Runtime runs over it
+(`broadcast_loops`). A calibrated profile (`memsched hardware calibrate`: the `cpu` preset, or
+a GPU's own) prices a class by the line fitted to timings of that class,
 
-    time = max(flops / effective FLOP/s, bytes / effective bandwidth) + launch overhead
+    time = overhead + flops / FLOP/s + bytes / bandwidth + loops x loop cost
 
-where the effective figures are the profile's calibrated per-class values if it has them
-(the measured `cpu` profile), else the peak for the op's dtype and the device bandwidth.
-Shape-only ops (Reshape, Squeeze, Shape, Identity, Constant, ...) launch no kernel: time 0.
+(each term where the profile has the figure; `fitted_time`, fitted by `fit_class_costs`); a
+class it has no line for takes its parent's (PARENT_CLASS). Other classes, and every class on
+a spec-sheet profile (the GPU presets), are priced by the roofline
+
+    time = max(flops / FLOP/s, bytes / bandwidth) + launch overhead
+
+with the profile's per-class figures where it has them, else the peak for the op's dtype and
+the device bandwidth. Shape-only ops (Reshape, Squeeze, Shape, Identity, Constant, ...)
+launch no kernel: time 0.
 
 FLOPs (one multiply-add = 2):
   Conv           2 * |Y| * (C_in/group * prod(kernel))  (+ |Y| with a bias)
@@ -32,7 +42,8 @@ source: it is priced by the roofline on the profile of the table's device (`cpu`
 table, else v100-16gb). `CostTable.pricing(graph)` says which ops were priced how. Every
 other op the table lacks is an error: the table was made from another graph.
 
-`op_time(op, graph, source)` is the one entry point: source is a Hardware or a CostTable.
+`op_time(op, graph, source)` is the one entry point: source is a Hardware or a CostTable;
+`model_pricing` and `CostTable.pricing` say how a graph's ops were priced.
 """
 from __future__ import annotations
 
@@ -65,8 +76,9 @@ ELEMENTWISE_OPS = frozenset({
     "CastLike", "Dropout", "IsNaN", "IsInf", "Mod", "BitShift", "Shrink",
 }) | TRANSCENDENTAL_OPS
 REDUCTION_OPS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
-                           "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin",
+                           "ReduceL2", "ReduceSumSquare", "ArgMax", "ArgMin",
                            "CumSum"})
+EXP_REDUCTION_OPS = frozenset({"ReduceLogSumExp", "ReduceLogSum"})   # a log or exp per element, unvectorised
 POOL_OPS = frozenset({"MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool"})
 NORM_OPS = frozenset({"BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization",
                       "LpNormalization", "MeanVarianceNormalization"})
@@ -75,9 +87,24 @@ GATHER_OPS = frozenset({"Gather", "GatherElements", "GatherND", "Scatter", "Scat
                         "NegativeLogLikelihoodLoss", "OneHot"})
 DATA_OPS = frozenset({"Transpose", "Concat", "Split", "Slice", "Pad", "Expand", "Tile", "Resize", "Upsample",
                       "DepthToSpace", "SpaceToDepth", "ConstantOfShape", "Range", "Trilu", "EyeLike"})
-# The classes a calibrated profile may carry its own figures for.
-OP_CLASSES = ("conv", "conv_grouped", "gemm", "elementwise", "transcendental", "reduction", "pool", "norm",
-              "softmax", "gather", "data", "shape", "other")
+# The classes a calibrated profile may carry its own figures for. Shape classes split an op
+# type where one efficiency cannot fit: transposed and grouped convolutions, batched MatMuls
+# (attention) against GEMMs with a weight operand.
+# Convolutions: `_wgrad` a Conv whose kernel is computed (a weight gradient: a few huge kernels),
+# `_3d` three spatial dimensions.
+CONV_CLASSES = ("conv", "conv_3d", "conv_wgrad", "conv_wgrad_3d", "conv_transpose", "conv_transpose_3d",
+                "conv_grouped", "conv_grouped_wgrad", "conv_transpose_grouped")
+OP_CLASSES = (*CONV_CLASSES, "gemm", "matmul_batched", "elementwise", "transcendental", "reduction",
+              "reduction_exp", "pool", "norm", "softmax", "gather", "transpose", "data", "shape", "other")
+# A profile without figures for a shape class prices it as its parent class (and so on up).
+PARENT_CLASS = {"conv_3d": "conv", "conv_wgrad": "conv", "conv_wgrad_3d": "conv_wgrad",
+                "conv_transpose": "conv", "conv_transpose_3d": "conv_transpose",
+                "conv_grouped_wgrad": "conv_grouped", "conv_transpose_grouped": "conv_grouped",
+                "matmul_batched": "gemm", "reduction_exp": "reduction", "transpose": "data"}
+# Classes whose time follows their FLOPs (and bytes); the others follow their bytes.
+FLOP_CLASSES = (*CONV_CLASSES, "gemm", "matmul_batched")
+# Classes whose broadcasts run an inner loop per span (`broadcast_loops`).
+LOOP_CLASSES = ("elementwise", "transcendental")
 
 
 @dataclass(frozen=True)
@@ -86,18 +113,24 @@ class OpCost:
     flops: int
     bytes: int
     dtype: str      # numpy name of the dtype the arithmetic runs in
+    loops: int = 0  # inner loops of a broadcasting elementwise op (`broadcast_loops`), else 0
 
 
-def op_class(op: Op) -> str:
+def op_class(op: Op, graph: Graph | None = None) -> str:
+    """The op's cost class (OP_CLASSES); without the graph a MatMul is "gemm"."""
     t = op.op_type
     if op.domain not in ("", "ai.onnx"):
         return "other"
     if t in ("Conv", "ConvTranspose"):
-        return "conv" if int(op.attributes.get("group", 1)) == 1 else "conv_grouped"
+        return _conv_class(op, graph)
     if t in ("Gemm", "MatMul", "MatMulInteger"):
-        return "gemm"
+        return "matmul_batched" if t != "Gemm" and graph is not None and _batched(op, graph) else "gemm"
     if t in SHAPE_OPS:
         return "shape"
+    if t == "Transpose":
+        return "transpose"     # a strided permutation, slower per byte than the contiguous copies of "data"
+    if t in EXP_REDUCTION_OPS:
+        return "reduction_exp"
     if t in TRANSCENDENTAL_OPS:
         return "transcendental"
     for cls, ops in (("elementwise", ELEMENTWISE_OPS), ("reduction", REDUCTION_OPS), ("pool", POOL_OPS),
@@ -109,7 +142,7 @@ def op_class(op: Op) -> str:
 
 def op_cost(op: Op, graph: Graph) -> OpCost:
     """The op's class, FLOPs and bytes moved (see the module docstring for the formulas)."""
-    cls = op_class(op)
+    cls = op_class(op, graph)
     ins = [graph.tensors[n] for n in op.present_inputs]
     outs = [graph.tensors[n] for n in op.present_outputs]
     dtype = _arith_dtype(ins, outs)
@@ -133,7 +166,7 @@ def op_cost(op: Op, graph: Graph) -> OpCost:
         flops = 2 * outs[0].numel * k
     elif cls in ("elementwise", "transcendental", "other"):
         flops = numel_out
-    elif cls == "reduction":
+    elif cls in ("reduction", "reduction_exp"):
         flops = numel_in
     elif cls == "pool":
         kernel = op.attributes.get("kernel_shape")
@@ -142,9 +175,59 @@ def op_cost(op: Op, graph: Graph) -> OpCost:
         flops = (2 if t == "BatchNormalization" and len(outs) == 1 else 5) * numel_in
     elif cls == "softmax":
         flops = 4 * numel_in
-    else:                   # gather, data: copies, no arithmetic
+    else:                   # gather, transpose, data: copies, no arithmetic
         flops = 0
-    return OpCost(cls, int(flops), _bytes_moved(op, cls, ins, outs), dtype)
+    loops = broadcast_loops([t.shape for t in ins], outs[0].shape) if cls in LOOP_CLASSES and outs else 0
+    return OpCost(cls, int(flops), _bytes_moved(op, cls, ins, outs), dtype, loops)
+
+
+def _conv_class(op: Op, graph: Graph | None) -> str:
+    """conv / conv_transpose, `_grouped` with groups, `_wgrad` with a computed kernel (Conv only),
+    `_3d` with three spatial dimensions (group 1 only). Without the graph: kernel static, 2-D."""
+    kind = "conv" if op.op_type == "Conv" else "conv_transpose"
+    w = graph.tensors.get(op.inputs[1]) if graph is not None and len(op.inputs) > 1 else None
+    wgrad = kind == "conv" and w is not None and not w.is_static
+    if int(op.attributes.get("group", 1)) != 1:
+        return "conv_grouped_wgrad" if wgrad else kind + "_grouped"
+    return (kind + ("_wgrad" if wgrad else "")
+            + ("_3d" if w is not None and len(w.shape) == 5 else ""))
+
+
+def _batched(op: Op, graph: Graph) -> bool:
+    """A MatMul of two stacks of matrices (attention's QK^T and PV, their gradients): both
+    operands and the result have a batch dimension."""
+    shapes = [graph.tensors[n].shape for n in op.present_inputs + op.present_outputs]
+    return len(shapes) == 3 and all(len(s) >= 3 for s in shapes)
+
+
+def broadcast_loops(shapes: list[tuple], out: tuple) -> int:
+    """Inner loops ONNX Runtime's CPU broadcaster runs for an elementwise op whose inputs differ
+    in shape: the output's element count over the span one loop covers; 0 when no input is
+    broadcast. A span is the run of innermost output dimensions (size-1 ones skipped) over which
+    every input is either full or broadcast throughout. A scalar operand takes another path:
+    its span ends at the first size-1 output dimension from the innermost, so a weight of shape
+    (C_out, C_in, 1, 1) times a scalar learning rate runs one loop per element."""
+    if len(shapes) < 2 or all(tuple(s) == tuple(out) for s in shapes):
+        return 0
+    numel = math.prod(out)
+    span = 1
+    if any(len(s) == 0 for s in shapes):
+        for d in reversed(out):
+            if d == 1:
+                break
+            span *= d
+        return numel // max(span, 1)
+    pattern = None
+    for axis in range(1, len(out) + 1):
+        d = out[-axis]
+        if d == 1:
+            continue
+        mine = tuple(len(s) >= axis and s[-axis] == d for s in shapes)
+        if pattern is not None and mine != pattern:
+            break
+        pattern = mine
+        span *= d
+    return numel // max(span, 1)
 
 
 def _bytes_moved(op: Op, cls: str, ins, outs) -> int:
@@ -171,12 +254,35 @@ def _dtype_name(dtype: int) -> str:
     return onnx.helper.tensor_dtype_to_np_dtype(dtype).name
 
 
+def profile_class(op_class_: str, hw: Hardware) -> str:
+    """The class whose figures `hw` prices `op_class_` with: itself, else the nearest class up
+    its PARENT_CLASS chain the profile has figures for; itself where none has."""
+    cls = op_class_
+    while not hw.has_class(cls) and cls in PARENT_CLASS:
+        cls = PARENT_CLASS[cls]
+    return cls if hw.has_class(cls) else op_class_
+
+
 def roofline_time(op: Op, graph: Graph, hw: Hardware) -> float:
+    """Seconds on `hw`: the fitted line of a calibrated class, else the roofline (module docstring)."""
     c = op_cost(op, graph)
     if c.op_class == "shape":
         return 0.0
-    return max(c.flops / hw.flops_for(c.op_class, c.dtype), c.bytes / hw.bandwidth_for(c.op_class)) \
-        + hw.launch_overhead
+    cls = profile_class(c.op_class, hw)
+    if cls in hw.op_class_overhead:
+        return fitted_time(hw, cls, c.flops, c.bytes, c.loops, ops=1)
+    return max(c.flops / hw.flops_for(cls, c.dtype), c.bytes / hw.bandwidth_for(cls)) + hw.launch_overhead
+
+
+def fitted_time(hw: Hardware, cls: str, flops: float, nbytes: float, loops: float, ops: float = 1) -> float:
+    """A calibrated class's line: ops x overhead + flops / FLOP/s + bytes / bandwidth + loops x
+    loop cost, each term the profile has a figure for."""
+    t = ops * hw.op_class_overhead[cls]
+    if cls in hw.op_class_flops:
+        t += flops / hw.op_class_flops[cls]
+    if cls in hw.op_class_bandwidth:
+        t += nbytes / hw.op_class_bandwidth[cls]
+    return t + loops * hw.op_class_loop.get(cls, 0.0)
 
 
 # ---- measured costs ----------------------------------------------------------------------
@@ -393,6 +499,20 @@ def _seconds_table(value, key: str, path: Path) -> dict[str, float]:
     return table
 
 
+def model_pricing(graph: Graph, hw: Hardware) -> dict:
+    """How the cost model prices `graph`'s ops on `hw` without a table (JSON-able, the report's
+    `costs`): counts of ops priced by a calibrated class's fitted line, by the spec-sheet roofline,
+    and shape ops (free)."""
+    counts = {"fitted": 0, "roofline": 0, "shape": 0}
+    for op in graph.ops:
+        cls = op_class(op, graph)
+        if cls == "shape":
+            counts["shape"] += 1
+        else:
+            counts["fitted" if profile_class(cls, hw) in hw.op_class_overhead else "roofline"] += 1
+    return {"source": "roofline", "hardware": hw.name, "calibrated": bool(hw.op_class_overhead), "ops": counts}
+
+
 def op_time(op: Op, graph: Graph, source: "Hardware | CostTable") -> float:
     """Seconds `op` takes: measured if `source` is a CostTable, else the roofline on `source`."""
     if isinstance(source, CostTable):
@@ -443,3 +563,60 @@ def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     return value
+
+
+# ---- fitting the calibrated lines --------------------------------------------------------
+FIT_WEIGHT_POWER = 0.25
+
+
+def fit_class_costs(rows: list[dict], power: float = FIT_WEIGHT_POWER) -> dict[str, dict[str, float]]:
+    """Per class, the line `fitted_time` prices it by, fitted to timed rows.
+
+    A row is ops of one class timed together: {"class", "ops", "flops", "bytes", "loops",
+    "seconds"}. Per class, non-negative least squares of seconds on ops (the per-op overhead),
+    FLOPs (FLOP_CLASSES), bytes and broadcast loops (LOOP_CLASSES), each row's residual weighted
+    by seconds ** -power: 0 fits absolute seconds (the long ops decide), 1 relative error (the
+    thousands of short ops decide); the default 1/4 keeps a step's total and its short ops both
+    close on the bundled models (docs/cost_model.md). Returns
+    class -> {"overhead": s, "flops": FLOP/s, "bandwidth": bytes/s, "loop": s}, the rates only
+    where their coefficient is positive. Timings made by such lines are recovered exactly."""
+    fitted = {}
+    for cls in sorted({r["class"] for r in rows}):
+        mine = [r for r in rows if r["class"] == cls and r["seconds"] > 0]
+        if not mine:
+            continue
+        terms = ["ops", *(["flops"] if cls in FLOP_CLASSES else []), "bytes",
+                 *(["loops"] if cls in LOOP_CLASSES else [])]
+        terms = [t for t in terms if any(r.get(t, 0) for r in mine)]
+        a = np.array([[float(r.get(t, 0)) for t in terms] for r in mine])
+        y = np.array([float(r["seconds"]) for r in mine])
+        w = y ** -power
+        coef = _nnls(a * w[:, None], y * w)
+        line = {"overhead": 0.0}
+        for term, c in zip(terms, coef):
+            if term == "ops":
+                line["overhead"] = float(c)
+            elif c > 0:
+                line[{"flops": "flops", "bytes": "bandwidth", "loops": "loop"}[term]] = \
+                    float(c) if term == "loops" else float(1 / c)
+        fitted[cls] = line
+    return fitted
+
+
+def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin |a x - y| over x >= 0, by trying every subset of free columns (there are at most
+    four): the best unconstrained fit on a subset whose coefficients are all non-negative."""
+    n = a.shape[1]
+    best, best_err = np.zeros(n), float(np.sum(y * y))
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-300)       # columns of seconds per FLOP, per byte...
+    a = a / scale
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        x, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+        if np.any(x < 0):
+            continue
+        err = float(np.sum((a[:, cols] @ x - y) ** 2))
+        if err < best_err * (1 - 1e-12):
+            best, best_err = np.zeros(n), err
+            best[cols] = x
+    return best / scale

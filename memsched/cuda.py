@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import glob
 import io
 import os
@@ -117,6 +118,7 @@ def locate(names: list[str]) -> dict[str, str | None]:
     return where
 
 
+@functools.cache
 def preload() -> str | None:
     """Load the CUDA and cuDNN libraries of NVIDIA's wheels into the process (ONNX Runtime's
     `preload_dlls`, whose messages are captured), so a CUDA session and the executor find

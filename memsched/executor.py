@@ -7,7 +7,8 @@ runs as one ONNX Runtime session through IOBinding: every tensor its ops read fr
 a session input and every tensor they write is a session output, bound at its planned offset
 in one preallocated arena (a numpy buffer on CPU, one device allocation on CUDA). ONNX
 Runtime therefore allocates no tensor of its own; the sessions have no initializers and no
-memory arena (only kernels' scratch is allocated, per run), are built once and reused by
+memory arena of their own (kernels' scratch comes from one arena that all of them share,
+memsched.ort.shared_scratch_arena, kept from step to step), are built once and reused by
 every step. Parameters, buffers, constants and optimizer state live only in the arena: the
 first step loads them from the graph, later steps move each `<name>.updated` into its place.
 Swap-outs copy bytes to a host tier's store (DRAM: host buffers, pinned on CUDA; NVDIMM: a
@@ -48,10 +49,11 @@ from onnx import helper, numpy_helper
 
 from .errors import ScheduleError, UserError
 from .ir import Graph, Op, _make_node, tensor_value
+from .cuda import device_memory, load_cudart
 from .measure import ProcessMemory
 from .memory import MemoryProfile, Residency, buffer_groups, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
-from .ort import bound_session, node_providers, providers_for, quiet_logger, session_options
+from .ort import bound_session, node_providers, providers_for, quiet_logger, session_options, warm_environment
 from .schedule import Plan
 
 DEVICES = ("cpu", "cuda")
@@ -114,8 +116,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     initializers (weights); with `check`, compared the same way (`check["against"]`), so a plan
     whose ops, constants or weights differ from the model's fails. Without `allow_fallback`, a
     CUDA request that CUDA here cannot serve is a UserError instead of a run on the CPU."""
-    import onnxruntime  # noqa: F401 - loaded before memory is measured: the library is any ORT user's
-
+    warm_environment()     # before memory is measured: the library's code is any ORT user's
     memory = ProcessMemory()
     if steps < 1:
         raise UserError(f"--steps must be at least 1, not {steps}")
@@ -134,10 +135,13 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     if fallback is not None and not allow_fallback:
         raise UserError(f"cannot run on {device}: {fallback}; pass --allow-fallback to run on the CPU instead")
 
+    device_memory_use = _DeviceMemory() if actual_device == "cuda" else None
     with _Runtime(actual_device, planned_arena, threads, nvdimm_dir) as rt:
         program = _compile(plan, profile, rt)
         live, high_water = _rehearse(program, profile)
         setup_growth = memory.growth()
+        if device_memory_use is not None:
+            device_memory_use.sample()
         reference = _Reference(graph, actual_device, threads) if check else None
         ref_statics = _statics(graph) if check else {}
         others = {key: g for key, g in (("given", given), ("against", against)) if check and g is not None}
@@ -158,6 +162,8 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
             times.append(moved + time.perf_counter() - start)
             if k == steps - 1:
                 growth = memory.growth()       # the outputs are in the arena; copying them out is the caller's
+                if device_memory_use is not None:
+                    device_memory_use.sample()
             if check or k == steps - 1:
                 outputs = _collect(program, rt, last=k == steps - 1)
             if reference is not None:
@@ -183,7 +189,8 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
                 **{key: _check_summary(other_diffs[key], exact=False) if key in others else None
                    for key in ("given", "against")}}
                if check else None),
-        process=_process_memory(memory, setup_growth, growth, allocated, stored, actual_device, check),
+        process={**_process_memory(memory, setup_growth, growth, allocated, stored, actual_device, check),
+                 "device": device_memory_use.summary(allocated) if device_memory_use is not None else None},
         threads=threads)
 
 
@@ -191,7 +198,8 @@ def _process_memory(memory: ProcessMemory, setup_growth: int | None, growth: int
                     stored: int, device: str, check: bool) -> dict:
     """The process's real memory during the run, next to what the plan accounts for.
 
-    `rss_growth_bytes`: peak RSS from the start of `run_plan` (ONNX Runtime loaded) to the end
+    `rss_growth_bytes`: peak RSS from the start of `run_plan` (ONNX Runtime loaded and its
+    environment made, memsched.ort.warm_environment) to the end
     of the last step, before its outputs are copied out of the arena (sessions, arena, stores,
     kernels' scratch, the executor's own objects; with `check`, the reference sessions and
     their runs too) less RSS at the start; `setup_growth_bytes`: the same once the sessions
@@ -211,6 +219,27 @@ def _process_memory(memory: ProcessMemory, setup_growth: int | None, growth: int
         "overhead_bytes": growth - host_arena - stored if available else None,
         "includes_check": check,
     }
+
+
+class _DeviceMemory:
+    """The run's real device memory, from outside the plan's accounting: free device memory
+    (cudaMemGetInfo) when the run starts (the CUDA context already made) and after setup and
+    after the last step. The drop is the arena, ONNX Runtime's CUDA workspace and whatever else
+    the run allocated; sampled, so it is a lower bound of the peak between samples."""
+
+    def __init__(self):
+        self.cudart = load_cudart()
+        self.start, self.total = device_memory(self.cudart)
+        self.lowest = self.start
+
+    def sample(self) -> None:
+        self.lowest = min(self.lowest, device_memory(self.cudart)[0])
+
+    def summary(self, arena: int) -> dict:
+        used = self.start - self.lowest
+        return {"source": "cudaMemGetInfo at the start, after setup and after the last step",
+                "total_bytes": self.total, "growth_bytes": used, "arena_bytes": arena,
+                "overhead_bytes": used - arena}
 
 
 # ---- inputs and outputs ------------------------------------------------------------------
@@ -1158,7 +1187,7 @@ class _Cuda:
     H2D, D2H, D2D = 1, 2, 3
 
     def __init__(self):
-        self.lib = _load_cudart()
+        self.lib = load_cudart()
         self.streams = {self.D2H: self._stream(), self.H2D: self._stream()}
         self.events: dict[int, ctypes.c_void_p] = {}
         self.pinned_buffers: list[ctypes.c_void_p] = []
@@ -1217,15 +1246,6 @@ class _Cuda:
             self.lib.cudaFreeHost(ptr)
         self.events.clear()
         self.pinned_buffers.clear()
-
-
-def _load_cudart():
-    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise UserError("the CUDA runtime library (libcudart) was not found")
 
 
 # ---- the reference run --------------------------------------------------------------------

@@ -44,7 +44,13 @@ class HostTier:
 @dataclass(frozen=True)
 class Hardware:
     """One device plus its host. `op_class_flops`/`op_class_bandwidth` override the peaks for an
-    op class (see memsched.cost.OP_CLASSES); calibrated profiles fill them, spec sheets do not."""
+    op class (see memsched.cost.OP_CLASSES); calibrated profiles fill them, spec sheets do not.
+
+    A class with an `op_class_overhead` is priced by the line `memsched hardware calibrate`
+    fitted to it (memsched.cost.fitted_time): overhead + FLOPs / its FLOP/s + bytes / its
+    bandwidth + broadcast loops x `op_class_loop`, each term where the profile has the figure.
+    Every other class is priced by the roofline: max(FLOPs / FLOP/s, bytes / bandwidth) plus
+    `launch_overhead`."""
 
     name: str
     device_memory: int                  # bytes
@@ -58,6 +64,13 @@ class Hardware:
     description: str = ""
     op_class_flops: dict[str, float] = field(default_factory=dict)
     op_class_bandwidth: dict[str, float] = field(default_factory=dict)
+    op_class_overhead: dict[str, float] = field(default_factory=dict)   # s per op of a fitted class
+    op_class_loop: dict[str, float] = field(default_factory=dict)       # s per broadcast inner loop
+
+    def has_class(self, op_class: str) -> bool:
+        """Whether the profile has any figure of its own for `op_class`."""
+        return any(op_class in d for d in (self.op_class_flops, self.op_class_bandwidth, self.op_class_overhead,
+                                           self.op_class_loop))
 
     def flops_for(self, op_class: str, dtype: str) -> float:
         """Effective FLOP/s for an op class in a dtype: calibrated class figure, else the dtype peak."""
@@ -198,8 +211,9 @@ def from_dict(data: dict, default_name: str = "custom", where: str = "hardware p
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise UserError(f"{where}: missing key(s) {', '.join(missing)}")
-    # 'calibration': the microbenchmark rows behind a calibrated profile, kept for the reader
-    known = set(_REQUIRED) | {"name", "description", "op_class_flops", "op_class_bandwidth", "calibration"}
+    # 'calibration': the timed rows a calibrated profile was fitted to, kept for the reader
+    known = set(_REQUIRED) | {"name", "description", "op_class_flops", "op_class_bandwidth", "op_class_overhead",
+                              "op_class_loop", "calibration"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}")
@@ -229,6 +243,8 @@ def from_dict(data: dict, default_name: str = "custom", where: str = "hardware p
         description=str(data.get("description", "")),
         op_class_flops=_rates(data.get("op_class_flops", {}), "op_class_flops", where),
         op_class_bandwidth=_rates(data.get("op_class_bandwidth", {}), "op_class_bandwidth", where),
+        op_class_overhead=_times(data.get("op_class_overhead", {}), "op_class_overhead", where),
+        op_class_loop=_times(data.get("op_class_loop", {}), "op_class_loop", where),
     )
 
 
@@ -282,3 +298,9 @@ def _rates(value, key: str, where: str) -> dict[str, float]:
     if not isinstance(value, dict):
         raise UserError(f"{where}: '{key}' must be a table of name = value")
     return {str(k): _positive(v, f"{key}.{k}", where) for k, v in value.items()}
+
+
+def _times(value, key: str, where: str) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: '{key}' must be a table of name = seconds")
+    return {str(k): _nonneg(v, f"{key}.{k}", where) for k, v in value.items()}

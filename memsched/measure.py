@@ -16,18 +16,20 @@ Three corrections make the sum of one-node timings a step's time:
   such Adds); an op's time is max(median - session_overhead, 0) + node_overhead.
 - caches (CPU): timed run after run, an op finds its inputs in the cache; inside a step,
   parameters read once per step and activations saved for the backward pass come from DRAM.
-  `dram_reads` estimates those bytes (LRU reuse distance over the arena's physical buffers)
-  and each op is charged bytes / the measured single-core DRAM read rate on top.
+  `dram_reads` estimates those bytes (LRU reuse distance over the arena's physical buffers);
+  the hardware prefetcher streams them while the op computes, so an op takes at least
+  node_overhead + those bytes / the measured single-core DRAM read rate: a GEMM reading its
+  weights from DRAM stays compute bound, a copy of them becomes memory bound.
 - clock: with one intra-op thread (`threads=1`) ORT runs kernels on the calling thread, and
   that thread's CPU time is used: immune to other processes on a shared machine. Otherwise
   wall time.
 
-`calibrate` times microbenchmarks of every op class the same way and fits a roofline: an
-effective FLOP/s for conv, grouped conv and GEMM, an effective bandwidth for the
-memory-bound classes, the node overhead as launch overhead, and a memcpy for the "link"
-(on a CPU, swapping is a copy within DRAM). `memsched hardware calibrate -o FILE --threads 1`
-writes it; the bundled `cpu` preset (memsched/profiles/cpu.json) was made that way on the dev
-machine.
+`calibrate` times microbenchmarks of every op class and every op of reference training steps
+the same way, and fits each op class's line (memsched.cost.fit_class_costs: per-op overhead,
+FLOP/s, bandwidth, broadcast loop cost, by least squares); the node overhead is the launch
+overhead of classes without a line, and a memcpy the "link" (on a CPU, swapping is a copy within
+DRAM). `memsched hardware calibrate -o FILE --threads 1` writes it; the bundled `cpu` preset
+(memsched/profiles/cpu.json) was made that way on the dev machine (docs/cost_model.md).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from . import frontend
-from .cost import CostTable, op_class, op_cost, signature
+from .cost import FLOP_CLASSES, CostTable, fit_class_costs, op_class, op_cost, signature
 from .errors import UserError
 from .hardware import DRAM_LATENCY, Hardware, HostTier, optane_pmem
 from .ir import Graph, Op, tensor_value
@@ -323,7 +325,8 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
                                [(s, shape, dtype) for s, (_, shape, dtype) in zip(names, outputs)], device,
                                threads)
             timer.run()
-        times[op.name] = sessions[sig][1] + (dram.get(op.name, 0) / dram_bw if dram_bw else 0.0)
+        times[op.name] = max(sessions[sig][1], node_overhead + dram.get(op.name, 0) / dram_bw) if dram_bw \
+            else sessions[sig][1]
         for (name, _, _), value in zip(outputs, timer.outputs()):
             values[name] = value
         for name in op.present_inputs:
@@ -401,18 +404,15 @@ def _benchmarks() -> list[Graph]:
     ]
 
 
-FLOP_CLASSES = ("conv", "conv_grouped", "gemm")
-
-
 def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0,
               references: Sequence[Graph] = ()) -> tuple[Hardware, list[dict]]:
-    """Fit a roofline profile for this machine; returns it and the rows it was fitted to.
+    """Fit the cost model's per-class lines for this machine; returns the profile and the rows
+    it was fitted to.
 
-    An op class's effective rate is an aggregate over the ops of that class in the reference
-    graphs (real training steps, timed as `profile_graph` does), or over the microbenchmarks
-    for classes the references lack: total FLOPs (conv, grouped conv, GEMM) or total bytes (the
-    others) over their total time less one launch overhead per op. On the references the
-    roofline then adds up to the measured time of each class."""
+    Rows are timed as `profile_graph` times ops: the microbenchmarks (one row each) and every
+    op of the reference graphs (real training steps), ops of one graph with the same class and
+    work (FLOPs, bytes, broadcast loops) summed into one row. `memsched.cost.fit_class_costs`
+    fits each class's overhead and rates to them (least squares)."""
     if device != "cpu":
         raise UserError("only the cpu profile is calibrated here; GPU profiles come from spec sheets")
     session_overhead, node_overhead = overheads(device, threads)
@@ -428,48 +428,60 @@ def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0,
         seconds = max(timer.median(repeats) - session_overhead, 0.0) + node_overhead
         c = op_cost(op, g)
         rows.append({"source": "microbenchmark", "op": op.op_type, "class": c.op_class, "ops": 1,
-                     "flops": c.flops, "bytes": c.bytes, "seconds": seconds,
+                     "flops": c.flops, "bytes": c.bytes, "loops": c.loops, "seconds": seconds,
                      "shapes": [list(g.tensors[n].shape) for n in op.present_inputs]})
     for g in references:
-        table = profile_graph(g, device, repeats, threads)
-        totals: dict[str, dict] = {}
-        for op in g.ops:
-            c = op_cost(op, g)
-            if c.op_class == "shape":
-                continue
-            row = totals.setdefault(c.op_class, {"source": g.name, "class": c.op_class, "ops": 0, "flops": 0,
-                                                 "bytes": 0, "seconds": 0.0})
-            row["ops"] += 1
-            row["flops"] += c.flops
-            row["bytes"] += c.bytes
-            row["seconds"] += table.times[op.name]
-        rows.extend(totals.values())
-    flops, bandwidth = {}, {}
-    for cls in sorted({r["class"] for r in rows}):
-        for from_references in (True, False):
-            mine = [r for r in rows if r["class"] == cls and (r["source"] != "microbenchmark") == from_references]
-            busy = sum(max(r["seconds"] - r["ops"] * node_overhead, 0.0) for r in mine)
-            work = sum(r["flops"] if cls in FLOP_CLASSES else r["bytes"] for r in mine)
-            if busy > 0 and work > 0:
-                (flops if cls in FLOP_CLASSES else bandwidth)[cls] = work / busy
-                break
-    peak = max(r["flops"] / r["seconds"] for r in rows if r["class"] in FLOP_CLASSES)   # the best kernel seen
+        rows.extend(graph_rows(g, profile_graph(g, device, repeats, threads)))
+    hw = profile_from_fit(fit_class_costs(rows), rows, node_overhead, threads,
+                          ", ".join(g.name for g in references) or "none")
+    return hw, rows
+
+
+def graph_rows(graph: Graph, table: CostTable) -> list[dict]:
+    """The timed ops of `graph` as calibration rows: ops of one class, type and work summed."""
+    rows: dict[tuple, dict] = {}
+    for op in graph.ops:
+        c = op_cost(op, graph)
+        if c.op_class == "shape":
+            continue
+        row = rows.setdefault((c.op_class, op.op_type, c.flops, c.bytes, c.loops), {
+            "source": graph.name, "op": op.op_type, "class": c.op_class, "ops": 0, "flops": 0, "bytes": 0,
+            "loops": 0, "seconds": 0.0})
+        row["ops"] += 1
+        row["flops"] += c.flops
+        row["bytes"] += c.bytes
+        row["loops"] += c.loops
+        row["seconds"] += table.times[op.name]
+    return list(rows.values())
+
+
+def profile_from_fit(fit: dict[str, dict[str, float]], rows: list[dict], node_overhead: float, threads: int,
+                     references: str) -> Hardware:
+    """The `cpu` profile: the fitted lines per class, the measured node overhead for classes
+    without one, and this machine's memory, DRAM copy rate (the swap 'link') and name."""
+    peak = max(r["flops"] / r["seconds"] for r in rows if r["class"] in FLOP_CLASSES and r["seconds"] > 0)
     copy_bw, copy_latency = memcpy_rate()
     memory = _physical_memory()
     import onnxruntime as ort
 
-    names = ", ".join(g.name for g in references) or "none"
-    hw = Hardware(
+    return Hardware(
         name="cpu", device_memory=memory, peak_flops={"float32": peak},
-        memory_bandwidth=bandwidth["elementwise"], launch_overhead=node_overhead,
+        memory_bandwidth=fit.get("elementwise", {}).get("bandwidth", copy_bw), launch_overhead=node_overhead,
         link_h2d=copy_bw, link_d2h=copy_bw, link_latency=copy_latency,
         tiers={"dram": HostTier(memory, copy_bw, copy_bw, DRAM_LATENCY), "nvdimm": optane_pmem()},
         description=(f"{_cpu_name()}, {os.cpu_count()} cores, ONNX Runtime {ort.__version__} "
                      f"({threads or 'default'} intra-op threads); calibrated {time.strftime('%Y-%m-%d')} by "
-                     f"`memsched hardware calibrate` on microbenchmarks and the training steps of {names}; "
+                     f"`memsched hardware calibrate` on microbenchmarks and the training steps of {references}; "
                      f"swaps are DRAM copies; nvdimm: Optane figures"),
-        op_class_flops=flops, op_class_bandwidth=bandwidth)
-    return hw, rows
+        **fit_figures(fit))
+
+
+def fit_figures(fit: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """`fit_class_costs`'s lines as a Hardware's per-class fields."""
+    return {"op_class_flops": {k: v["flops"] for k, v in fit.items() if "flops" in v},
+            "op_class_bandwidth": {k: v["bandwidth"] for k, v in fit.items() if "bandwidth" in v},
+            "op_class_overhead": {k: v["overhead"] for k, v in fit.items()},
+            "op_class_loop": {k: v["loop"] for k, v in fit.items() if "loop" in v}}
 
 
 def memcpy_rate(nbytes: int = 256 * 2**20, repeats: int = 5) -> tuple[float, float]:

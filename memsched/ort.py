@@ -4,11 +4,12 @@ sessions that say in one line why they cannot be made, and where ORT put each no
 Two kinds of session are made here:
 - `make_session`: a whole model as a user runs it (ONNX Runtime's default optimisations and
   memory arena), for profiling and numerics;
-- `session_options` / `arena_free_options` / `bound_session`: the executor's sessions and the
+- `session_options` / `bound_options` / `bound_session`: the executor's sessions and the
   reference run it is checked against. Both use the same optimisation level (OPTIMIZATION)
-  and thread count, so every kernel is the same; the executor's own sessions also allocate
-  from no arena of their own, because every tensor they touch is bound into the plan's arena
-  and only kernels' scratch is left.
+  and thread count, so every kernel is the same; the executor's own sessions also keep no
+  arena of their own, because every tensor they touch is bound into the plan's arena and
+  only kernels' scratch is left, which all of them take from one arena shared through ONNX
+  Runtime's environment (`shared_scratch_arena`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import contextlib
 
 import onnx
 
+from .cuda import preload
 from .errors import UserError
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -66,34 +68,99 @@ def session_options(threads: int, optimization: str = OPTIMIZATION):
     return options
 
 
-def arena_free_options(threads: int):
-    """`session_options` for a session whose tensors all live in memory the caller binds: no
-    CPU arena (a kernel's scratch is allocated and freed per run instead of kept in an arena
-    per session), no memory pattern (there is nothing for it to plan), and the priority-based
-    node order (Kahn's algorithm over the nodes as given, Shape and Size nodes first when
-    ready), which keeps the caller's order wherever data edges allow it."""
+_scratch_registered = False
+
+
+def shared_scratch_arena() -> None:
+    """Register, once per process, a CPU arena in ONNX Runtime's environment that every session
+    made with `bound_options` takes kernels' scratch (im2col and column buffers) from.
+
+    Why one arena for all: without an arena each scratch buffer is malloc'd and freed per run,
+    and a large one is a fresh mapping each time, so every run pays page faults on it (a 3-D
+    U-Net step ran 1.3x slower than one plain session, which keeps its arena); with an arena
+    per session, each session would keep its own scratch. The shared arena grows by regions of
+    exactly the size a kernel asks for when none of its free regions holds the request
+    (kSameAsRequested; reserving one large region up front instead costs 1/32 of its size in
+    chunk bookkeeping, resident at once), and keeps them, so from the second step on no
+    scratch is mapped or faulted in again. What stays resident is the scratch of the largest
+    kernels in the order they first ran: a request larger than every free region gets a
+    region of its own, so at most the sum of the increasing sizes asked for, and at least the
+    largest single one."""
+    global _scratch_registered
+    if _scratch_registered:
+        return
     import onnxruntime as ort
 
+    config = ort.OrtArenaCfg({"max_mem": 0, "arena_extend_strategy": 1,   # 1: kSameAsRequested
+                              "initial_chunk_size_bytes": 1 << 20, "max_dead_bytes_per_chunk": 1 << 20})
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    ort.create_and_register_allocator(info, config)
+    _scratch_registered = True
+
+
+def bound_options(threads: int):
+    """`session_options` for a session whose tensors all live in memory the caller binds: no
+    CPU arena of its own (kernels' scratch comes from `shared_scratch_arena`), no memory
+    pattern (there is nothing for it to plan), and the priority-based node order (Kahn's
+    algorithm over the nodes as given, Shape and Size nodes first when ready), which keeps the
+    caller's order wherever data edges allow it."""
+    import onnxruntime as ort
+
+    shared_scratch_arena()
     options = session_options(threads)
     options.enable_cpu_mem_arena = False
     options.enable_mem_pattern = False
     options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    options.add_session_config_entry("session.use_env_allocators", "1")
     return options
 
 
+_warm = False
+
+
+def warm_environment() -> None:
+    """Make ONNX Runtime's environment and page in its session code, once per process: one
+    one-node session, run once. What this costs (about 7 MiB of the library's code, resident
+    from then on) any ONNX Runtime user pays before a first step; measurements of a step start
+    after it, so that it counts for neither side."""
+    global _warm
+    if _warm:
+        return
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "warm",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session.run(None, {"x": np.zeros(1, np.float32)})
+    _warm = True
+
+
 def bound_session(model: bytes, threads: int, device: str):
-    """A session for a model whose every tensor the caller binds (`arena_free_options`)."""
+    """A session for a model whose every tensor the caller binds (`bound_options`)."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(model, arena_free_options(threads), providers=providers_for(device))
+    return ort.InferenceSession(model, bound_options(threads), providers=providers_for(device))
+
+
+# The CUDA provider's own memory is bounded: every tensor is bound into the plan's arena, so
+# the provider allocates only kernels' workspace; its arena grows by what is asked, not by
+# doubling, and cuDNN picks convolution algorithms without its largest workspaces.
+CUDA_OPTIONS = {"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC", "arena_extend_strategy": "kSameAsRequested",
+                "cudnn_conv_use_max_workspace": "0"}
 
 
 def providers_for(device: str) -> list:
     """The provider list of the executor's sessions on `device` (CUDA falls back to the CPU
-    node by node, as ONNX Runtime assigns them)."""
+    node by node, as ONNX Runtime assigns them); for CUDA, NVIDIA's wheels' libraries are
+    loaded first (memsched.cuda.preload)."""
     if device == "cuda":
-        return [("CUDAExecutionProvider", {"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC"}),
-                "CPUExecutionProvider"]
+        preload()
+        return [("CUDAExecutionProvider", dict(CUDA_OPTIONS)), "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
 
 
@@ -111,6 +178,8 @@ def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
     wanted = PROVIDERS[device]
     if wanted not in ort.get_available_providers():
         raise UserError(f"ONNX Runtime here has no {wanted}; profile with --device cpu")
+    if device == "cuda":
+        preload()
     with quiet_logger():
         try:
             session = ort.InferenceSession(model.SerializeToString(), options, providers=[wanted])
@@ -132,5 +201,6 @@ def node_providers(session) -> dict[str, str]:
         return {}
 
 
-__all__ = ["PROVIDERS", "OPTIMIZATION", "quiet_logger", "session_options", "arena_free_options", "bound_session",
-           "providers_for", "make_session", "node_providers"]
+__all__ = ["PROVIDERS", "CUDA_OPTIONS", "OPTIMIZATION", "quiet_logger", "session_options", "bound_options",
+           "bound_session", "shared_scratch_arena", "warm_environment", "providers_for", "make_session",
+           "node_providers"]

@@ -98,11 +98,15 @@ def print_hardware(p: dict) -> None:
         tiers.add_row(_e(name), format_bytes(t["capacity"]), _rate(t["read_bw"], "B/s"), _rate(t["write_bw"], "B/s"),
                       format_seconds(t["latency"]))
     out.print(tiers)
-    if p.get("op_class_flops") or p.get("op_class_bandwidth"):
-        classes = _table("calibrated op classes", "class", "FLOP/s>", "bandwidth>")
-        for cls in sorted(set(p.get("op_class_flops", {})) | set(p.get("op_class_bandwidth", {}))):
-            f, b = p.get("op_class_flops", {}).get(cls), p.get("op_class_bandwidth", {}).get(cls)
-            classes.add_row(_e(cls), _rate(f, "FLOP/s") if f else "-", _rate(b, "B/s") if b else "-")
+    figures = ("op_class_flops", "op_class_bandwidth", "op_class_overhead", "op_class_loop")
+    names = sorted(set().union(*(p.get(key, {}) for key in figures)))
+    if names:
+        classes = _table("calibrated op classes", "class", "FLOP/s>", "bandwidth>", "per op>", "per loop>")
+        for cls in names:
+            f, b, o, loop = (p.get(key, {}).get(cls) for key in figures)
+            classes.add_row(_e(cls), _rate(f, "FLOP/s") if f else "-", _rate(b, "B/s") if b else "-",
+                            format_seconds(o) if o is not None else "-",
+                            format_seconds(loop) if loop is not None else "-")
         out.print(classes)
 
 
@@ -232,7 +236,8 @@ def print_train_graph(summary: dict) -> None:
               f"({format_bytes(summary['parameter_bytes'])}), optimizer state "
               f"{format_bytes(summary['optimizer_state_bytes'])}")
     inputs = ", ".join(f"{_e(n)} {'x'.join(map(str, s)) or 'scalar'}" for n, s in summary["inputs"].items())
-    out.print(f"inputs: {inputs}; outputs: loss + {summary['outputs'] - 1} per-parameter outputs")
+    out.print(f"inputs: {inputs}; outputs: {summary['outputs']} (the loss, or a GAN's two, then the "
+              f"per-parameter outputs)")
 
 
 def print_remat(summary: dict) -> None:
@@ -311,6 +316,11 @@ def print_run(summary: dict) -> None:
                   + (" (with the check's reference run)" if process["includes_check"] else ""))
     elif process:
         out.print("process memory growth (RSS): unavailable here")
+    device = (process or {}).get("device")
+    if device:
+        out.print(f"device memory growth: {format_bytes(device['growth_bytes'])} ({device['growth_bytes']:,} B) = "
+                  f"arena {format_bytes(device['arena_bytes'])} + ONNX Runtime's CUDA workspace and the rest "
+                  f"{format_bytes(device['overhead_bytes'])}")
     for tier, nbytes in summary["swapped_bytes"].items():
         out.print(f"swapped out to {_e(tier)}: {format_bytes(nbytes)} per step")
     check = summary["check"]

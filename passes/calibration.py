@@ -1,10 +1,11 @@
-"""Reference training steps for calibrating the cpu roofline (`memsched hardware calibrate`).
+"""Reference training steps for calibrating the cost model (`memsched hardware calibrate`).
 
-Bundled models at small sizes, built as training steps (cross-entropy, SGD), give the
-calibration real backward ops -- transposed and grouped convolutions, broadcasting
-elementwise gradients, reductions -- at the shapes a planned step runs, so each op class's
-rate is that of training rather than of one isolated kernel. The models the prediction
-benchmark checks (bench/bench_predict.py: resnet18, mobilenetv2) are not among the defaults.
+Every bundled model at a small size, built as a training step (cross-entropy, SGD), gives the
+calibration the ops a planned step runs -- weight-gradient and transposed convolutions,
+depthwise convolutions, attention MatMuls, broadcasting elementwise gradients, reductions,
+the embedding's scatters -- at real shapes, so each op class's line is fitted to training
+rather than to a few isolated kernels. These sizes are also the small size that
+bench/bench_predict.py checks the prediction at; its second, larger size is not among them.
 """
 from __future__ import annotations
 
@@ -14,21 +15,26 @@ from memsched.ir import Graph
 
 from .pipeline import load_graph
 
-REFERENCE_SIZES = {"mlp": dict(batch=64), "vgg16": dict(batch=2, size=32), "unet2d": dict(batch=1, size=64),
-                   "resnet18": dict(batch=4, size=64), "mobilenetv2": dict(batch=4, size=64),
-                   "resnet50": dict(batch=2, size=64), "bert-base": dict(batch=1, seq=32),
-                   "gpt2": dict(batch=1, seq=32)}
-DEFAULT_REFERENCES = ("vgg16", "unet2d")
+REFERENCE_SIZES = {"mlp": dict(batch=64), "vgg16": dict(batch=2, size=32), "resnet18": dict(batch=4, size=64),
+                   "resnet50": dict(batch=2, size=64), "mobilenetv2": dict(batch=4, size=64),
+                   "unet2d": dict(batch=1, size=64), "unet3d": dict(batch=1, size=32, width=8),
+                   "bert-base": dict(batch=1, seq=32, layers=2), "gpt2": dict(batch=1, seq=32, layers=2)}
+DEFAULT_REFERENCES = tuple(REFERENCE_SIZES)
+
+
+def reference_graph(name: str, options: dict | None = None) -> Graph:
+    """The training step (cross-entropy, SGD) of bundled model `name`, at its reference size
+    unless `options` are given."""
+    import models
+
+    if options is None:
+        if name not in REFERENCE_SIZES:
+            raise UserError(f"no reference size for '{name}'; choose from {', '.join(REFERENCE_SIZES)}")
+        options = REFERENCE_SIZES[name]
+    graph = frontend.lower(models.build(name, **options))
+    return load_graph(graph, train=True, optimizer="sgd").replace(name=f"{name}-train")
 
 
 def reference_graphs(names) -> list[Graph]:
     """The training steps of bundled models `names` at the small sizes above."""
-    import models
-
-    graphs = []
-    for name in names:
-        if name not in REFERENCE_SIZES:
-            raise UserError(f"no reference size for '{name}'; choose from {', '.join(REFERENCE_SIZES)}")
-        graph = frontend.lower(models.build(name, **REFERENCE_SIZES[name]))
-        graphs.append(load_graph(graph, train=True).replace(name=f"{name}-train"))
-    return graphs
+    return [reference_graph(name) for name in names]

@@ -97,3 +97,13 @@ def test_the_cuda_extra_resolves(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     names = {item["metadata"]["name"] for item in json.loads((tmp_path / "report.json").read_text())["install"]}
     assert set(cuda.WHEELS.values()) <= names
+
+
+def test_cuda_sessions_bound_the_providers_own_memory():
+    from memsched.ort import providers_for
+
+    (name, options), fallback = providers_for("cuda")
+    assert name == "CUDAExecutionProvider" and fallback == "CPUExecutionProvider"
+    assert options["arena_extend_strategy"] == "kSameAsRequested"
+    assert options["cudnn_conv_use_max_workspace"] == "0"
+    assert providers_for("cpu") == ["CPUExecutionProvider"]

@@ -95,3 +95,13 @@ def test_negative_bandwidth_and_unknown_keys_are_rejected():
         hardware.from_dict({**base, "link_bw": 1})
     with pytest.raises(UserError, match="unknown hardware 'tpu-v9'"):
         hardware.load("tpu-v9")
+
+
+def test_fitted_class_figures_are_checked():
+    base = hardware.load("v100-16gb").to_dict()
+    with pytest.raises(UserError, match="op_class_overhead.conv' must be seconds"):
+        hardware.from_dict({**base, "op_class_overhead": {"conv": -1e-6}})
+    with pytest.raises(UserError, match="op_class_loop' must be a table"):
+        hardware.from_dict({**base, "op_class_loop": [1e-8]})
+    hw = hardware.from_dict({**base, "op_class_overhead": {"gemm": 2e-6}, "op_class_loop": {"elementwise": 1e-8}})
+    assert hw.op_class_overhead == {"gemm": 2e-6} and hw.has_class("elementwise") and not hw.has_class("conv")
