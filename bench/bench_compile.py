@@ -26,7 +26,8 @@ from memsched.frontend import lower  # noqa: E402
 from passes.pipeline import compile as compile_plan  # noqa: E402
 
 PROFILE = "v100-16gb"
-# name -> (bundled model, build options): training steps of about 900 to 10,000 ops
+# name -> (bundled model, build options): training steps of about 900 to 10,000 ops (GPT-2 with
+# 30 layers: 5,093 ops; with 60 layers: 10,133)
 CASES = {
     "resnet18-b32": ("resnet18", {"batch": 32}),
     "resnet50-b16": ("resnet50", {"batch": 16}),

@@ -27,6 +27,8 @@ class Deadline:
         self.end = math.inf if seconds is None else self.started + max(0.0, float(seconds))
         self.cut = False          # a search ended early because of this deadline
         self.stopped = False      # stop() was called (Ctrl-C)
+        self.planned = False      # a plan holding the budget is kept: past the deadline, nothing is
+                                  # owed (until then counted heuristics keep their floors, so an answer comes)
         self._stops: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 

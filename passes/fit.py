@@ -97,12 +97,14 @@ class Search:
     """The fit search of one start plan (a training step in some form, reordered and reused)
     against `budget` (None: placed as it is). `run(name, apply, plan)` applies a pass and judges it (plan, peak);
     `passes` maps pass names to `f(plan, seconds, deadline)`; `time_limit` is the command's,
-    which the efforts are shares of; `say` reports progress."""
+    which the efforts are shares of; `say` reports progress; `fallback`: another search of
+    the same command holds a plan already, so this one makes none past the deadline."""
 
     def __init__(self, start: Plan, start_peak: int, budget: int | None, strategies, passes: dict[str, Callable],
                  run: Callable, time_limit: float, deadline: Deadline, costs=None,
-                 say: Callable[[str], None] = lambda message: None, label: str = ""):
+                 say: Callable[[str], None] = lambda message: None, label: str = "", fallback: bool = False):
         self.start, self.start_peak, self.budget = start, start_peak, budget
+        self.fallback = fallback                 # another search holds a plan: no first plan past the deadline
         self.strategies, self.passes, self.run = tuple(strategies), passes, run
         self.time_limit, self.deadline, self.costs = time_limit, deadline, costs
         self.say, self.label = say, label
@@ -162,9 +164,10 @@ class Search:
                           self.attempt(Candidate("joint", relax, drained), effort, FIRST_ROUNDS), grid)
 
     def _stopping(self) -> bool:
-        """Whether to stop: on a stop (Ctrl-C), or once the time is up and a plan is kept (until
-        then the passes, out of time, still give their heuristic answers: an answer comes)."""
-        return self.deadline.stopped or (self.best is not None and self.deadline.expired)
+        """Whether to stop: on a stop (Ctrl-C), or once the time is up and a plan is kept, here
+        or by the search this one is a `fallback` to (until then the passes, out of time, still
+        give their heuristic answers: an answer comes)."""
+        return self.deadline.stopped or ((self.best is not None or self.fallback) and self.deadline.expired)
 
     # ---- one attempt ----
     def attempt(self, candidate: Candidate, effort: float, rounds: int = FIT_ROUNDS) -> float | None:
@@ -239,6 +242,7 @@ class Search:
 
     def _keep(self, best: Best) -> None:
         self.best = best
+        self.deadline.planned = True
         self.history.append({"seconds": round(self.deadline.elapsed(), 3), "step_time_s": best.step_time,
                              "candidate": self.tried[best.record]["candidate"] if best.record >= 0 else "as is"})
 

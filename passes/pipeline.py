@@ -26,7 +26,7 @@ from typing import Callable
 
 from memsched import frontend
 from memsched import hardware as hardware_mod
-from memsched.cost import CostTable
+from memsched.cost import CostTable, model_pricing
 from memsched.errors import BudgetError, UserError
 from memsched.ir import Graph
 from memsched.data_parallel import data_parallel as data_parallel_estimate
@@ -154,8 +154,9 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         finally:
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
 
-    def search(step: Plan, step_variants: dict[str, Graph], label: str) -> Search:
-        """The fit search of `step` after reuse and order, its first plans made."""
+    def search(step: Plan, step_variants: dict[str, Graph], label: str, fallback: bool = False) -> Search:
+        """The fit search of `step` after reuse and order, its first plans made (none past the
+        deadline where another search holds a plan: `fallback`)."""
         # data parallel all-reduces every gradient: no update fused into its dW Gemm
         passes = _passes(fuse_updates=not data_parallel, variants=step_variants)
         start, peak = dataclasses.replace(step, budget=None), validate(step).peak_bytes
@@ -163,7 +164,8 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
             if name in strategies:
                 say(f"{label}{name} ({len(start.schedule)} steps)")
                 start, peak = run(name, lambda p, f=passes[name]: f(p, ORDER * time_limit, deadline), start)
-        found = Search(start, peak, budget_bytes, strategies, passes, run, time_limit, deadline, costs, say, label)
+        found = Search(start, peak, budget_bytes, strategies, passes, run, time_limit, deadline, costs, say, label,
+                       fallback)
         found.first_plans()
         return found
 
@@ -175,7 +177,8 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         if train and {"recompute", "swap"} & set(strategies) and not deadline.stopped and needs_more:
             split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze), budget_bytes)
         if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
-            searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ")
+            searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ",
+                                       fallback=given.best is not None)
         for level, share in enumerate(IMPROVE):
             ranked = [searches[n] for n in sorted(searches, key=lambda n: (_best_time(searches[n]), n))]
             for found in ranked:
@@ -248,7 +251,7 @@ def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], mo
     graph = baseline.graph     # the model as given (the plan's may have fused updates, split convs)
     report = build_report(graph, hw, plan.budget, strategies, baseline_profile, baseline_sim, plan, profile,
                           sim, timings, model)
-    report["costs"] = costs.pricing(plan.graph) if costs is not None else {"source": "roofline", "hardware": hw.name}
+    report["costs"] = costs.pricing(plan.graph) if costs is not None else model_pricing(plan.graph, hw)
     report["tensors"] = tensor_decisions(plan)
     report["input_pipeline"] = input_pipeline(graph, hw, sim.step_time, sim.stream_busy.get("h2d", 0.0))
     if data_parallel:

@@ -497,8 +497,8 @@ def improve(problem: remat.RematProblem, plan: list[list[int]], budget: int, wor
             start = [list(stages) for stages in plan]
             start[v] = []
             barred = dataclasses.replace(problem, fixed=problem.fixed | kept | {v})
-            work.spend(GREEDY_COST * problem.n ** 2)
-            found = remat.solve_greedy(barred, budget, copies, start=start)
+            work.spend(GREEDY_COST * problem.n ** 2)   # the run's price; a copy of what is left bounds it
+            found = remat.solve_greedy(barred, budget, copies, start=start, work=Work(work.left, work.deadline))
             if not found.fits:
                 continue
             grown = remat.plan_from_schedule(problem, found.schedule)
@@ -530,7 +530,7 @@ def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, work:
     "keep-costly+greedy": remat's greedy continued from the `continued` lowest-peak members
     among those that do not fit and are cheaper than any that does, pruned if it then fits;
     the best of them. Without a fitting plan, the lowest-peak ones are returned all the same
-    (CP-SAT starts from them).
+    (the repair and CP-SAT start from them): the greedy's, else the lowest-peak member's.
     """
     n = problem.n
     droppable = [v for v in range(n) if v not in problem.fixed and problem.size[v] > 0]
@@ -552,7 +552,7 @@ def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, work:
                      key=lambda m: m[1])
     best = None
     for _, _, start in cheaper[:continued]:
-        found = remat.solve_greedy(problem, budget, 2, start=start)
+        found = remat.solve_greedy(problem, budget, 2, start=start, work=Work(work.left, work.deadline))
         plan = remat.plan_from_schedule(problem, found.schedule)
         if found.fits:
             plan = prune(problem, plan, budget, work)
@@ -561,6 +561,8 @@ def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, work:
             best = (cost, peak, plan)
     if best is not None:
         seeds["keep-costly+greedy"] = best[2]
+    elif not fitting:   # no greedy afforded (a large graph): the lowest-peak member, for the repair to start from
+        seeds["keep-costly"] = min(members, key=lambda m: (m[1], m[0]))[2]
     return seeds
 
 
@@ -582,11 +584,13 @@ def solve(problem: remat.RematProblem, late: list[bool], budget: int, seconds: f
     if method == "auto":
         for copies in deep:
             work.spend(GREEDY_COST * problem.n ** 2)
-            found = remat.solve_greedy(problem, budget, copies, name=f"greedy-{copies}")
+            found = remat.solve_greedy(problem, budget, copies, name=f"greedy-{copies}",
+                                       work=Work(work.left, work.deadline))
             plan = remat.plan_from_schedule(problem, found.schedule)
             pruned = prune(problem, plan, budget, work) if found.fits else plan
             seeds[found.method if pruned == plan else f"{found.method}+prune"] = pruned
-    result = remat.plan(problem, budget, max(0.05, work.left), method, seeds=seeds)
+    result = remat.plan(problem, budget, max(0.05, work.left), method, seeds=seeds,
+                        work=Work(work.left, outer))
     if result.status == "optimal":
         return result
     plan = prune(problem, remat.plan_from_schedule(problem, result.schedule), budget,

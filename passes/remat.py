@@ -35,6 +35,7 @@ and returns the cheapest schedule that fits.
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 import random
@@ -43,7 +44,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import networkx as nx
+import numpy as np
 
+from memsched.deadline import Work
 from memsched.errors import BudgetError, UserError
 
 from .solver import solve
@@ -61,6 +64,13 @@ LNS_PATIENCE = 60               # local-search rounds without a cheaper plan bef
 LNS_SEED = 20240607
 LNS_TIME_SHARE = 0.6            # share of `plan`'s time limit given to local search, as schedule steps
 STEPS_PER_SECOND = 300_000      # schedule steps judged per second on a loaded core (a low estimate)
+WHOLE_NODES = 3000              # up to this many nodes the heuristics run whole even with a caller's `Work`
+                                # (BERT-base's training step, 2,067 nodes, needs its repair's ~120 greedy rounds
+                                # for its first plan at 30%); beyond, they are bounded by counted steps:
+FLOOR_STEPS = 300_000           # steps a greedy run (the repair, a pruning) may always judge, even when the work
+                                # is spent: ~50 greedy rounds on GPT-2 with 30 layers (5,369 nodes, ~5 s)
+CPSAT_NODE_COST = 2e-7          # seconds per node squared to build a CP-SAT model (its covering cuts):
+CPSAT_FLOOR_S = 1.0             # with a `Work`, CP-SAT runs only where that is within the work left (or this)
 CPSAT_MIN_SHARE = 0.1           # CP-SAT is skipped when less of the time limit is left (and a plan fits)
 PRUNE_SHARE = 0.05              # share of `plan`'s time limit kept for pruning CP-SAT's answer
 
@@ -444,13 +454,42 @@ def solve_sqrt_n(problem: RematProblem, budget_bytes: int, max_computations: int
 
 @dataclass
 class _Effort:
-    """Schedule steps judged so far: a measure of heuristic work that needs no clock."""
+    """Schedule steps judged so far: a measure of heuristic work that needs no clock, and
+    the most a loop may take: `limit` steps, of which the first `floor` even past a command's
+    `deadline` until some plan is kept (`Deadline.planned`: the first plan is owed an answer)."""
 
     steps: int = 0
+    limit: float = math.inf
+    floor: float = 0
+    deadline: object = None      # a memsched.deadline.Deadline, or None
 
     def judge(self, problem: RematProblem, seq: list[int]) -> _Liveness:
         self.steps += len(seq)
         return _liveness(problem, seq)
+
+    def ok(self) -> bool:
+        """Whether another round may run."""
+        late = self.deadline is not None and self.deadline.expired
+        if self.steps < self.floor:
+            return not (late and (self.deadline.stopped or self.deadline.planned))
+        return self.steps < self.limit and not late
+
+
+def effort_of(problem: RematProblem, work: Work | None, floor: int = FLOOR_STEPS) -> _Effort:
+    """An `_Effort` bounded by what `work` has left (at STEPS_PER_SECOND), or `floor` steps
+    where that is more (see `_Effort` for the deadline); the floor is unbounded up to
+    WHOLE_NODES nodes, and everything is without a `work`. The caller charges the steps
+    back with `charge`."""
+    if work is None:
+        return _Effort()
+    floor = floor if problem.n > WHOLE_NODES else math.inf
+    return _Effort(limit=max(work.left * STEPS_PER_SECOND, floor), floor=floor, deadline=work.deadline)
+
+
+def charge(work: Work | None, effort: _Effort) -> None:
+    """Charge `effort`'s steps to `work` (priced at STEPS_PER_SECOND)."""
+    if work is not None:
+        work.spend(effort.steps / STEPS_PER_SECOND)
 
 
 def _greedy_plan(problem: RematProblem, budget: int, max_computations: int,
@@ -461,42 +500,55 @@ def _greedy_plan(problem: RematProblem, budget: int, max_computations: int,
     recomputing it at its next use (with the inputs that would otherwise be kept alive across
     k*, recursively) against the bytes that frees at k*. Starts from `start` (a plan) if
     given, else from no recomputation. Returns the lowest-peak plan seen. `effort` counts
-    the steps judged.
+    the steps judged and ends the rounds once its limit is reached (the first always runs).
     """
     n = problem.n
     effort = effort or _Effort()
     plan: list[list[int]] = [sorted(s) for s in start] if start is not None else [[] for _ in range(n)]
-    best_plan, best_peak = [list(s) for s in plan], None
+    by_stage = _by_stage(problem, plan)
+    moves: list[tuple[int, list[int]]] = []     # evictions so far; the best plan is a prefix of them
+    best_moves, best_peak = 0, None
     for _ in range(n * max(0, max_computations - 1) + 1):
-        seq = schedule_from_plan(problem, plan)
+        seq = [v for t in range(n) for v in (*by_stage[t], t)]      # schedule_from_plan's
         lv = effort.judge(problem, seq)
         if best_peak is None or lv.peak < best_peak:
-            best_plan, best_peak = [list(s) for s in plan], lv.peak
-        if lv.peak <= budget:
+            best_moves, best_peak = len(moves), lv.peak
+        if lv.peak <= budget or not effort.ok():
             break
-        move = _best_eviction(problem, plan, seq, lv, max_computations)
+        move = _best_eviction(problem, plan, seq, lv, max_computations, by_stage)
         if move is None:
             break
+        moves.append(move)
         stage, nodes = move
         for w in nodes:
             bisect.insort(plan[w], stage)
-    return best_plan
+            bisect.insort(by_stage[stage], w)
+    for stage, nodes in moves[best_moves:]:   # back to the lowest-peak plan seen
+        for w in nodes:
+            plan[w].remove(stage)
+    return plan
 
 
-def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computations: int):
-    """(stage, nodes to recompute there) with the least cost per byte freed at the peak step."""
-    n, k_peak = problem.n, lv.peak_step
-    stage_of, stage_start = [], [0]   # step -> its stage; stage -> its first step
-    for k, v in enumerate(seq):
-        stage_of.append(len(stage_start) - 1)
-        if v == len(stage_start) - 1:   # the main step closes its stage
-            stage_start.append(k + 1)
-    by_stage: list[list[int]] = [[] for _ in range(n)]
+def _by_stage(problem: RematProblem, plan: list[list[int]]) -> list[list[int]]:
+    """Stage -> the nodes `plan` recomputes there, in topological order."""
+    by_stage: list[list[int]] = [[] for _ in range(problem.n)]
     for v, stages in enumerate(plan):
         for s in stages:
             by_stage[s].append(v)
     for lst in by_stage:
         lst.sort()
+    return by_stage
+
+
+def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computations: int,
+                   by_stage: list[list[int]] | None = None):
+    """(stage, nodes to recompute there) with the least cost per byte freed at the peak step.
+    `by_stage`: `_by_stage(problem, plan)`, where the caller keeps it."""
+    n, k_peak = problem.n, lv.peak_step
+    by_stage = _by_stage(problem, plan) if by_stage is None else by_stage
+    sizes = [len(stage) + 1 for stage in by_stage]          # a stage's replays, then its main step
+    stage_start = [0, *itertools.accumulate(sizes)]         # stage -> its first step
+    stage_of = np.repeat(np.arange(n), sizes).tolist()      # step -> its stage
     instances_of: list[list[int]] = [[] for _ in range(n)]
     starts_of: list[list[int]] = [[] for _ in range(n)]
     for i, v in enumerate(lv.node):
@@ -551,12 +603,15 @@ def _best_eviction(problem: RematProblem, plan, seq, lv: _Liveness, max_computat
 
 
 def solve_greedy(problem: RematProblem, budget_bytes: int, max_computations: int = 2,
-                 start: list[list[int]] | None = None, name: str = GREEDY) -> Result:
+                 start: list[list[int]] | None = None, name: str = GREEDY, work: Work | None = None) -> Result:
     """Greedy eviction: cheapest recomputation per byte of peak freed, until the budget holds
-    (or nothing more helps; the result then has the lowest peak it reached). `start`: a plan
-    to continue from (the result is then called `name`)."""
+    (or nothing more helps, or `work` -- at least FLOOR_STEPS of it -- is spent; the
+    result then has the lowest peak it reached). `start`: a plan to continue from (the result
+    is then called `name`)."""
     started = time.perf_counter()
-    seq = schedule_from_plan(problem, _greedy_plan(problem, budget_bytes, max_computations, start))
+    effort = effort_of(problem, work)
+    seq = schedule_from_plan(problem, _greedy_plan(problem, budget_bytes, max_computations, start, effort))
+    charge(work, effort)
     return _result(problem, name, seq, budget_bytes, "heuristic", started)
 
 
@@ -575,23 +630,27 @@ def _plan_cost(problem: RematProblem, plan: list[list[int]]) -> float:
 
 
 def solve_repair(problem: RematProblem, budget_bytes: int, starts: list[list[list[int]]],
-                 max_computations: int = 2, rounds: int = REPAIR_ROUNDS) -> Result:
+                 max_computations: int = 2, rounds: int = REPAIR_ROUNDS, effort: _Effort | None = None) -> Result:
     """Feasibility first: the greedy evictor from each start plan, allowing one more
     computation per node each round, until the budget holds.
 
     Round r runs the greedy from every start in turn with r more computations per node than
     the start needs (at least `max_computations`), from the start itself: a greedy that
     may replay more chooses differently from its first eviction on. The work is bounded by
-    counts, never by the clock, so the same input gives the same plan. Returns the first plan
-    that fits, else the lowest-peak plan seen (a result that does not fit).
+    counts, never by the clock (with `effort`: its limit, all runs together; the first run
+    always starts), so the same input gives the same plan. Returns the first plan that fits,
+    else the lowest-peak plan seen (a result that does not fit).
     """
     started = time.perf_counter()
+    effort = effort or _Effort()
     best_plan, best_peak = [[] for _ in range(problem.n)], None
     for extra in range(1, rounds + 1):
         for start in starts:
+            if best_peak is not None and not effort.ok():
+                break
             copies = max(max_computations, _max_computations_of(start)) + extra
-            current = _greedy_plan(problem, budget_bytes, copies, start)
-            peak = _peak_of(problem, current)
+            current = _greedy_plan(problem, budget_bytes, copies, start, effort)
+            peak = _peak_of(problem, current, effort)
             if best_peak is None or peak < best_peak:
                 best_plan, best_peak = current, peak
             if peak <= budget_bytes:
@@ -605,14 +664,14 @@ def _prune_plan(problem: RematProblem, plan: list[list[int]], budget_bytes: int,
     """Drop each recomputation, costliest first, that the budget does without.
 
     One pass over the recomputations (each judged once; `only`: just these (node, stage)
-    pairs), so the result depends on the plan alone. A plan that fits still fits; its cost
-    never grows.
+    pairs), so the result depends on the plan alone, until `effort` (if bounded) is spent.
+    A plan that fits still fits; its cost never grows.
     """
     current = [list(stages) for stages in plan]
     replays = sorted(((problem.cost[v], v, t) for v, stages in enumerate(plan) for t in stages
                       if only is None or (v, t) in only), key=lambda r: (-r[0], r[1], r[2]))
     for cost, v, t in replays:
-        if cost <= 0:
+        if cost <= 0 or effort is not None and not effort.ok():
             break
         current[v].remove(t)
         if _peak_of(problem, current, effort) > budget_bytes:
@@ -635,7 +694,8 @@ def _ruin(plan: list[list[int]], rng: random.Random, round_: int, n: int) -> lis
 
 
 def solve_local_search(problem: RematProblem, budget_bytes: int, start: Result, max_computations: int = 2,
-                       max_steps: int = 0, patience: int = LNS_PATIENCE, deadline: float | None = None) -> Result:
+                       max_steps: int = 0, patience: int = LNS_PATIENCE, deadline: float | None = None,
+                       work: Work | None = None) -> Result:
     """Improve a fitting result: prune it (`_prune_plan`), then ruin and recreate (large
     neighbourhood search): remove some recomputations (`_ruin`), let the greedy evictor put
     the budget right again, prune, and keep the plan when it is cheaper.
@@ -643,16 +703,18 @@ def solve_local_search(problem: RematProblem, budget_bytes: int, start: Result, 
     Rounds stop after `patience` rounds without a cheaper plan or once `max_steps` schedule
     steps have been judged (0: prune only); both are counts, so the same input gives the
     same plan. `deadline` (a `time.perf_counter()` reading) is a backstop for a machine far
-    slower than the step budget assumes. The result is called LOCAL_SEARCH.
+    slower than the step budget assumes. With `work`, all of it (the pruning too) stops at
+    FLOOR_STEPS past `max_steps`, or at what `work` has left where that is more, and as
+    `_Effort` says once `work`'s deadline has passed. The result is called LOCAL_SEARCH.
     """
     started = time.perf_counter()
-    effort = _Effort()
+    effort = effort_of(problem, work, FLOOR_STEPS + max_steps)
     best = _prune_plan(problem, plan_from_schedule(problem, start.schedule), budget_bytes, effort)
     best_cost = _plan_cost(problem, best)
     copies = max(max_computations, _max_computations_of(best)) + 1
     rng = random.Random(LNS_SEED)
     round_ = idle = 0
-    while effort.steps < max_steps and idle < patience and best_cost > 0:
+    while effort.steps < max_steps and idle < patience and best_cost > 0 and effort.ok():
         if deadline is not None and time.perf_counter() > deadline:
             break
         ruined = _ruin(best, rng, round_, problem.n)
@@ -666,6 +728,7 @@ def solve_local_search(problem: RematProblem, budget_bytes: int, start: Result, 
         cost = _plan_cost(problem, candidate)
         if cost < best_cost - 1e-9 * problem.base_cost:
             best, best_cost, idle = candidate, cost, 0
+    charge(work, effort)
     return _result(problem, LOCAL_SEARCH, schedule_from_plan(problem, best), budget_bytes, "heuristic", started)
 
 
@@ -879,7 +942,7 @@ def read_plan(rm: RematModel, solver) -> list[list[int]]:
 
 def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0,
                 warm_start: Result | None = None, max_computations: int = 2,
-                min_gap: int = 2, started: float | None = None) -> Result | None:
+                min_gap: int = 2, started: float | None = None, deadline=None) -> Result | None:
     """Least-cost plan within the budget by CP-SAT, warm-started from `warm_start`.
 
     The warm start's recomputations are always in the model; it is the hint only when it
@@ -887,7 +950,8 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
     process on a hinted search of an infeasible model, see passes/solver.py), and presolve
     stays on. `started` (a `time.perf_counter()` reading, default now) is when the caller's
     `time_limit_s` began: the wall limit is what is left of it, the deterministic limit a
-    share of all of it (see passes/solver.py `solve`).
+    share of all of it (see passes/solver.py `solve`); `deadline` (a command's
+    memsched.deadline.Deadline) caps the wall limit and stops the search.
     Returns None when no schedule within the budget was found (proven or timed out).
     Status: "optimal" (proven within the plan space), "feasible" (better than the warm start,
     not proven; lower_bound says how far it can still go), "heuristic" (nothing better found).
@@ -904,7 +968,7 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
     if warm is not None and warm_start.fits:
         add_hint(rm, problem, warm)
     solved = solve(rm.model, time_limit_s, presolve=True, started=began if started is None else started,
-                   min_seconds=0.05)
+                   min_seconds=0.05, deadline=deadline)
     if not solved.has_solution:
         return None
     seq = schedule_from_plan(problem, read_plan(rm, solved.solver))
@@ -930,7 +994,8 @@ def _cheapest(runs: dict[str, Result]) -> Result | None:
 
 
 def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, method: str = "auto",
-         max_computations: int = 2, seeds: dict[str, list[list[int]]] | None = None) -> Result:
+         max_computations: int = 2, seeds: dict[str, list[list[int]]] | None = None,
+         work: Work | None = None) -> Result:
     """The cheapest schedule within `budget_bytes`, found anytime: feasibility first, then
     improvement while `time_limit_s` lasts, always keeping the best plan so far.
 
@@ -949,6 +1014,13 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
     where `max_computations` > 1; both may exceed it, as CP-SAT's model grows to take its
     warm start. `method` = "auto" (all), or one of METHODS alone ("cpsat" keeps every step
     before it, for its warm start).
+    `work` (a caller's counted budget, with its command's deadline): steps 1 to 3 charge it
+    their steps judged and stop once it is spent (at least FLOOR_STEPS for the greedy and
+    the repair together, as many for the local search: a first answer comes; whole up to
+    WHOLE_NODES nodes), and CP-SAT
+    runs only where building its model (CPSAT_NODE_COST per node squared) is within what is
+    left, or within CPSAT_FLOOR_S: on a 6,500-node problem the heuristics' plan is the
+    answer. Without it, steps 1 and 2 run whole.
     Raises BudgetInfeasible naming the smallest budget reached.
     """
     started = time.perf_counter()
@@ -970,8 +1042,11 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
         keep(CHECKPOINT_ALL, solve_checkpoint_all(problem, budget_bytes))
     if SQRT_N in wanted:
         keep(SQRT_N, solve_sqrt_n(problem, budget_bytes, max_computations))
+    effort = effort_of(problem, work)    # the greedy's and the repair's, one floor for both
     if GREEDY in wanted:
-        keep(GREEDY, solve_greedy(problem, budget_bytes, max_computations))
+        began = time.perf_counter()
+        seq = schedule_from_plan(problem, _greedy_plan(problem, budget_bytes, max_computations, effort=effort))
+        keep(GREEDY, _result(problem, GREEDY, seq, budget_bytes, "heuristic", began))
     for name, seed in (seeds or {}).items():
         keep(name, _result(problem, name, schedule_from_plan(problem, seed), budget_bytes, "heuristic", started))
     lower = memory_lower_bound(problem)
@@ -980,27 +1055,32 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
     if improve and _cheapest(runs) is None and recompute:
         closest = sorted(runs.values(), key=lambda r: (r.peak_bytes, r.total_cost))
         starts = [plan_from_schedule(problem, r.schedule) for r in closest]
-        keep(REPAIR, solve_repair(problem, budget_bytes, [s for s in starts if s is not None], max_computations))
+        keep(REPAIR, solve_repair(problem, budget_bytes, [s for s in starts if s is not None], max_computations,
+                                  effort=effort))
+    charge(work, effort)
     best = _cheapest(runs)
     if improve and recompute and best is not None and best.status != "optimal":
         steps = int(LNS_TIME_SHARE * time_limit_s * STEPS_PER_SECOND)
         searched = solve_local_search(problem, budget_bytes, best, max_computations, steps,
-                                      deadline=started + (1 - CPSAT_MIN_SHARE) * time_limit_s)
+                                      deadline=started + (1 - CPSAT_MIN_SHARE) * time_limit_s, work=work)
         if searched.total_cost < best.total_cost:
             best = keep(LOCAL_SEARCH, searched)
     left = time_limit_s - (time.perf_counter() - started)
-    if improve and not (best and best.status == "optimal") and (best is None or left >= CPSAT_MIN_SHARE * time_limit_s):
+    affords = work is None or CPSAT_NODE_COST * problem.n ** 2 <= max(work.left, CPSAT_FLOOR_S)
+    if improve and affords and not (best and best.status == "optimal") and \
+            (best is None or left >= CPSAT_MIN_SHARE * time_limit_s):
         warm = best or min(runs.values(), key=lambda r: (r.peak_bytes, r.total_cost))
         # CP-SAT's wall limit ends PRUNE_SHARE early, to prune its answer; the deterministic
         # limit stays a share of the whole time limit
         found = solve_cpsat(problem, budget_bytes, time_limit_s, warm, max_computations,
-                            started=started - PRUNE_SHARE * time_limit_s)
+                            started=started - PRUNE_SHARE * time_limit_s,
+                            deadline=work.deadline if work is not None else None)
         if found is not None:
             found = keep(CPSAT, found)
             if best is None or found.total_cost < best.total_cost:
                 best = found
                 if found.status != "optimal":
-                    pruned = solve_local_search(problem, budget_bytes, found)
+                    pruned = solve_local_search(problem, budget_bytes, found)   # CP-SAT ran: n is small
                     if pruned.total_cost < found.total_cost:
                         best = keep(LOCAL_SEARCH, replace(pruned, status=found.status, lower_bound=found.lower_bound))
             else:   # no cheaper than the warm start: keep its name, take CP-SAT's verdict

@@ -9,7 +9,8 @@ How: passes.swap_gaps finds every idle gap of every tensor that spans a step ove
 (activations between their forward and backward uses, gradients waiting for their update,
 outputs held to the end, and weights and optimizer state, which may start the step on the
 host); passes.swap_heuristic picks a valid choice for each fast (TFLMS/Capuchin-style) and
-passes.swap_model improves on it with CP-SAT under a time limit. Both answers are emitted,
+passes.swap_model improves on it with CP-SAT under a time limit (where building the model is
+priced within twice that limit, `swap_model.build_seconds`). Both answers are emitted,
 judged by the memory model (memsched.memory.validate) and timed by the event simulator
 (memsched.simulate); the faster one is returned. The returned plan has no arena offsets (the
 placement pass runs after this one).
@@ -34,7 +35,7 @@ from memsched.simulate import Simulation, simulate
 
 from .swap_gaps import Problem, find_problem
 from .swap_heuristic import MOVING, Choice, heuristic, improve, reloads, select
-from .swap_model import solve
+from .swap_model import Solved, build_seconds, solve
 
 DEFAULT_TIME_LIMIT = 10.0
 
@@ -67,7 +68,10 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
     choices, _, order = found
 
     results = [("heuristic", choices)]
-    solved = solve(problem, choices, time_limit, started, deadline)
+    if build_seconds(problem) <= 2 * time_limit:
+        solved = solve(problem, choices, time_limit, started, deadline)
+    else:      # a model too big to build in the time limit (thousands of steps): the heuristic's answer
+        solved = Solved(None, "not built", None, None, 0.0)
     if solved.choices is not None:
         results.append(("cp-sat", solved.choices))
     best, rejected = None, None

@@ -39,6 +39,10 @@ import numpy as np
 from .swap_gaps import Gap, Problem
 
 MOVING = ("swap", "evict", "host")      # modes that put the tensor on a host tier
+TRIALS = 64                             # phase 3's replay trials per phase-1 order, at most, and
+TRIAL_STEPS = 300_000                   # the (steps + gaps) they may cover in all: each trial places and
+                                        # times every gap over every step (BERT-base: 3,801 a trial, all 64;
+                                        # GPT-2 with 60 layers: ~20,000, 15)
 
 
 @dataclass(frozen=True)
@@ -405,9 +409,13 @@ def _stretch_left(live: np.ndarray, want: int, hi: int, nbytes: int, budget: np.
 
 
 # ---- phase 3: exchange ---------------------------------------------------------------------
-def improve(problem: Problem, chosen: list[Choice], max_trials: int = 64) -> tuple[list[Choice], Timing]:
+def improve(problem: Problem, chosen: list[Choice], max_trials: int | None = None) -> tuple[list[Choice], Timing]:
     """Phases 2 and 3: place, then try recomputation instead of the swaps whose replay costs
-    least against their copies, keeping each change that lowers the model's delay."""
+    least against their copies, keeping each change that lowers the model's delay; at most
+    `max_trials` of them (default: TRIALS, fewer where TRIAL_STEPS does not cover them: a count
+    of the problem's size, so the same problem gets the same trials)."""
+    if max_trials is None:
+        max_trials = min(TRIALS, max(1, TRIAL_STEPS // (problem.n + len(problem.gaps))))
     best = place(problem, chosen) or chosen       # phase 1's choices are valid as they are
     timing = timeline(problem, best)
     again = place(problem, chosen, timing.D)
@@ -431,8 +439,9 @@ def improve(problem: Problem, chosen: list[Choice], max_trials: int = 64) -> tup
         return True
 
     def candidates() -> list[Gap]:
+        needed = _read_by_recompute(problem, best)
         gs = [g for g in problem.gaps if best[g.index].mode == "swap" and g.producer is not None
-              and _replayable(g, best) and not _needed_by_recompute(problem, g, best)]
+              and _replayable(g, best) and g.index not in needed]
         return sorted(gs, key=lambda g: g.rec_cost - g.d_in[best[g.index].tier] - g.d_out[best[g.index].tier])
 
     cheap = [g for g in candidates() if g.rec_cost < g.d_in[best[g.index].tier]]
@@ -453,7 +462,12 @@ def _replayable(g: Gap, choices: list[Choice]) -> bool:
 
 
 def _needed_by_recompute(problem: Problem, g: Gap, choices: list[Choice]) -> bool:
-    return any(choices[d.index].mode == "recompute" and g.index in d.rec_inputs for d in problem.gaps)
+    return g.index in _read_by_recompute(problem, choices)
+
+
+def _read_by_recompute(problem: Problem, choices: list[Choice]) -> set[int]:
+    """The gaps whose tensors a replay chosen in `choices` reads."""
+    return {h for d in problem.gaps if choices[d.index].mode == "recompute" for h in d.rec_inputs}
 
 
 def consistent(problem: Problem, choices: list[Choice]) -> bool:

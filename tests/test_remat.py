@@ -689,3 +689,26 @@ def test_linearized_graphs_at_08_fit_within_a_minute(nodes):
     assert time.perf_counter() - started < 75
     assert_fits(problem, result, budget)
     assert result.overhead < 0.08
+
+
+def test_a_large_graph_gets_a_fitting_plan_within_a_small_counted_work():
+    """With a caller's `Work`, on a problem over WHOLE_NODES nodes, each heuristic stops at
+    its counted steps (FLOOR_STEPS where the work is less), never at the clock, and CP-SAT,
+    whose model a 3,201-node problem makes too dear for the work, is skipped: the
+    feasibility-first baselines (sqrt(n) here) still give a plan that fits, the same one
+    each time. Unbounded, the greedy here judges 1,192,081 steps."""
+    problem = graphs.chain(1600, seed=1)
+    assert problem.n > remat.WHOLE_NODES
+    budget = remat.budget_from_fraction(problem, 0.7)
+    work = remat.Work(0.01)
+    result = remat.plan(problem, budget, time_limit_s=0.01, work=work)
+    assert_fits(problem, result, budget)
+    assert remat.CPSAT not in result.runs and not result.runs[remat.GREEDY].fits and result.runs[remat.SQRT_N].fits
+    lns = int(remat.LNS_TIME_SHARE * 0.01 * remat.STEPS_PER_SECOND)
+    longest = 2 * problem.n                     # a schedule with every node computed at most twice
+    assert work.spent * remat.STEPS_PER_SECOND <= 2 * remat.FLOOR_STEPS + lns + 4 * longest
+
+    greedy = remat.Work(0.0)
+    again = remat.solve_greedy(problem, budget, work=greedy)
+    assert again.schedule == result.runs[remat.GREEDY].schedule
+    assert remat.FLOOR_STEPS <= greedy.spent * remat.STEPS_PER_SECOND <= remat.FLOOR_STEPS + longest
