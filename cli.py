@@ -161,17 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_remat)
 
     p = sub.add_parser("train-graph", help="build the training step (forward, loss, backward, update) as ONNX")
-    p.add_argument("model", help="an .onnx file (a forward/inference graph)")
+    p.add_argument("model", nargs="?", help="an .onnx file (a forward/inference graph); not with --gan")
+    p.add_argument("--gan", nargs=2, metavar=("G.onnx", "D.onnx"),
+                   help="build one GAN iteration of generator G and discriminator D instead: D's step on 'real' "
+                        "and G('z'), then G's step through the updated D (BCE on logits; default optimizer sgd)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the training step")
     add_dim_option(p)
-    p.add_argument("--loss", choices=["cross_entropy", "mse", "output"], default="cross_entropy",
-                   help="cross_entropy against int64 'labels', mse against 'targets', or the model's "
-                        "scalar output (default: cross_entropy)")
-    p.add_argument("--optimizer", choices=["none", "sgd", "momentum", "adam"], default="none",
-                   help="none: gradients are outputs; else the update is part of the step (default: none)")
+    p.add_argument("--loss", choices=["cross_entropy", "mse", "bce_with_logits", "output"],
+                   help="cross_entropy against int64 'labels', mse or bce_with_logits against 'targets', or the "
+                        "model's scalar output (default: cross_entropy; a GAN step takes bce_with_logits)")
+    p.add_argument("--optimizer", choices=["none", "sgd", "momentum", "adam"],
+                   help="none: gradients are outputs; else the update is part of the step (default: none; "
+                        "sgd with --gan)")
     p.add_argument("--lr", type=float, default=0.01, metavar="F", help="learning rate (default: 0.01)")
     p.add_argument("--freeze", action="append", default=[], metavar="PATTERN",
-                   help="do not train parameters matching this fnmatch pattern (repeatable)")
+                   help="do not train parameters matching this fnmatch pattern (repeatable; not with --gan)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_train_graph)
 
@@ -467,13 +471,25 @@ def cmd_check_numerics(args) -> int:
 
 def cmd_train_graph(args) -> int:
     from memsched import frontend
+    from memsched.errors import UserError
     from memsched.onnx_utils import save_model_atomic
     from memsched.views import print_train_graph
     from passes.autodiff import build_training_step, describe
+    from passes.autodiff.gan import build_gan_step
 
-    check_outputs({"-o": args.output}, [args.model])
-    graph = frontend.load(args.model, frontend.parse_dims(args.dim))
-    train = build_training_step(graph, loss=args.loss, optimizer=args.optimizer, lr=args.lr, freeze=args.freeze)
+    dims = frontend.parse_dims(args.dim)
+    if args.gan:
+        if args.model or args.freeze or args.loss not in (None, "bce_with_logits"):
+            raise UserError("--gan G.onnx D.onnx takes no MODEL, --freeze or --loss (its loss is bce_with_logits)")
+        check_outputs({"-o": args.output}, list(args.gan))
+        generator, discriminator = (frontend.load(path, dims) for path in args.gan)
+        train = build_gan_step(generator, discriminator, optimizer=args.optimizer or "sgd", lr=args.lr)
+    else:
+        if not args.model:
+            raise UserError("give a MODEL.onnx, or --gan G.onnx D.onnx")
+        check_outputs({"-o": args.output}, [args.model])
+        train = build_training_step(frontend.load(args.model, dims), loss=args.loss or "cross_entropy",
+                                    optimizer=args.optimizer or "none", lr=args.lr, freeze=args.freeze)
     save_model_atomic(train.to_onnx(), args.output)
     summary = {"output": str(args.output), **describe(train)}
     if args.json:

@@ -41,9 +41,11 @@ from passes.reuse import choose_aliases, reuse_pass  # noqa: E402
 
 def training_graph(name: str, batch: int, model=None):
     """The SGD training step of bundled model `name` at `batch` (other options: defaults),
-    or of the ONNX `model` given, and the rewritten steps reuse may pick instead."""
+    or of the ONNX `model` given, and the rewritten steps reuse may pick instead. Cross-entropy,
+    but binary on logits for the DCGAN discriminator (one logit per image)."""
     model = model if model is not None else models.build(name, batch=batch)
-    return training_steps(lower(model), loss="cross_entropy", optimizer="sgd")
+    loss = "bce_with_logits" if name == "dcgan-discriminator" else "cross_entropy"
+    return training_steps(lower(model), loss=loss, optimizer="sgd")
 
 
 def synthetic_graph(layers: int = 700):

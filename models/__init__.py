@@ -8,7 +8,8 @@ byte-identical models.
 
 Graph interface: image models take ``input`` float [N, C, H, W] (unet3d: [N, C, D, H, W]),
 transformers take ``input_ids`` int64 [N, L]; the first graph output is ``logits``
-(classifier scores, per-pixel class maps, or per-token vocabulary scores).
+(classifier scores, per-pixel class maps, or per-token vocabulary scores), except for the
+DCGAN generator, which takes ``input`` z [N, nz, 1, 1] and outputs ``image`` (models.dcgan).
 
 BatchNorm: by default BatchNormalization is emitted as torch exports it in eval form
 (one output, running statistics as inputs). ``bn_training=True`` (models with BN) emits
@@ -36,6 +37,7 @@ import onnx
 from memsched.onnx_utils import save_model_atomic
 
 from .cnn import mobilenetv2, resnet18, resnet50, vgg16
+from .dcgan import dcgan_discriminator, dcgan_generator
 from .layers import count_parameters
 from .mlp import mlp
 from .transformer import bert_base, gpt2
@@ -52,6 +54,9 @@ _MODELS = {
     "bert-base": (bert_base, "BERT-base encoder + pooler + classifier, HF "
                              "BertForSequenceClassification"),
     "gpt2": (gpt2, "GPT-2 small decoder with causal mask and tied LM head, HF GPT2LMHeadModel"),
+    "dcgan-generator": (dcgan_generator, "DCGAN generator, z -> 64x64 image (PyTorch DCGAN example)"),
+    "dcgan-discriminator": (dcgan_discriminator, "DCGAN discriminator, image -> one logit "
+                                                 "(PyTorch DCGAN example less its Sigmoid)"),
 }
 
 NAMES = tuple(_MODELS)

@@ -39,8 +39,10 @@ CASES = {
     "resnet50": dict(options=dict(batch=2, size=64, classes=10), eps=1e-9, agree=5e-2, rtol=1e-4, slow=True),
     "mobilenetv2": dict(options=dict(batch=4, size=64, classes=10, width=0.25), agree=5e-2, slow=True),
     "unet3d": dict(options=dict(batch=1, size=16, width=4, depth=2), agree=5e-2, slow=True),
+    "dcgan-generator": dict(options=dict(batch=4, size=16, nz=8, ngf=4), loss="mse"),
+    "dcgan-discriminator": dict(options=dict(batch=4, size=16, ndf=4), loss="bce_with_logits"),
 }
-DEFAULTS = dict(lr=0.1, eps=1e-7, agree=1e-3, rtol=1e-5, slow=False)
+DEFAULTS = dict(lr=0.1, eps=1e-7, agree=1e-3, rtol=1e-5, slow=False, loss="cross_entropy")
 
 
 def _cases():
@@ -53,8 +55,9 @@ def test_every_zoo_model_has_a_case():
     assert set(CASES) == set(models.NAMES)
 
 
-def _batch(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    """A fixed random batch: inputs, token ids below the vocabulary, labels below the classes."""
+def _batch(model: onnx.ModelProto, seed: int = 0, loss: str = "cross_entropy") -> dict[str, np.ndarray]:
+    """A fixed random batch: inputs, token ids below the vocabulary, labels below the classes
+    (cross_entropy) or targets in [0, 1) shaped as the output (mse, bce_with_logits)."""
     graph = lower(model)
     rng = np.random.default_rng(seed)
     feeds = {}
@@ -65,6 +68,9 @@ def _batch(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
         else:
             feeds[name] = rng.standard_normal(t.shape).astype(np.float32)
     shape = graph.tensors[graph.outputs[0]].shape
+    if loss != "cross_entropy":
+        feeds["targets"] = rng.random(shape).astype(np.float32)
+        return feeds
     axis = class_axis(shape)
     feeds["labels"] = rng.integers(0, shape[axis], shape[:axis] + shape[axis + 1:])
     return feeds
@@ -73,11 +79,11 @@ def _batch(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("name, case", list(_cases()))
 def test_zoo_model_trains_and_its_gradients_match(name, case):
     model = models.build(name, **case["options"])
-    feeds = _batch(model)
-    losses = train_losses(model, feeds, steps=20, loss="cross_entropy", optimizer="sgd", lr=case["lr"])
+    feeds = _batch(model, loss=case["loss"])
+    losses = train_losses(model, feeds, steps=20, loss=case["loss"], optimizer="sgd", lr=case["lr"])
     assert all(np.isfinite(losses)), losses
     assert losses[-1] < 0.8 * losses[0], losses
-    check_against_float64(model, feeds, loss="cross_entropy", params=3, sample=2, eps=case["eps"],
+    check_against_float64(model, feeds, loss=case["loss"], params=3, sample=2, eps=case["eps"],
                           agree=case["agree"], rtol=case["rtol"])
 
 
@@ -90,7 +96,7 @@ def test_zoo_training_step_tags_dw_and_dx_per_layer(name):
     weight data: structure only."""
     model = models.build(name, weights=False, **CASES[name]["options"])
     source = lower(model)
-    train = build_training_step(source, loss="cross_entropy", optimizer="adam")
+    train = build_training_step(source, loss=CASES[name].get("loss", "cross_entropy"), optimizer="adam")
     roles = json.loads(train.metadata[GRAD_ROLES_KEY])
     params = json.loads(train.metadata[TRAINING_KEY])["parameters"]
     assert {r["role"] for r in roles.values()} <= {"dW", "dX", "shared", "update"}

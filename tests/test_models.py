@@ -31,7 +31,10 @@ SMALL = {
     "unet3d": (dict(batch=1, size=16, width=8), [1, 3, 16, 16, 16]),
     "bert-base": (dict(batch=2, seq=16, layers=2, vocab=SMALL_VOCAB), [2, 2]),
     "gpt2": (dict(batch=2, seq=16, layers=2, vocab=SMALL_VOCAB), [2, 16, SMALL_VOCAB]),
+    "dcgan-generator": (dict(batch=2, size=16, nz=16, ngf=8), [2, 3, 16, 16]),
+    "dcgan-discriminator": (dict(batch=2, size=16, ndf=8), [2]),
 }
+OUTPUT_NAMES = {"dcgan-generator": "image"}    # every other model's first output is 'logits'
 
 # Parameter counts of the reference implementations at default size.
 REFERENCE_PARAMETERS = {
@@ -48,6 +51,10 @@ REFERENCE_PARAMETERS = {
     "bert-base": 109_482_240 + 768 * 2 + 2,
     # HF gpt2 GPT2LMHeadModel: lm_head tied to transformer.wte, no head bias
     "gpt2": 124_439_808,
+    # PyTorch examples/dcgan Generator(ngpu) and Discriminator(ngpu) at nz=100, ngf=ndf=64, nc=3
+    # (the discriminator's Sigmoid has no parameters)
+    "dcgan-generator": 3_576_704,
+    "dcgan-discriminator": 2_765_568,
 }
 # Çiçek et al. (2016), 3 input channels, 3 labels: "19069955 parameters in total", which
 # counts no BN affine parameters; the 14 BN layers add gamma and beta on 2,336 channels.
@@ -97,7 +104,7 @@ def test_small_model_runs_with_static_logits(name):
     assert sess.get_providers() == ["CPUExecutionProvider"]
     (logits,) = sess.run(None, feed(sess))
     (declared,) = model.graph.output
-    assert declared.name == "logits"
+    assert declared.name == OUTPUT_NAMES.get(name, "logits")
     assert [d.dim_value for d in declared.type.tensor_type.shape.dim] == SMALL[name][1]
     assert list(logits.shape) == SMALL[name][1]
     # sensible init scale: finite, not collapsed, not exploding
@@ -336,7 +343,7 @@ def test_catalog_lists_every_model_with_its_count():
     entries = models.catalog()
     assert [e["name"] for e in entries] == list(models.NAMES) == [
         "mlp", "vgg16", "resnet18", "resnet50", "mobilenetv2", "unet2d", "unet3d",
-        "bert-base", "gpt2"]
+        "bert-base", "gpt2", "dcgan-generator", "dcgan-discriminator"]
     for entry in entries:
         assert entry["description"]
         assert entry["parameters"] == REFERENCE_PARAMETERS.get(entry["name"],
@@ -415,3 +422,44 @@ def test_cli_models_export_errors_are_one_line(tmp_path, args, message):
 
 def test_cli_models_export_needs_output():
     assert run_cli("models", "export", "mlp").returncode == 2
+
+
+# -- DCGAN ------------------------------------------------------------------------------
+def test_dcgan_layers_follow_the_pytorch_example():
+    """64x64: the generator's ConvTransposes 100->512 (4x4), then 4/2/1 up to 3 channels and
+    Tanh; the discriminator's Convs 4/2/1 with LeakyReLU(0.2), BN on all but the first, a last
+    4x4 conv to one logit per image; no conv has a bias."""
+    gen, disc = (models.build(name, weights=False) for name in ("dcgan-generator", "dcgan-discriminator"))
+    shapes = [{t.name: list(t.dims) for t in m.graph.initializer} for m in (gen, disc)]
+    ups = [n for n in gen.graph.node if n.op_type == "ConvTranspose"]
+    assert [shapes[0][n.input[1]] for n in ups] == [[100, 512, 4, 4], [512, 256, 4, 4], [256, 128, 4, 4],
+                                                  [128, 64, 4, 4], [64, 3, 4, 4]]
+    assert [(attr(n, "strides"), attr(n, "pads")) for n in ups] == [([1, 1], [0] * 4)] + [([2, 2], [1] * 4)] * 4
+    assert [n.op_type for n in gen.graph.node if n.op_type in ("BatchNormalization", "Relu", "Tanh")] == \
+        ["BatchNormalization", "Relu"] * 4 + ["Tanh"]
+    convs = [n for n in disc.graph.node if n.op_type == "Conv"]
+    assert [shapes[1][n.input[1]] for n in convs] == [[64, 3, 4, 4], [128, 64, 4, 4], [256, 128, 4, 4],
+                                                    [512, 256, 4, 4], [1, 512, 4, 4]]
+    assert sum(n.op_type == "BatchNormalization" for n in disc.graph.node) == 3
+    assert [attr(n, "alpha") for n in disc.graph.node if n.op_type == "LeakyRelu"] == [pytest.approx(0.2)] * 4
+    assert all(len(n.input) == 2 for n in ups + convs)
+    assert not any(n.op_type == "Sigmoid" for n in disc.graph.node)
+    assert [d.dim_value for d in gen.graph.output[0].type.tensor_type.shape.dim] == [64, 3, 64, 64]
+    assert [d.dim_value for d in disc.graph.output[0].type.tensor_type.shape.dim] == [64]
+
+
+def test_dcgan_init_is_the_examples():
+    """Conv weights N(0, 0.02), BN weights N(1, 0.02), BN biases 0 (weights_init)."""
+    model = models.build("dcgan-discriminator")
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    conv = values["main.5.weight"]
+    assert abs(conv.mean()) < 1e-3 and conv.std() == pytest.approx(0.02, rel=0.02)
+    bn = np.concatenate([values[f"main.{i}.weight"] for i in (3, 6, 9)])
+    assert abs(bn.mean() - 1) < 0.005 and bn.std() == pytest.approx(0.02, rel=0.15) and bn.std() > 0
+    assert not np.concatenate([values[f"main.{i}.bias"] for i in (3, 6, 9)]).any()
+
+
+@pytest.mark.parametrize("size, message", [(48, "power of two"), (8, ">= 16")])
+def test_dcgan_sizes_are_powers_of_two(size, message):
+    with pytest.raises(ValueError, match=message):
+        models.build("dcgan-generator", size=size, weights=False)

@@ -6,6 +6,10 @@
   language-model loss), and axis 1 for maps [N, C, H, W] / [N, C, D, H, W] (per-pixel, as
   PyTorch's CrossEntropyLoss on segmentation outputs).
 - mse: mean of (output - targets)^2 over every element, `targets` shaped as the output.
+- bce_with_logits: binary cross-entropy of logits against `targets` (probabilities, float,
+  shaped as the output), mean over every element, in the stable form
+  max(x, 0) - x * y + log(1 + exp(-|x|)) (PyTorch's BCEWithLogitsLoss); its gradient is
+  (sigmoid(x) - y) / count. `bce_with_logits` also serves the GAN step with constant labels.
 - output: the model's output is the loss already (it must have one element).
 
 The loss tensor is named `loss`. Each loss returns a function that emits, in the backward
@@ -22,7 +26,7 @@ from memsched.errors import UserError
 
 from .registry import FLOAT_TYPES
 
-LOSSES = ("cross_entropy", "mse", "output")
+LOSSES = ("cross_entropy", "mse", "bce_with_logits", "output")
 LOSS_NAME = "loss"
 
 
@@ -38,7 +42,7 @@ def emit_loss(em, loss: str, output: str) -> tuple[list[str], Callable[[], str]]
             raise UserError(f"the model already has a tensor named '{name}', which the training "
                             f"step needs for its {'loss' if name == LOSS_NAME else name} input")
     with em.scope("loss"):
-        return (_cross_entropy if loss == "cross_entropy" else _mse)(em, output)
+        return {"cross_entropy": _cross_entropy, "mse": _mse, "bce_with_logits": _bce}[loss](em, output)
 
 
 def _cross_entropy(em, logits):
@@ -88,6 +92,35 @@ def _mse(em, output):
             return em.divide(diff, count / 2)
 
     return [targets], backward
+
+
+def _bce(em, logits):
+    targets = em.add_input("targets", em.shape(logits), em.dtype(logits))
+    mean, gradient = bce_with_logits(em, logits, targets)
+    em.op("Identity", [mean], outputs=[LOSS_NAME], kind="output")
+
+    def backward() -> str:
+        with em.scope("loss/grad"):
+            return gradient()
+
+    return [targets], backward
+
+
+def bce_with_logits(em, logits: str, targets: str) -> tuple[str, Callable[[], str]]:
+    """mean(max(x, 0) - x * y + log(1 + exp(-|x|))) of logits x against targets y (a tensor
+    shaped as x, or a scalar constant: one label for every element), emitted in the current
+    scope; returns the mean and the function that emits d mean / d x = (sigmoid(x) - y) / count
+    (in the scope current when it is called)."""
+    softplus = em.op("Log", [em.op("Add", [em.op("Exp", [em.op("Neg", [em.op("Abs", [logits])])]),
+                                           em.scalar(1, logits)])])
+    terms = em.op("Add", [em.op("Sub", [em.op("Relu", [logits]), em.op("Mul", [logits, targets])]), softplus])
+    mean = em.reduce("ReduceMean", terms, range(em.rank(logits)), keepdims=False)
+    count = int(np.prod(em.shape(logits)))
+
+    def backward() -> str:
+        return em.divide(em.op("Sub", [em.op("Sigmoid", [logits]), targets]), count)
+
+    return mean, backward
 
 
 def _output_loss(em, output):
