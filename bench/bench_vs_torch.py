@@ -1,22 +1,29 @@
-"""PyTorch's own peak for one SGD step of BERT-base against memsched's training step.
+"""PyTorch's own peak for one SGD step against memsched's baseline and order+reuse plan.
 
-    PYTHONPATH=<dir with torch> python bench/bench_vs_torch.py [--batch 8] [--seq 128]
+    PYTHONPATH=<dir with torch> python bench/bench_vs_torch.py [--models resnet18,bert-base]
+        [--time-limit 60]
 
-PyTorch side: BertForSequenceClassification's layers written out in torch (transformers is not
-installed here) as models/transformer.py mirrors them -- eager attention, exact (erf) GELU,
-LayerNorm, no dropout -- and one step `loss.backward(); optimizer.step()` with torch.optim.SGD
-on the CPU, its peak read from torch's memory profiler (profile_memory=True; the timeline of
-allocations and frees, parameters included as pre-existing). memsched side: the training step
-of models.build("bert-base") with SGD, baseline peak (the step's own order, no reuse) with and
-without fusing GELU/LayerNorm/softmax patterns (passes.autodiff.fuse). torch is not a
-dependency of memsched: without it the PyTorch column is left out.
+Models and batches (the issue's table): resnet18 b32 224, resnet50 b16 224, mobilenetv2 b32
+224, bert-base 8 x 128. PyTorch side: torchvision's classifiers and BertForSequenceClassification
+written out in torch (torchvision and transformers are not installed here; bench/torch_models.py
+and `bert_module` below mirror models/ -- ReLU in place as torchvision has it, eager attention,
+exact GELU, no dropout), one step `loss.backward(); optimizer.step()` with torch.optim.SGD on
+the CPU, its peak read from torch's memory profiler (profile_memory=True: the timeline of
+allocations and frees, parameters included as pre-existing). memsched side: the SGD training
+step of models.build(name) (weights left out: only sizes matter), its baseline peak as
+PyTorch eager runs the step (the step's own order, every gradient alive until its update,
+updates in place: passes.reuse.baseline_aliases) and the peak of the plan `memsched compile
+--train --strategies order,reuse` makes (no budget). torch is not a dependency of memsched: without it the
+PyTorch column is left out. One JSON line per model, then the whole table.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,25 +33,73 @@ from memsched.frontend import lower  # noqa: E402
 from memsched.memory import validate  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
 from passes.autodiff import build_training_step  # noqa: E402
+from passes.pipeline import compile as compile_plan  # noqa: E402
+from passes.reuse import baseline_aliases  # noqa: E402
+
+# name -> the models.build options of the issue's table
+CASES = {"resnet18": {"batch": 32, "size": 224}, "resnet50": {"batch": 16, "size": 224},
+         "mobilenetv2": {"batch": 32, "size": 224}, "bert-base": {"batch": 8, "seq": 128}}
 
 
-def memsched_peaks(batch: int, seq: int) -> dict[str, int]:
-    forward = lower(models.build("bert-base", batch=batch, seq=seq, weights=False))
-    return {f"memsched_{'fused' if fuse else 'op_by_op'}":
-            validate(Plan.initial(build_training_step(forward, optimizer="sgd", fuse=fuse))).peak_bytes
-            for fuse in (False, True)}
+def memsched_peaks(name: str, time_limit: float) -> dict[str, int | float]:
+    """Baseline and order+reuse plan peaks of model `name`'s SGD step, exact bytes."""
+    forward = lower(models.build(name, weights=False, **CASES[name]))
+    step = build_training_step(forward, optimizer="sgd")
+    baseline = validate(dataclasses.replace(Plan.initial(step), aliases=baseline_aliases(step))).peak_bytes
+    started = time.perf_counter()
+    result = compile_plan(forward, train=True, optimizer="sgd", strategies=("order", "reuse"),
+                          time_limit=time_limit)
+    return {"memsched_baseline": baseline, "memsched_plan": result.profile.peak_bytes,
+            "compile_s": round(time.perf_counter() - started, 1)}
 
 
-def torch_peak(batch: int, seq: int, layers: int = 12, hidden: int = 768, heads: int = 12,
-               vocab: int = 30522, positions: int = 512, classes: int = 2) -> int | None:
-    """Peak bytes of one SGD step of a torch BERT-base on the CPU, or None without torch."""
+def torch_step_peak(module, inputs, labels) -> int:
+    """Peak bytes of one SGD step of `module` on `inputs` (cross-entropy against `labels`)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        loss = torch.nn.functional.cross_entropy(module(inputs), labels)
+        loss.backward()
+        optimizer.step()
+    live = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action in (Action.PREEXISTING, Action.CREATE):
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    return peak
+
+
+def torch_peak(name: str) -> int | None:
+    """PyTorch's peak for model `name` at its CASES size, or None without torch."""
     try:
         import torch
-        from torch import nn
-        from torch.profiler import ProfilerActivity, profile
-        from torch.profiler._memory_profiler import Action
     except ImportError:
         return None
+    case = CASES[name]
+    if name == "bert-base":
+        module = bert_module()
+        torch.manual_seed(0)
+        inputs, classes = torch.randint(0, 30522, (case["batch"], case["seq"])), 2
+    else:
+        from torch_models import torchvision_classifier
+
+        module = torchvision_classifier(name)
+        inputs, classes = torch.randn(case["batch"], 3, case["size"], case["size"]), 1000
+    return torch_step_peak(module, inputs, torch.randint(0, classes, (case["batch"],)))
+
+
+def bert_module(layers: int = 12, hidden: int = 768, heads: int = 12, vocab: int = 30522, positions: int = 512,
+                classes: int = 2):
+    """BertForSequenceClassification's layers in torch, as models/transformer.py mirrors them."""
+    import torch
+    from torch import nn
+
     torch.manual_seed(0)
 
     class Layer(nn.Module):
@@ -80,38 +135,39 @@ def torch_peak(batch: int, seq: int, layers: int = 12, hidden: int = 768, heads:
                 x = layer(x)
             return self.classifier(torch.tanh(self.pool(x[:, 0])))
 
-    model = Bert()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    ids = torch.randint(0, vocab, (batch, seq))
-    labels = torch.randint(0, classes, (batch,))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        loss = nn.functional.cross_entropy(model(ids), labels)
-        loss.backward()
-        optimizer.step()
-    live = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action in (Action.PREEXISTING, Action.CREATE, Action.INCREMENT_VERSION):
-            live += size if action != Action.INCREMENT_VERSION else 0
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
-    return peak
+    return Bert()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--models", default=",".join(CASES), help="comma-separated, from " + ", ".join(CASES))
+    parser.add_argument("--time-limit", type=float, default=60.0, help="the compile's time limit (seconds)")
+    parser.add_argument("--no-plan", action="store_true", help="baselines only (no compile)")
     args = parser.parse_args()
-    result = memsched_peaks(args.batch, args.seq)
-    reference = torch_peak(args.batch, args.seq)
-    if reference is None:
-        print("bench_vs_torch: torch is not installed; the PyTorch peak is left out", file=sys.stderr)
-    else:
-        result["torch"] = reference
-        result.update({f"{k}_over_torch": round(v / reference, 4) for k, v in list(result.items()) if k != "torch"})
-    print(json.dumps({"model": "bert-base", "batch": args.batch, "seq": args.seq, **result}, indent=2))
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown model {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))      # bench/torch_models
+    table = []
+    for name in names:
+        row = {"model": name, **CASES[name]}
+        if args.no_plan:
+            step = build_training_step(lower(models.build(name, weights=False, **CASES[name])), optimizer="sgd")
+            row["memsched_baseline"] = validate(dataclasses.replace(Plan.initial(step),
+                                                                    aliases=baseline_aliases(step))).peak_bytes
+        else:
+            row.update(memsched_peaks(name, args.time_limit))
+        reference = torch_peak(name)
+        if reference is None:
+            print("bench_vs_torch: torch is not installed; the PyTorch peak is left out", file=sys.stderr)
+        else:
+            row["torch"] = reference
+            row.update({f"{k}_over_torch": round(row[k] / reference, 4)
+                        for k in ("memsched_baseline", "memsched_plan") if k in row})
+        print(json.dumps(row), flush=True)
+        table.append(row)
+    print(json.dumps(table, indent=2))
 
 
 if __name__ == "__main__":

@@ -76,3 +76,105 @@ def exported(batch: int) -> dict[str, onnx.ModelProto]:
                           output_names=["logits"])
         models[name] = onnx.load_from_string(buffer.getvalue())
     return models
+
+
+# ---- torchvision's classifiers, written out (torchvision is not installed here) ---------------
+def torchvision_classifier(name: str, classes: int = 1000):
+    """torchvision's resnet18, resnet50 (v1.5) or mobilenet_v2 as torch modules, written as
+    torchvision writes them (ReLU and ReLU6 in place, BN after every conv, no dropout: the
+    bundled models leave it out too), for PyTorch's own peak memory of a training step."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    class Basic(nn.Module):
+        expansion = 1
+
+        def __init__(self, cin: int, planes: int, stride: int):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(cin, planes, 3, stride, 1, bias=False), nn.BatchNorm2d(planes)
+            self.conv2, self.bn2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False), nn.BatchNorm2d(planes)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = _downsample(cin, planes, stride)
+
+        def forward(self, x):
+            y = self.relu(self.bn1(self.conv1(x)))
+            y = self.bn2(self.conv2(y))
+            return self.relu(y + (self.downsample(x) if self.downsample is not None else x))
+
+    class Bottleneck(nn.Module):
+        expansion = 4
+
+        def __init__(self, cin: int, planes: int, stride: int):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(cin, planes, 1, bias=False), nn.BatchNorm2d(planes)
+            self.conv2, self.bn2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False), nn.BatchNorm2d(planes)
+            self.conv3, self.bn3 = nn.Conv2d(planes, 4 * planes, 1, bias=False), nn.BatchNorm2d(4 * planes)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = _downsample(cin, 4 * planes, stride)
+
+        def forward(self, x):
+            y = self.relu(self.bn1(self.conv1(x)))
+            y = self.relu(self.bn2(self.conv2(y)))
+            y = self.bn3(self.conv3(y))
+            y += self.downsample(x) if self.downsample is not None else x
+            return self.relu(y)
+
+    def _downsample(cin: int, cout: int, stride: int):
+        if stride == 1 and cin == cout:
+            return None
+        return nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    class ResNet(nn.Module):
+        def __init__(self, block, counts):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                                      nn.MaxPool2d(3, 2, 1))
+            layers, cin = [], 64
+            for stage, (planes, count) in enumerate(zip([64, 128, 256, 512], counts)):
+                for i in range(count):
+                    layers.append(block(cin, planes, 2 if stage and not i else 1))
+                    cin = planes * block.expansion
+            self.layers = nn.Sequential(*layers)
+            self.fc = nn.Linear(cin, classes)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+    def conv_bn_relu6(cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1):
+        return nn.Sequential(nn.Conv2d(cin, cout, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
+                             nn.BatchNorm2d(cout), nn.ReLU6(inplace=True))
+
+    class InvertedResidual(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int, expand: int):
+            super().__init__()
+            hidden = cin * expand
+            parts = [conv_bn_relu6(cin, hidden, 1)] if expand != 1 else []
+            parts += [conv_bn_relu6(hidden, hidden, 3, stride, hidden), nn.Conv2d(hidden, cout, 1, bias=False),
+                      nn.BatchNorm2d(cout)]
+            self.conv, self.residual = nn.Sequential(*parts), stride == 1 and cin == cout
+
+        def forward(self, x):
+            return x + self.conv(x) if self.residual else self.conv(x)
+
+    class MobileNetV2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            features, cin = [conv_bn_relu6(3, 32, 3, 2)], 32
+            for t, c, n, s in [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                               (6, 160, 3, 2), (6, 320, 1, 1)]:
+                for i in range(n):
+                    features.append(InvertedResidual(cin, c, s if i == 0 else 1, t))
+                    cin = c
+            features.append(conv_bn_relu6(cin, 1280, 1))
+            self.features, self.classifier = nn.Sequential(*features), nn.Linear(1280, classes)
+
+        def forward(self, x):
+            return self.classifier(torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1))
+
+    builders = {"resnet18": lambda: ResNet(Basic, [2, 2, 2, 2]), "resnet50": lambda: ResNet(Bottleneck, [3, 4, 6, 3]),
+                "mobilenetv2": MobileNetV2}
+    if name not in builders:
+        raise ValueError(f"no torch version of {name!r}; known: {', '.join(builders)}")
+    return builders[name]()

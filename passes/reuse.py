@@ -16,7 +16,13 @@ Three decisions, none adding a FLOP or a transfer:
   its update, the update's first step takes the gradient from the Gemm's accumulation -- SGD's
   w - lr * g becomes Gemm(A, B, C=w, alpha=-lr*alpha, beta=1), momentum's momentum * b + g
   becomes Gemm(A, B, C=b, alpha, beta=momentum) -- written over C: the gradient buffer never
-  exists. Same FLOPs; the rounding is the Gemm's instead of the elementwise ops'.
+  exists. Same FLOPs; the rounding is the Gemm's instead of the elementwise ops'. Where the
+  gradient is an embedding's scatter-add of the batch's rows into zeros, the rows are
+  scatter-added into w (SGD, scaled by -lr) or into momentum * b instead: no vocab x hidden
+  gradient buffer. Adam keeps every gradient dense.
+- PyTorch's baseline (`baseline_aliases`): the aliases that make the graph's own order the
+  step PyTorch eager runs by default -- every gradient alive until its update, each update
+  in place over its parameter and state.
 - Rewritten steps: the caller may hand in the same training step rewritten (`variants`, e.g.
   passes.concat_split's convolutions split over their Concats); each is judged like the
   graph itself, fused or not, and kept only where it does not lose.
@@ -44,7 +50,7 @@ from onnx import helper, numpy_helper
 from memsched.errors import ScheduleError
 from memsched.ir import Graph, Op, Tensor, tensor_value
 from memsched.memory import INPLACE_OPS, VIEW_OPS, analyze, writable_inputs
-from memsched.schedule import Plan, Schedule, order_schedule
+from memsched.schedule import Plan, Schedule, default_schedule, order_schedule
 
 # where passes.autodiff records each backward op's role (dW, dX, update; see its package doc)
 GRAD_ROLES_KEY = "memsched.grad_roles"
@@ -115,8 +121,21 @@ def reuse_pass(plan: Plan, fuse: bool = True, variants: dict[str, Graph] | None 
 
 def carried_order(graph: Graph, fused: Graph, order: list[str]) -> list[str]:
     """`order` (of `graph`'s ops) for `fused`: a fused op where the op whose outputs it makes
-    stood, the ops fused away left out."""
-    names = []
+    stood, preceded by the new ops feeding it (a fused update's scaling of its rows), the ops
+    fused away left out."""
+    names: list[str] = []
+    placed: set[str] = set()
+
+    def place(op: Op) -> None:
+        if op.name in placed:
+            return
+        placed.add(op.name)
+        for t in op.present_inputs:
+            feeder = fused.producer.get(t)
+            if feeder is not None and feeder.name not in graph.op_by_name:
+                place(feeder)
+        names.append(op.name)
+
     for name in order:
         if name in fused.op_by_name:
             names.append(name)
@@ -124,7 +143,7 @@ def carried_order(graph: Graph, fused: Graph, order: list[str]) -> list[str]:
         outputs = graph.op_by_name[name].present_outputs
         maker = fused.producer.get(outputs[0]) if outputs else None
         if maker is not None and maker.name not in graph.op_by_name:
-            names.append(maker.name)
+            place(maker)
     return names
 
 
@@ -137,44 +156,49 @@ def compute_order(schedule: Schedule) -> list[str] | None:
 
 # ---- fused per-layer update ------------------------------------------------------------
 def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
-    """`graph` with each update fused into the Gemm that makes its weight gradient g, where g is
-    one Gemm (or a Reshape of one to the weight's shape) read only by the update:
-    - SGD, w' = w - lr * g: Gemm(A, B, C=w, alpha=-lr*alpha, beta=1) in place of the Sub;
-    - momentum, b' = momentum * b + g: Gemm(A, B, C=b, alpha, beta=momentum) in place of the
-      Add (the step w' = w - lr * b' reads b' as before).
-    The new op, `<scope>/FusedGemm`, stands where the replaced op stood in the op order (so the
-    given order stays topological), makes its outputs and takes the Gemm's grad role (dW).
-    Returns (graph, the parameters fused); the graph itself when none is. Adam reads g twice
-    (both moments) and is left alone."""
+    """`graph` with each SGD or momentum update fused into the op that makes its weight
+    gradient g, where g (or a Reshape of it to the weight's shape) is read only by the update:
+
+    - g one Gemm (a Linear's dW): SGD's w' = w - lr * g becomes Gemm(A, B, C=w,
+      alpha=-lr*alpha, beta=1) in place of the Sub; momentum's b' = momentum * b + g becomes
+      Gemm(A, B, C=b, alpha, beta=momentum) in place of the Add.
+    - g a scatter-add of rows into zeros (an embedding's dW, ScatterND with reduction add):
+      the rows are scattered into the accumulator itself -- SGD: ScatterND(w, indices,
+      -lr * rows, reduction=add) in place of the Sub; momentum: ScatterND(momentum * b,
+      indices, rows, reduction=add) in place of the Add. Repeated indices add up, as they do
+      in the dense gradient; only the batch's rows are touched, no vocab x hidden gradient.
+
+    Momentum's step w' = w - lr * b' reads b' as before. The new ops (`<scope>/FusedGemm`;
+    `<scope>/FusedScale` and `<scope>/FusedScatter`) stand where the replaced op stood in the
+    op order (so the given order stays topological), make its outputs, and the one that
+    replaces the gradient's maker takes its grad role (dW). Returns (graph, the parameters
+    fused); the graph itself when none is. Adam reads g twice (both moments) and keeps the
+    dense gradient."""
     optimizer = json.loads(graph.metadata.get(TRAINING_KEY, "{}")).get("optimizer")
-    match = {"sgd": _sgd_fusable, "momentum": _momentum_fusable}.get(optimizer)
-    if match is None or FUSED_KEY in graph.metadata:      # nothing to fuse, or fused already
+    if optimizer not in ("sgd", "momentum") or FUSED_KEY in graph.metadata:   # nothing to fuse, or fused already
         return graph, []
-    tensors = graph.tensors
+    tensors = dict(graph.tensors)
     roles = json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}"))
     removed: set[str] = set()
-    new_ops: dict[str, Op] = {}
+    new_ops: dict[str, list[Op]] = {}
     fused = []
     for op in graph.ops:
-        matched = match(graph, op) if op.phase == "update" else None
-        if matched is None:
+        fusion = _fusion(graph, op, optimizer) if op.phase == "update" else None
+        if fusion is None:
             continue
-        gemm, between, accumulator, scale, beta, param = matched
-        alpha = float(gemm.attributes.get("alpha", 1.0)) * scale
-        name = f"{op.name.rpartition('/')[0] or op.name}/FusedGemm"
-        new_ops[op.name] = Op(name, "Gemm", [*gemm.inputs[:2], accumulator], list(op.outputs),
-                              {**gemm.attributes, "alpha": alpha, "beta": beta}, phase="update",
-                              doc_string=f"{optimizer} update of {param} fused with {gemm.name}")
-        removed.update(o.name for o in [gemm, *between])
-        if gemm.name in roles:
-            roles[name] = roles[gemm.name]
-        fused.append(param)
+        new_ops[op.name] = fusion.ops
+        removed.update(o.name for o in fusion.removed)
+        tensors.update({t.name: t for t in fusion.tensors})
+        roles.update({new: roles[old] for new, old in fusion.roles.items() if old in roles})
+        roles.update({new.name: {"role": "update", "param": fusion.param} for new in fusion.ops
+                      if new.name not in fusion.roles})
+        fused.append(fusion.param)
     if not fused:
         return graph, []
-    ops = [new_ops.get(op.name, op) for op in graph.ops if op.name not in removed]
+    ops = [new for op in graph.ops if op.name not in removed for new in new_ops.get(op.name, [op])]
     if len({op.name for op in ops}) < len(ops):
         return graph, []           # a name taken already (a graph not from passes.autodiff)
-    gone = removed | set(new_ops)
+    gone = (removed | set(new_ops)) - {op.name for op in ops}
     used = set(graph.inputs) | set(graph.outputs) | {t for op in ops for t in op.present_inputs + op.present_outputs}
     fused_graph = graph.replace(ops=ops, tensors={name: t for name, t in tensors.items() if name in used},
                                 metadata={**graph.metadata, GRAD_ROLES_KEY: json.dumps(
@@ -271,9 +295,58 @@ def tensor_from_json(t: dict) -> Tensor:
     return Tensor(t["name"], shape, t["dtype"], t["kind"], data)
 
 
+@dataclass
+class _Fusion:
+    """One fused update: `ops` stand where the update op stood, `removed` leave the graph
+    (besides the update op), `tensors` are new; `roles` maps a new op to the removed op whose
+    grad role it takes; `param` is the parameter updated."""
+
+    ops: list[Op]
+    removed: list[Op]
+    tensors: list[Tensor]
+    roles: dict[str, str]
+    param: str
+
+
+def _fusion(graph: Graph, op: Op, optimizer: str) -> _Fusion | None:
+    """The fusion of update op `op` into its gradient's maker (`fuse_updates`), else None."""
+    matched = (_sgd_fusable if optimizer == "sgd" else _momentum_fusable)(graph, op)
+    if matched is None:
+        return None
+    maker, mul, views, accumulator, scale, beta, param = matched
+    scope = op.name.rpartition("/")[0] or op.name
+    why = f"{optimizer} update of {param} fused with {maker.name}"
+    if maker.op_type == "Gemm":
+        name = f"{scope}/FusedGemm"
+        alpha = float(maker.attributes.get("alpha", 1.0)) * scale
+        gemm = Op(name, "Gemm", [*maker.inputs[:2], accumulator], list(op.outputs),
+                  {**maker.attributes, "alpha": alpha, "beta": beta}, phase="update", doc_string=why)
+        return _Fusion([gemm], [maker, mul, *views], [], {name: maker.name}, param)
+    zeros = graph.producer[maker.inputs[0]]
+    _, indices, rows = maker.inputs
+    ops, tensors = [], []
+    if optimizer == "momentum":            # momentum * b stays; the rows add into it
+        data, removed = mul.outputs[0], [maker, zeros, *views]
+    else:                                  # -lr * rows add into w
+        data, removed = accumulator, [maker, zeros, mul, *views]
+        factor, scaled = f"{scope}/FusedScale_factor", f"{scope}/FusedScale_output_0"
+        row_tensor, dtype = graph.tensors[rows], graph.tensors[accumulator].dtype
+        if factor in graph.tensors or scaled in graph.tensors:
+            return None
+        value = np.asarray(scale, dtype=helper.tensor_dtype_to_np_dtype(dtype))
+        tensors = [Tensor(factor, (), dtype, "constant", numpy_helper.from_array(value, factor)),
+                   Tensor(scaled, row_tensor.shape, dtype, "gradient")]
+        ops.append(Op(f"{scope}/FusedScale", "Mul", [rows, factor], [scaled], phase="update", doc_string=why))
+        rows = scaled
+    name = f"{scope}/FusedScatter"
+    ops.append(Op(name, "ScatterND", [data, indices, rows], list(op.outputs), {"reduction": "add"},
+                  phase="update", doc_string=why))
+    return _Fusion(ops, removed, tensors, {name: maker.name}, param)
+
+
 def _sgd_fusable(graph: Graph, sub: Op):
-    """For the SGD step `sub` = w - Mul(g, lr): (g's Gemm, the ops between it and `sub`, C = w,
-    the alpha scale -lr, beta 1, w); else None."""
+    """For the SGD step `sub` = w - Mul(g, lr): (g's maker, the Mul, the Reshapes between g's
+    maker and the Mul, the accumulator w, the scale -lr, beta 1, w); else None."""
     if sub.op_type != "Sub" or len(sub.present_inputs) != 2 or len(sub.present_outputs) != 1:
         return None
     param, scaled = sub.inputs
@@ -281,17 +354,18 @@ def _sgd_fusable(graph: Graph, sub: Op):
     if graph.tensors[param].kind != "parameter" or mul is None:
         return None
     grad, lr = mul.inputs
-    found = _gradient_gemm(graph, grad, param)
+    found = _gradient_maker(graph, grad, param)
     lr_value = _scalar(graph, lr)
     if found is None or lr_value is None:
         return None
-    gemm, views = found
-    return gemm, [mul, *views], param, -lr_value, 1.0, param
+    maker, views = found
+    return maker, mul, views, param, -lr_value, 1.0, param
 
 
 def _momentum_fusable(graph: Graph, add: Op):
-    """For the momentum step `add` = Mul(b, momentum) + g: (g's Gemm, the ops between it and
-    `add`, C = b, the alpha scale 1, beta = momentum, the parameter); else None."""
+    """For the momentum step `add` = Mul(b, momentum) + g: (g's maker, the Mul, the Reshapes
+    between g's maker and `add`, the accumulator b, the scale 1, beta = momentum, the
+    parameter); else None."""
     if add.op_type != "Add" or len(add.present_inputs) != 2 or len(add.present_outputs) != 1:
         return None
     scaled, grad = add.inputs
@@ -301,12 +375,12 @@ def _momentum_fusable(graph: Graph, add: Op):
     buffer, momentum = mul.inputs
     state = graph.tensors[buffer]
     param = buffer[:-len(".momentum_buffer")] if buffer.endswith(".momentum_buffer") else None
-    found = _gradient_gemm(graph, grad, buffer)
+    found = _gradient_maker(graph, grad, buffer)
     momentum_value = _scalar(graph, momentum)
     if state.kind != "optimizer_state" or param not in graph.tensors or found is None or momentum_value is None:
         return None
-    gemm, views = found
-    return gemm, [mul, *views], buffer, 1.0, momentum_value, param
+    maker, views = found
+    return maker, mul, views, buffer, 1.0, momentum_value, param
 
 
 def _read_once(graph: Graph, t: str) -> bool:
@@ -322,20 +396,35 @@ def _sole_producer(graph: Graph, t: str, op_type: str) -> Op | None:
     return op if _read_once(graph, t) else None
 
 
-def _gradient_gemm(graph: Graph, grad: str, like: str) -> tuple[Op, list[Op]] | None:
-    """(the backward Gemm without C making `grad`, the Reshapes between) where each link is
-    read only by the next and the Gemm's output is shaped and typed as `like`; else None."""
+def _gradient_maker(graph: Graph, grad: str, like: str) -> tuple[Op, list[Op]] | None:
+    """(the backward op making `grad`, the Reshapes between) where each link is read only by
+    the next, the maker's output is shaped and typed as `like`, and the maker is a Gemm
+    without C or a scatter-add into zeros (`_scatter_into_zeros`); else None."""
     views = []
-    gemm = graph.producer.get(grad)
-    while gemm is not None and gemm.op_type == "Reshape" and _read_once(graph, grad):
-        views.append(gemm)
-        grad = gemm.inputs[0]
-        gemm = graph.producer.get(grad)
+    maker = graph.producer.get(grad)
+    while maker is not None and maker.op_type == "Reshape" and _read_once(graph, grad):
+        views.append(maker)
+        grad = maker.inputs[0]
+        maker = graph.producer.get(grad)
     t, w = graph.tensors.get(grad), graph.tensors[like]
-    if (gemm is None or gemm.op_type != "Gemm" or len(gemm.present_inputs) != 2 or gemm.phase != "backward"
-            or not _read_once(graph, grad) or (t.shape, t.dtype) != (w.shape, w.dtype)):
+    if maker is None or maker.phase != "backward" or not _read_once(graph, grad) \
+            or (t.shape, t.dtype) != (w.shape, w.dtype):
         return None
-    return gemm, views
+    gemm = maker.op_type == "Gemm" and len(maker.present_inputs) == 2
+    return (maker, views) if gemm or _scatter_into_zeros(graph, maker) else None
+
+
+def _scatter_into_zeros(graph: Graph, op: Op) -> bool:
+    """Whether `op` is ScatterND(zeros, indices, rows, reduction=add) whose zeros (a
+    ConstantOfShape of value 0) only it reads: the dense gradient of a Gather."""
+    reduction = op.attributes.get("reduction")
+    if op.op_type != "ScatterND" or reduction not in ("add", b"add") or len(op.present_inputs) != 3:
+        return False
+    zeros = graph.producer.get(op.inputs[0])
+    if zeros is None or zeros.op_type != "ConstantOfShape" or not _read_once(graph, op.inputs[0]):
+        return False
+    value = zeros.attributes.get("value")
+    return value is None or not numpy_helper.to_array(value).any()
 
 
 def _scalar(graph: Graph, name: str) -> float | None:
@@ -456,6 +545,17 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
                 base = root[out] = root.get(source, source)
                 buffer_last[base] = max(buffer_last.get(base, last_read.get(source, i)), last_read.get(out, i))
     return aliases
+
+
+def baseline_aliases(graph: Graph) -> dict[str, str]:
+    """The in-place aliases of the baseline, which models PyTorch eager's default step
+    (`loss.backward(); optimizer.step()` with torch.optim's in-place updates): in the graph's
+    own order, each optimizer update writes over its parameter and its state, and its
+    temporaries over the gradient they read (`p.add_(g, alpha=-lr)`, `buf.mul_(m).add_(g)`),
+    so no second copy of the parameters exists at the end of the step. Nothing else runs in
+    place, and every gradient lives until its update (all updates run after the backward)."""
+    aliases = choose_aliases(graph, default_schedule(graph))
+    return {out: source for out, source in aliases.items() if graph.producer[out].phase == "update"}
 
 
 def _alias_notes(graph: Graph, aliases: dict[str, str]) -> dict:

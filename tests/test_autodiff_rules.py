@@ -117,6 +117,8 @@ FLOAT_CASES = {
     "Conv-same-upper": ("Conv", [f32(1, 2, 7, 7), f32(3, 2, 3, 3)], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}),
     "Conv-same-lower": ("Conv", [f32(1, 2, 6, 6), f32(3, 2, 4, 4)], {"auto_pad": "SAME_LOWER", "strides": [2, 2]}),
     "Conv-1d": ("Conv", [f32(2, 3, 9), f32(4, 3, 3), f32(4)], {"strides": [2], "pads": [1, 1]}),
+    # a downsample: 1x1, strides 2 and 3 over even and odd sizes (the weight gradient from X[..., ::s])
+    "Conv-pointwise-strided": ("Conv", [f32(2, 3, 8, 7), f32(64, 3, 1, 1)], {"strides": [2, 3]}),
     "Conv-3d": ("Conv", [f32(1, 2, 4, 5, 4), f32(3, 2, 3, 3, 3)],
                 {"strides": [1, 2, 1], "pads": [1, 1, 1, 1, 1, 1]}),
     "ConvTranspose-bias": ("ConvTranspose", [f32(2, 3, 4, 4), f32(3, 2, 3, 3), f32(2)], {}),
@@ -210,3 +212,30 @@ def test_a_norms_variance_never_makes_the_squared_map(op_type, inputs):
     forward = [op for op in step.ops if op.phase == "forward"]
     assert any(op.op_type == "ReduceSumSquare" for op in forward)
     assert not [op.name for op in forward if op.op_type == "Mul" and op.inputs[0] == op.inputs[1]]
+
+
+def test_max_pool_keeps_its_argmax_as_int32():
+    """The backward scatters through int32 indices (half the bytes of ONNX's and PyTorch's
+    int64 ones); the int64 Indices output is read only by their Cast, in the forward."""
+    from onnx import TensorProto
+
+    step = build_training_step(lower(one_op_model("MaxPool", [r(2, 3, 6, 6)], {"kernel_shape": [2, 2]})),
+                               loss="output")
+    scatter = next(op for op in step.ops if op.op_type == "ScatterElements")
+    flat = step.producer[scatter.inputs[1]]      # the indices flattened for the scatter
+    assert flat.op_type == "Reshape" and step.tensors[flat.inputs[0]].dtype == TensorProto.INT32
+    cast = step.producer[flat.inputs[0]]
+    assert cast.op_type == "Cast" and cast.phase == "forward"
+    assert [op.name for op in step.consumers[cast.inputs[0]]] == [cast.name]
+    assert step.tensors[cast.inputs[0]].dtype == TensorProto.INT64
+
+
+def test_a_strided_pointwise_weight_gradient_reads_the_strided_samples():
+    """A ResNet downsample's dW: a Slice of X with the conv's steps, no product beyond the kernel."""
+    model = one_op_model("Conv", [f32(2, 3, 8, 8), f32(64, 3, 1, 1)], {"strides": [2, 2]})
+    step = build_training_step(lower(model), loss="output")
+    sliced = [op for op in step.ops if op.op_type == "Slice" and op.phase == "backward"]
+    assert len(sliced) == 1 and sliced[0].inputs[0] == "in0"
+    assert step.tensors[sliced[0].outputs[0]].shape == (2, 3, 4, 4)
+    dw = [op for op in step.ops if op.op_type == "Conv" and op.phase == "backward"]
+    assert len(dw) == 1 and step.tensors[dw[0].outputs[0]].shape[-2:] == (1, 1)     # the kernel's size, no more

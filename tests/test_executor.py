@@ -356,7 +356,7 @@ def test_cli_compile_then_run_a_split_unet(cli, tmp_path):
     assert proc.returncode == 0, proc.stderr
     compiled = json.loads(proc.stdout)
     assert compiled["passes"]["reuse"]["variant"] == "concat-split"
-    assert compiled["graph"]["ops"] == 704          # the step as given: its Concats, one Conv each
+    assert compiled["graph"]["ops"] == 707          # the step as given: its Concats, one Conv each
     proc = cli("run", scheduled, "--check", "--steps", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)

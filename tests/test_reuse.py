@@ -15,8 +15,8 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule, swap_in, swap_out
-from passes.reuse import (GRAD_ROLES_KEY, carried_order, choose_aliases, fuse_updates, layer_groups, reuse_pass,
-                          training_order, unfused_graph)
+from passes.reuse import (GRAD_ROLES_KEY, baseline_aliases, carried_order, choose_aliases, fuse_updates,
+                          layer_groups, reuse_pass, training_order, unfused_graph)
 
 from .graphs import GraphBuilder, training_chain
 
@@ -365,3 +365,25 @@ def test_data_parallel_keeps_every_gradient_to_all_reduce():
     assert analyze_plan(baseline_of(fused.plan)).peak_bytes == 49712
     with pytest.raises(UserError, match="fuses optimizer updates"):
         assess(fused.plan, fused.baseline, ("reuse", "order"), {}, graph, data_parallel=2)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+def test_the_baseline_updates_in_place_as_pytorch_does(optimizer):
+    """torch.optim's updates overwrite each parameter and state: at the end of the baseline's
+    step only one copy of them is held, and no op before the updates runs in place."""
+    from memsched.schedule import default_schedule
+
+    graph = linear_training_step(optimizer)
+    aliases = baseline_aliases(graph)
+    assert aliases and all(graph.producer[out].phase == "update" for out in aliases)
+
+    def storage(t):
+        while t in aliases:
+            t = aliases[t]
+        return t
+
+    states = [t.name for t in graph.tensors.values() if t.kind in ("parameter", "optimizer_state")]
+    assert {storage(f"{t}.updated") for t in states} == set(states)
+    in_place = analyze(graph, default_schedule(graph), aliases)
+    copied = analyze(graph, default_schedule(graph))
+    assert copied.live_bytes[-1] - in_place.live_bytes[-1] == sum(graph.tensors[t].nbytes for t in states)

@@ -7,7 +7,10 @@ geometry and the output_padding that restores X's size; Conv dW is a Conv whose 
 with batch and channels swapped and whose kernel is dY, with the stride and dilation roles
 swapped, then sliced to the kernel size (groups and depthwise through a reshape) -- or,
 where batch x the weight is smaller than X and dY, a Conv of one more axis grouped by sample
-over views of X and dY, summed over the batch (no activation-sized transpose).
+over views of X and dY, summed over the batch (no activation-sized transpose); a strided
+1x1 convolution (a ResNet downsample) takes its dW from X[..., ::s] at stride 1 where that
+slice is smaller than the product beyond the kernel the strided form computes. MaxPool keeps
+its argmax as int32 where the input has fewer than 2^31 elements.
 BatchNormalization trains on batch statistics, as PyTorch's train mode does: its forward
 is rewritten into primitive ops that keep the batch mean and 1/std for the backward pass.
 """
@@ -123,10 +126,33 @@ def conv(em, op, dys, wants):
         grads[0] = em.op("ConvTranspose", [dy, w], group=group, kernel_shape=kernel, output_padding=out_pad,
                          **geo)
     if wants[1]:
-        grads[1] = _weight_grad(em, x, dy, group, geo, kernel)
+        grads[1] = _weight_grad(em, *_pointwise_samples(em, x, dy, group, geo, kernel), kernel)
     if len(wants) > 2 and wants[2]:
         grads[2] = _bias_grad(em, dy)
     return grads
+
+
+def _pointwise_samples(em, x, dy, group, geo, kernel):
+    """(input, dY, group, geometry) for the weight gradient. A strided 1x1 convolution without
+    padding (a ResNet downsample) reads only X[..., ::s]: where that slice is smaller than what
+    the strided form computes beyond the kernel (its product spans (H - (H_out - 1) * s) positions
+    per axis, then sliced to 1), the gradient is taken from the slice at stride 1 instead."""
+    strides = geo["strides"]
+    if group != 1 or any(k != 1 for k in kernel) or any(geo["pads"]) or all(s == 1 for s in strides):
+        return x, dy, group, geo
+    n_batch, ci = em.shape(x)[:2]
+    ck, out = em.shape(dy)[1], list(em.shape(dy)[2:])
+    itemsize = em.np_dtype(x).itemsize
+    reach = int(np.prod([size - (o - 1) * s for size, o, s in zip(em.shape(x)[2:], out, strides)]))
+    by_sample = n_batch * ck * ci * itemsize <= em.tensors[x].nbytes + em.tensors[dy].nbytes
+    oversize = ci * ck * (reach - 1) * itemsize * (n_batch if by_sample else 1)
+    taken = n_batch * ci * int(np.prod(out)) * itemsize
+    if taken >= oversize:
+        return x, dy, group, geo
+    n = len(kernel)
+    samples = em.op("Slice", [x, em.ints([0] * n), em.ints(out_end * s for out_end, s in zip(out, strides)),
+                              em.ints(range(2, 2 + n)), em.ints(strides)])
+    return samples, dy, group, {"strides": [1] * n, "dilations": [1] * n, "pads": [0] * (2 * n)}
 
 
 def _check_conv_transpose(em, op):
@@ -287,11 +313,19 @@ def _check_max_pool(em, op):
 
 
 def _max_pool_forward(em, op, needed):
-    """Keep the argmax Indices output for the backward pass."""
-    if needed:
-        em.keep_saving(op, {1: "indices"})
-    else:
+    """Keep the argmax Indices output for the backward pass: as int32 where the input has
+    fewer than 2^31 elements and the model itself does not read the indices (ScatterElements
+    takes either type), so the kept indices take half the bytes of ONNX's int64 ones (and of
+    PyTorch's); the int64 output dies at once."""
+    if not needed:
         em.keep(op)
+        return
+    em.keep_saving(op, {1: "indices"})
+    given = op.outputs[1] if len(op.outputs) > 1 else ""
+    read = bool(given) and (bool(em.source.consumers.get(given)) or given in em.source.outputs)
+    if not read and int(np.prod(em.shape(op.inputs[0]))) < 2 ** 31:
+        with em.scope(op.name):
+            em.saved[op.name]["indices"] = em.op("Cast", [em.saved[op.name]["indices"]], to=TensorProto.INT32)
 
 
 @rule("MaxPool", inputs=(0,), outputs=(0,), check=_check_max_pool, forward=_max_pool_forward)
