@@ -37,7 +37,8 @@ from passes.calibration import REFERENCE_SIZES, reference_graph  # noqa: E402
 LARGE_SIZES = {"mlp": dict(batch=256), "vgg16": dict(batch=4, size=64), "resnet18": dict(batch=8, size=64),
                "resnet50": dict(batch=4, size=64), "mobilenetv2": dict(batch=8, size=96),
                "unet2d": dict(batch=2, size=64), "unet3d": dict(batch=1, size=32, width=16),
-               "bert-base": dict(batch=2, seq=64, layers=2), "gpt2": dict(batch=2, seq=64, layers=2)}
+               "bert-base": dict(batch=2, seq=64, layers=2), "gpt2": dict(batch=2, seq=64, layers=2),
+               "dcgan-generator": dict(batch=16, size=64), "dcgan-discriminator": dict(batch=16, size=64)}
 SIZES = {"small": REFERENCE_SIZES, "large": LARGE_SIZES}
 LOW, HIGH = 0.8, 1.25
 

@@ -200,7 +200,7 @@ def print_compile(report: dict) -> None:
         gap = f", lower bound {format_bytes(solver['lower_bound_bytes'])}"
     out.print(f"solver: {_e(solver['status'])} in {solver['seconds']:.2f} s{gap}")
     reuse = report["passes"].get("reuse") or {}
-    rewrites = [f"{reuse['fused_updates']} optimizer updates fused into their weight-gradient Gemms"] \
+    rewrites = [f"{reuse['fused_updates']} optimizer updates fused into the ops that make their gradients"] \
         if reuse.get("fused_updates") else []
     if reuse.get("variant") == "concat-split":
         rewrites.append("convolutions over a Concat split per part")

@@ -256,7 +256,7 @@ def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], mo
     report["input_pipeline"] = input_pipeline(graph, hw, sim.step_time, sim.stream_busy.get("h2d", 0.0))
     if data_parallel:
         if FUSED_KEY in plan.graph.metadata:
-            raise UserError("the plan fuses optimizer updates into their weight-gradient Gemms, so those "
+            raise UserError("the plan fuses optimizer updates into the ops that make their gradients, so those "
                             "gradients are never made to be all-reduced; compile it with --data-parallel to "
                             "keep them")
         report["data_parallel"] = data_parallel_estimate(plan, sim, data_parallel, *INTERCONNECT).to_dict()
