@@ -440,7 +440,7 @@ def cmd_report(args) -> int:
 
 def cmd_remat(args) -> int:
     from memsched.views import print_remat
-    from passes import remat
+    from passes.recompute import dag as remat
 
     problem = remat.load_node_link(args.graph)
     budget = remat.budget_from_fraction(problem, args.budget_fraction)
@@ -455,7 +455,7 @@ def cmd_remat(args) -> int:
 
 def cmd_check_numerics(args) -> int:
     from memsched import frontend, numerics
-    from passes.autodiff import build_training_step
+    from passes.training import build_training_step
 
     graph = frontend.load(args.model, frontend.parse_dims(args.dim))
     if not any(o.endswith((".grad", ".updated")) for o in graph.outputs):
@@ -474,8 +474,8 @@ def cmd_train_graph(args) -> int:
     from memsched.errors import UserError
     from memsched.onnx_utils import save_model_atomic
     from memsched.views import print_train_graph
-    from passes.autodiff import build_training_step, describe
-    from passes.autodiff.gan import build_gan_step
+    from passes.training import build_training_step, describe
+    from passes.training.gan import build_gan_step
 
     dims = frontend.parse_dims(args.dim)
     if args.gan:
@@ -546,7 +546,7 @@ def cmd_run(args) -> int:
     from memsched.executor import run_plan
     from memsched.summary import predicted_step_time, run_summary
     from memsched.views import print_run, step_progress
-    from passes.batch_split import given_graph
+    from passes.rewrites.batch_split import given_graph
 
     if args.against and not args.check:
         raise UserError("--against compares the plan's outputs with the model's; give --check with it")

@@ -1,6 +1,6 @@
 """Conv weight gradient, two formulations on ONNX Runtime: transposes vs grouped by sample.
 
-passes.autodiff computes a conv's dW either as Conv(X^T, dY^T) -- X and dY transposed to
+passes.training computes a conv's dW either as Conv(X^T, dY^T) -- X and dY transposed to
 [C, N, ...], the result transposed back -- or, where batch x weight is the smaller, as one
 Conv of one more axis grouped by sample over views of X and dY ([1, N, C, H, W] and
 [N*Co, 1, 1, h, w]), summed over the batch. This times both at ResNet layer sizes (one

@@ -34,7 +34,7 @@ from memsched import frontend  # noqa: E402
 from memsched.errors import MemschedError  # noqa: E402
 from memsched.executor import prepare_inputs, run_plan, session_options  # noqa: E402
 from memsched.simulate import simulate  # noqa: E402
-from passes.autodiff import build_training_step  # noqa: E402
+from passes.training import build_training_step  # noqa: E402
 from passes.pipeline import compile as compile_plan  # noqa: E402
 
 SIZES = {

@@ -210,7 +210,7 @@ def bench_model(name: str, directory: Path, steps: int, threads: int, rounds: in
     from memsched.emit import write_plan
     from memsched.errors import MemschedError
     from memsched.memory import analyze_plan, check_placement
-    from passes.autodiff import build_training_step
+    from passes.training import build_training_step
     from passes.pipeline import compile as compile_plan
 
     graph = build_training_step(frontend.lower(models.build(name, **SIZES[name])), loss="cross_entropy",

@@ -2,7 +2,7 @@
 
 For every bundled network (models/) at two small batch sizes, and for two torch-exported
 networks (bench/torch_models.py, when torch is installed), the SGD training step from
-passes.autodiff is planned as `memsched compile --strategies order,reuse` plans it:
+passes.training is planned as `memsched compile --strategies order,reuse` plans it:
 reuse (updates in the backward, SGD updates fused into their dW Gemms, dW/dX rule,
 in-place), order (CP-SAT, warm-started), placement (arena offsets). The baseline is the
 graph in autodiff's order, updates at the end, nothing in place: `Plan.initial(graph)`

@@ -2,7 +2,7 @@
 
 For each bundled model at each size (`small`: the calibration's reference sizes,
 passes.calibration.REFERENCE_SIZES; `large`: LARGE_SIZES below, which the calibration never
-saw), its training step (passes.autodiff: forward, cross-entropy, backward, SGD) is
+saw), its training step (passes.training: forward, cross-entropy, backward, SGD) is
   - run whole in one ONNX Runtime session, inputs and outputs bound, median of --runs runs
     timed before and after the profiling (`measured_s`), as `memsched run --json` times a step,
   - simulated with the calibrated profile (--hardware, default `cpu`: `predicted_s`),

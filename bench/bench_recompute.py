@@ -1,9 +1,9 @@
 """Recompute on real training steps: ResNet-50, BERT-base and 3-D U-Net under half their
 zero-overhead peak. Prints one JSON object on stdout (progress on stderr).
 
-For each model, the SGD training step (passes.autodiff) is planned the way `memsched compile
+For each model, the SGD training step (passes.training) is planned the way `memsched compile
 --strategies order,reuse,recompute` plans it: reuse (with the rewritten steps it may pick,
-passes.concat_split's), order (CP-SAT), then recompute_pass at
+passes.rewrites.concat_split's), order (CP-SAT), then recompute_pass at
 a budget of F x the zero-overhead peak (the judged peak after reuse and order, nothing
 replayed). Reported per model and fraction: baseline peak (graph order, nothing reused), the
 zero-overhead peak, the budget, the plan's judged peak, the predicted overhead (simulated
@@ -34,7 +34,7 @@ from memsched.memory import analyze_plan  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
 from passes.order import order_pass  # noqa: E402
 from passes.pipeline import training_steps  # noqa: E402
-from passes.recompute import recompute_pass  # noqa: E402
+from passes.recompute.planner import recompute_pass  # noqa: E402
 from passes.reuse import reuse_pass  # noqa: E402
 
 HARDWARE = "v100-16gb"

@@ -1,7 +1,7 @@
 """Recompute planner benchmark: every method on training-shaped graphs at budget fractions
 0.9 and 0.8 of the no-recomputation peak. Prints one JSON object on stdout (progress on
 stderr). `--quick` runs a few small cases with a short limit. `--rlg` runs instead the
-linearised graphs (`remat_graphs.linearized`, the shape of Moccasin's RLG graphs) of 250 and
+linearised graphs (`passes.recompute.graphs.linearized`, the shape of Moccasin's RLG graphs) of 250 and
 1,000 nodes at 0.8 for the seeds given, each row saying how long `plan` took to its first
 plan that fits and how cheap that plan was, against the end of the time limit.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from passes import remat  # noqa: E402
-from passes import remat_graphs as graphs  # noqa: E402
+from passes.recompute import dag as remat  # noqa: E402
+from passes.recompute import graphs  # noqa: E402
 
 FULL_CASES = {
     "chain-100": lambda: graphs.chain(100, seed=0),
@@ -113,7 +113,7 @@ def main_rlg(seeds, limit: float) -> int:
                   f"{row.get('first_fit_seconds')} s, end {row.get('overhead')} at {row['seconds']} s",
                   file=sys.stderr, flush=True)
     print(json.dumps({
-        "benchmark": "remat-rlg", "generator": "passes.remat_graphs.linearized(nodes, seed, skips=4)",
+        "benchmark": "remat-rlg", "generator": "passes.recompute.graphs.linearized(nodes, seed, skips=4)",
         "fraction": RLG_FRACTION, "time_limit_s": limit, "cpu_count": os.cpu_count(), "cases": rows,
         "feasible_everywhere": all(r["feasible"] for r in rows),
     }, indent=2))

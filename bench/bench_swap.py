@@ -36,7 +36,7 @@ from memsched.ir import Graph  # noqa: E402
 from memsched.memory import analyze  # noqa: E402
 from memsched.schedule import default_schedule  # noqa: E402
 from passes import pipeline  # noqa: E402
-from passes.autodiff import build_training_step  # noqa: E402
+from passes.training import build_training_step  # noqa: E402
 
 PROFILE = "v100-16gb"
 OVERHEAD_TARGET = 0.15
@@ -69,7 +69,7 @@ def training_graph(name: str, size: int) -> Graph:
 
 def strategies() -> list[str]:
     """Every strategy whose pass is on this branch (recompute and swap are optional modules)."""
-    optional = {"recompute": "passes.recompute", "swap": "passes.swap"}
+    optional = {"recompute": "passes.recompute.planner", "swap": "passes.swap.planner"}
     return [s for s in pipeline.STRATEGIES if s not in optional or importlib.util.find_spec(optional[s])]
 
 

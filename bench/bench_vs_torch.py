@@ -32,7 +32,7 @@ import models  # noqa: E402
 from memsched.frontend import lower  # noqa: E402
 from memsched.memory import validate  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
-from passes.autodiff import build_training_step  # noqa: E402
+from passes.training import build_training_step  # noqa: E402
 from passes.pipeline import compile as compile_plan  # noqa: E402
 from passes.reuse import baseline_aliases  # noqa: E402
 

@@ -133,7 +133,7 @@ def check_model(name: str, hardware: str, directory: Path, steps: int, time_limi
     from memsched import frontend
     from memsched.emit import write_plan
     from memsched.errors import MemschedError
-    from passes.autodiff import build_training_step
+    from passes.training import build_training_step
     from passes.pipeline import compile as compile_plan
 
     graph = build_training_step(frontend.lower(models.build(name, **SIZES[name])), loss="cross_entropy",

@@ -154,7 +154,7 @@ def say_interrupted() -> None:
 
 
 def _micro_batches(note: dict, baseline_time: float) -> str:
-    """What planning the step in micro-batches (passes.batch_split) gave beside the step as given."""
+    """What planning the step in micro-batches (passes.rewrites.batch_split) gave beside the step as given."""
     def said(name: str) -> str:
         time = note["step_time_s"].get(name)
         return f"{(time / baseline_time - 1) * 100:+.1f}%" if time is not None else "no fit"

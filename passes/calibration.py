@@ -13,7 +13,7 @@ from memsched import frontend
 from memsched.errors import UserError
 from memsched.ir import Graph
 
-from .pipeline import load_graph
+from passes.pipeline import load_graph
 
 REFERENCE_SIZES = {"mlp": dict(batch=64), "vgg16": dict(batch=2, size=32), "resnet18": dict(batch=4, size=64),
                    "resnet50": dict(batch=2, size=64), "mobilenetv2": dict(batch=4, size=64),

@@ -304,8 +304,8 @@ def drains_anything(plan: Plan) -> bool:
     """Whether draining (`passes.order.drain`) changes any of the recompute pass's base
     orders of `plan`: if not, the drained candidates would plan the same steps again (a
     drained order equal to one before it is dropped from the bases)."""
-    from .recompute import base_orders
-    from .reuse import compute_order
+    from passes.recompute.planner import base_orders
+    from passes.reuse import compute_order
 
     return any(name.endswith("+drain") for name in base_orders(plan, compute_order(plan.schedule), drained=True))
 

@@ -50,8 +50,8 @@ from memsched.ir import Graph
 from memsched.memory import VIEW_OPS, analyze
 from memsched.schedule import Plan, order_schedule
 
-from .reuse import alias_table, choose_aliases, compute_order, training_order
-from .solver import solve
+from passes.reuse import alias_table, choose_aliases, compute_order, training_order
+from passes.solver import solve
 
 WHOLE_GRAPH_OPS = 120      # one CP-SAT model up to this many ops, windows beyond
 WHOLE_FIRST_OPS = 400      # up to this many ops, a whole-graph model gets half the time before the windows
@@ -464,7 +464,7 @@ def drain(problem: Problem, order: list[str]) -> list[str]:
     follows the dW that was the activation's other reader. The peak with everything kept, which
     the order pass minimises, rarely sees these; a plan that must swap or replay under a budget
     does: each big tensor dies young instead of waiting, resident or in flight, for an op the
-    order put later for no reason (`passes.recompute.base_orders`)."""
+    order put later for no reason (`passes.recompute.planner.base_orders`)."""
     graph = problem.graph
     phase = [graph.op_by_name[name].phase for name in problem.names]
     position = {problem.index[name]: k for k, name in enumerate(order)}

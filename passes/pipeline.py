@@ -5,7 +5,7 @@
       plan     = reuse -> order -> fit (passes.fit: the fastest placed plan within the
                  budget, recompute and swap only while over it) -> placement
       where the plan needs recompute or swap (or nothing fits), the step in micro-batches
-      (passes.batch_split: the per-sample front run chunk by chunk) is planned the same way,
+      (passes.rewrites.batch_split: the per-sample front run chunk by chunk) is planned the same way,
       and the faster of the two plans is kept
     each pass's result is judged by the memory model; both plans are simulated.
 
@@ -37,10 +37,10 @@ from memsched.schedule import Plan
 from memsched.simulate import Simulation, simulate
 from memsched.units import format_bytes, parse_bytes, parse_percent
 
-from .batch_split import batch_split_step, given_graph
-from .concat_split import reuse_variants
-from .fit import DRAINED, IMPROVE, Search
-from .reuse import FUSED_KEY
+from passes.rewrites.batch_split import batch_split_step, given_graph
+from passes.rewrites.concat_split import reuse_variants
+from passes.fit import DRAINED, IMPROVE, Search
+from passes.reuse import FUSED_KEY
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")
 PLACEMENT_FREE = ("order", "reuse")      # the strategies without a budget: no added time
@@ -97,7 +97,7 @@ def load_graph(model: "str | Path | Graph", dims: dict[str, int] | None = None, 
     """The graph to plan: the model itself, or its training step."""
     graph = model if isinstance(model, Graph) else frontend.load(model, dims)
     if train:
-        from .autodiff import build_training_step
+        from passes.training import build_training_step
 
         graph = build_training_step(graph, loss=loss, optimizer=optimizer, lr=lr, freeze=tuple(freeze))
     return graph
@@ -113,7 +113,7 @@ def step_builder(loss: str = "cross_entropy", optimizer: str = "sgd", lr: float 
 def training_steps(forward: Graph, loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
                    freeze: tuple[str, ...] = (), variants: bool = True) -> tuple[Graph, dict[str, Graph]]:
     """The training step of `forward` as given, and (with `variants`) the rewritten steps the
-    reuse pass may pick instead (`passes.concat_split`), all built with the same options."""
+    reuse pass may pick instead (`passes.rewrites.concat_split`), all built with the same options."""
     build = step_builder(loss, optimizer, lr, freeze)
     given = build(forward)
     return given, reuse_variants(forward, given, build) if variants else {}
@@ -272,12 +272,12 @@ def _passes(fuse_updates: bool = True, variants: dict[str, Graph] | None = None)
     """Strategy name -> pass as `f(plan, seconds, deadline)`; imported on use so loading the
     pipeline stays cheap.
     `fuse_updates`: whether reuse may fuse SGD and momentum updates into their dW Gemms;
-    `variants`: rewritten training steps reuse may pick instead (passes.concat_split)."""
-    from .order import order_pass
-    from .placement import place_pass
-    from .recompute import recompute_pass
-    from .reuse import reuse_pass
-    from .swap import swap_pass
+    `variants`: rewritten training steps reuse may pick instead (passes.rewrites.concat_split)."""
+    from passes.order import order_pass
+    from passes.placement import place_pass
+    from passes.recompute.planner import recompute_pass
+    from passes.reuse import reuse_pass
+    from passes.swap.planner import swap_pass
 
     return {"order": lambda plan, limit, deadline: order_pass(plan, limit, deadline=deadline),
             "reuse": lambda plan, limit, deadline: reuse_pass(plan, fuse_updates, variants),

@@ -44,7 +44,7 @@ from memsched.deadline import Deadline
 from memsched.memory import analyze_plan, buffer_roots, buffers, check_placement
 from memsched.schedule import Plan
 
-from .solver import solve
+from passes.solver import solve
 
 ALIGNMENT = 64
 # NoOverlap2D models beyond this many buffers found nothing better than the greedy within

@@ -24,10 +24,10 @@ Three decisions, none adding a FLOP or a transfer:
   step PyTorch eager runs by default -- every gradient alive until its update, each update
   in place over its parameter and state.
 - Rewritten steps: the caller may hand in the same training step rewritten (`variants`, e.g.
-  passes.concat_split's convolutions split over their Concats); each is judged like the
+  passes.rewrites.concat_split's convolutions split over their Concats); each is judged like the
   graph itself, fused or not, and kept only where it does not lose.
 
-The dW and dX ops of each weight come from the roles passes.autodiff records in
+The dW and dX ops of each weight come from the roles passes.training records in
 `graph.metadata["memsched.grad_roles"]` (several ops per role, X the layer's input); for
 graphs without them, from phases, tensor kinds and structure alone: a dW op is a backward
 op writing a `param_grad` tensor (or a tensor an update op reads), its dX ops the other
@@ -52,7 +52,7 @@ from memsched.ir import Graph, Op, Tensor, tensor_value
 from memsched.memory import INPLACE_OPS, VIEW_OPS, analyze, writable_inputs
 from memsched.schedule import Plan, Schedule, default_schedule, order_schedule
 
-# where passes.autodiff records each backward op's role (dW, dX, update; see its package doc)
+# where passes.training records each backward op's role (dW, dX, update; see its package doc)
 GRAD_ROLES_KEY = "memsched.grad_roles"
 TRAINING_KEY = "memsched.training"     # the training step's options (loss, optimizer, lr, ...)
 # what fuse_updates replaced, so the graph as given (the baseline's) can be rebuilt
@@ -68,7 +68,7 @@ def reuse_pass(plan: Plan, fuse: bool = True, variants: dict[str, Graph] | None 
     gradients must exist to be all-reduced); never raise the peak.
 
     Candidate orders (the given one, updates moved, updates moved plus the dW/dX rule), on the
-    graph, on `variants` (name -> the same step rewritten, e.g. passes.concat_split's; in its
+    graph, on `variants` (name -> the same step rewritten, e.g. passes.rewrites.concat_split's; in its
     own op order) and on the fused form of each, are each given greedy in-place aliases and
     judged; the lowest peak wins, ties going to the graph rewritten the most (fewer buffers),
     then to the one that reuses more. Schedules with recompute/swap steps keep their order and
@@ -197,7 +197,7 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
         return graph, []
     ops = [new for op in graph.ops if op.name not in removed for new in new_ops.get(op.name, [op])]
     if len({op.name for op in ops}) < len(ops):
-        return graph, []           # a name taken already (a graph not from passes.autodiff)
+        return graph, []           # a name taken already (a graph not from passes.training)
     gone = (removed | set(new_ops)) - {op.name for op in ops}
     used = set(graph.inputs) | set(graph.outputs) | {t for op in ops for t in op.present_inputs + op.present_outputs}
     fused_graph = graph.replace(ops=ops, tensors={name: t for name, t in tensors.items() if name in used},
@@ -622,7 +622,7 @@ def layer_groups(graph: Graph) -> list[LayerGroup]:
 
 def _groups_from_roles(graph: Graph, roles: dict) -> list[LayerGroup]:
     """One group per weight and layer reading it (a weight split into parts, one per
-    convolution, passes.concat_split's, is read by several)."""
+    convolution, passes.rewrites.concat_split's, is read by several)."""
     dw_by_key: dict[tuple[str, str], list[Op]] = {}
     dx_by_layer: dict[str, list[Op]] = {}
     for op in graph.ops:

@@ -23,7 +23,7 @@ from memsched.ir import Graph
 
 from memsched.units import parse_bytes
 
-from .pipeline import compile as compile_plan
+from passes.pipeline import compile as compile_plan
 
 # Strategy sets compared; "none" is the framework baseline (no plan).
 STRATEGY_SETS = {"none": (), "order,reuse": ("order", "reuse"),

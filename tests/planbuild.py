@@ -261,7 +261,7 @@ def strategy_plans(graph) -> dict[str, Plan]:
 
 def training_graph(name: str, optimizer: str = "sgd"):
     """The training step of a bundled network at its small test size."""
-    from passes.autodiff import build_training_step
+    from passes.training import build_training_step
 
     return build_training_step(small_model(name), loss="cross_entropy", optimizer=optimizer)
 

@@ -1,5 +1,5 @@
 """GELU, LayerNorm and softmax written out in primitive ops are fused before the training
-step is built (passes.autodiff.fuse): the step keeps fewer bytes for its backward pass and its
+step is built (passes.training.fuse): the step keeps fewer bytes for its backward pass and its
 gradients are those of the step built op by op, to float32 rounding."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from memsched.frontend import lower
 from memsched.memory import validate
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan
-from passes.autodiff import build_training_step
-from passes.autodiff.fuse import fuse_patterns
+from passes.training import build_training_step
+from passes.training.fuse import fuse_patterns
 from tests.gradcheck import check_against_float64, session, training_info
 
 TINY = dict(batch=2, seq=8, layers=1, hidden=32, heads=2, vocab=50, max_positions=16)

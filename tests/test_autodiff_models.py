@@ -15,8 +15,8 @@ from memsched.frontend import lower
 from memsched.memory import analyze_plan
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan
-from passes.autodiff import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step
-from passes.autodiff.loss import class_axis
+from passes.training import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step
+from passes.training.loss import class_axis
 from passes.reuse import reuse_pass
 from tests.gradcheck import check_against_float64, train_losses
 

@@ -1,4 +1,4 @@
-"""Batch split (passes.batch_split): the per-sample front of a network runs in micro-batches.
+"""Batch split (passes.rewrites.batch_split): the per-sample front of a network runs in micro-batches.
 
 The hand-made model: x (4, 2, 8, 8) float32 -> Conv 3x3 (W (3, 2, 3, 3) 216 B, bias 12 B)
 -> z (4, 3, 8, 8) 3,072 B -> Relu a 3,072 B -> MaxPool 2x2 p (4, 3, 4, 4) 768 B -> Flatten
@@ -22,8 +22,8 @@ from memsched.frontend import lower
 from memsched.memory import validate
 from memsched.onnx_utils import save_model_atomic
 from memsched.schedule import Plan
-from passes.batch_split import SPLIT_KEY, chunk_count, split_batch, split_training_step
-from passes.batch_split import given_graph
+from passes.rewrites.batch_split import SPLIT_KEY, chunk_count, split_batch, split_training_step
+from passes.rewrites.batch_split import given_graph
 from passes.pipeline import compile, step_builder
 from passes.placement import place_pass
 

@@ -1,4 +1,4 @@
-"""Concat split (passes.concat_split): a Conv over a channel Concat becomes one Conv per part.
+"""Concat split (passes.rewrites.concat_split): a Conv over a channel Concat becomes one Conv per part.
 
 The hand-made model: x (1, 2, 4, 4) float32 (128 B) feeds two 1x1 Conv + Relu branches, a
 (1, 3, 4, 4) = 192 B and b (1, 5, 4, 4) = 320 B, concatenated on the channels into c
@@ -17,9 +17,9 @@ from memsched.executor import run_plan
 from memsched.frontend import lower
 from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan
-from passes.autodiff import build_training_step
-from passes.batch_split import given_graph
-from passes.concat_split import (SPLIT_KEY, VARIANT, reuse_variants, split_concat_convs, split_training_step,
+from passes.training import build_training_step
+from passes.rewrites.batch_split import given_graph
+from passes.rewrites.concat_split import (SPLIT_KEY, VARIANT, reuse_variants, split_concat_convs, split_training_step,
                                  split_upsamplings, unsplit_graph)
 from passes.pipeline import baseline_of, compile, training_steps
 from passes.reuse import GRAD_ROLES_KEY, layer_groups, reuse_pass

@@ -17,7 +17,7 @@ from memsched.frontend import lower
 from memsched.memory import analyze_plan
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan
-from passes.autodiff import build_training_step
+from passes.training import build_training_step
 from passes.reuse import fuse_updates, reuse_pass, unfused_graph
 from tests.conftest import run_cli
 

@@ -420,7 +420,7 @@ def test_float16_training_steps_run_and_follow_the_float32_step(name):
     bit-identical, and its gradients follow the float32 model's: to 1% of each gradient's norm,
     plus 1e-4 of the largest element (gradients that are zero in exact arithmetic, as attention's
     key bias, or near float16's smallest normal, as its key weights, are float16 noise)."""
-    from passes.autodiff import build_training_step
+    from passes.training import build_training_step
 
     grads = {}
     for dtype in (np.float32, np.float16):

@@ -1,4 +1,4 @@
-"""GAN training (issue 33): the DCGAN iteration as one graph (passes.autodiff.gan), binary
+"""GAN training (issue 33): the DCGAN iteration as one graph (passes.training.gan), binary
 cross-entropy with logits, the ConvTranspose gradient over its geometries, and the iteration
 planned by compile and run by the executor.
 
@@ -20,8 +20,8 @@ from memsched.errors import UserError
 from memsched.executor import run_plan
 from memsched.frontend import lower
 from memsched.onnx_utils import make_model
-from passes.autodiff import TRAINING_KEY
-from passes.autodiff.gan import build_gan_step
+from passes.training import TRAINING_KEY
+from passes.training.gan import build_gan_step
 from passes.pipeline import compile as compile_plan
 from cli import main
 from tests.conftest import run_cli
@@ -66,7 +66,7 @@ def test_bce_with_logits_is_stable_at_large_logits():
     x = np.array([[-400.0, -30.0, 0.0], [1e-3, 30.0, 400.0]])
     y = np.array([[0.0, 1.0, 0.5], [1.0, 0.0, 1.0]])
     model = _logit_model(x / 1.5)
-    from passes.autodiff import build_training_step
+    from passes.training import build_training_step
     step = build_training_step(lower(model), loss="bce_with_logits", optimizer="none")
     loss, grad = session(step.to_onnx()).run(["loss", "a.grad"], {"targets": y})
     expected = np.mean(np.logaddexp(0, x) - x * y)

@@ -18,7 +18,7 @@ from memsched.frontend import lower
 from memsched.measure import make_session
 from memsched.onnx_utils import make_model
 from models.cnn import googlenet
-from passes.autodiff import build_training_step
+from passes.training import build_training_step
 from tests.test_autodiff_models import TRANSFORMER, _batch
 
 AGREE = 1e-3

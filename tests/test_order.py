@@ -157,7 +157,7 @@ def test_hoist_runs_a_reduction_as_soon_as_it_can():
 
 
 def test_drain_sums_two_parts_before_the_third_is_made():
-    """A convolution split over its Concat (passes.concat_split): the given order makes all
+    """A convolution split over its Concat (passes.rewrites.concat_split): the given order makes all
     three parts, then sums; drained, the first sum follows the second part, and the third part
     is made beside the first sum alone (the first sum's step holds all three parts given)."""
     g = GraphBuilder()

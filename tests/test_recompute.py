@@ -1,4 +1,4 @@
-"""The recompute pass (passes/recompute.py) on real training steps: every plan is judged by the
+"""The recompute pass (passes/recompute/planner.py) on real training steps: every plan is judged by the
 memory model, replays are forward, loss or backward ops (never updates), the abstract mapping
 agrees with the judge, and the pass composes with reuse, order and placement (and the compile
 command).
@@ -29,12 +29,12 @@ from memsched.memory import VIEW_OPS, analyze, analyze_plan, check_placement, va
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan, compute, order_schedule, recompute, swap_in, swap_out
 from memsched.simulate import simulate
-from passes import remat
-from passes.autodiff import build_training_step
-from passes.concat_split import split_training_step
+from passes.recompute import dag as remat
+from passes.training import build_training_step
+from passes.rewrites.concat_split import split_training_step
 from passes.order import order_pass
 from passes.placement import place_pass
-from passes.recompute import (END, base_orders, improve, plan_cost_peak, prune, recompute_pass, replay_blocker,
+from passes.recompute.planner import (END, base_orders, improve, plan_cost_peak, prune, recompute_pass, replay_blocker,
                               shared_views, to_problem, to_schedule)
 from passes.reuse import choose_aliases, priority_order, reuse_pass
 

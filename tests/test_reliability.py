@@ -439,7 +439,7 @@ def test_control_flow_that_captures_main_graph_tensors_is_refused(tmp_path, mode
 
 def test_autodiff_refuses_captures_in_a_graph_that_skipped_the_front_end():
     from memsched.ir import Graph
-    from passes.autodiff import build_training_step
+    from passes.training import build_training_step
 
     graph = Graph.from_onnx(onnx.shape_inference.infer_shapes(if_capture_model()))
     with pytest.raises(UserError, match=r"cannot differentiate through If node 'branch' \(control flow\).*'Wa'"):
@@ -484,8 +484,8 @@ def test_profile_then_compile_with_the_costs_prices_the_fused_updates(tmp_path):
 
 
 def test_split_and_micro_batch_copies_take_their_share_of_the_op_they_were_made_from():
-    from passes.batch_split import split_training_step as batch_split
-    from passes.concat_split import split_training_step as concat_split
+    from passes.rewrites.batch_split import split_training_step as batch_split
+    from passes.rewrites.concat_split import split_training_step as concat_split
     from tests.test_batch_split import BUILD, cnn
     from tests.test_concat_split import build, concat_model
 

@@ -1,4 +1,4 @@
-"""Recompute planner (passes/remat.py): every schedule is checked here by a liveness check
+"""Recompute planner (passes/recompute/dag.py): every schedule is checked here by a liveness check
 written from the rules in plain terms, independent of `evaluate`."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from passes import remat
-from passes import remat_graphs as graphs
+from passes.recompute import dag as remat
+from passes.recompute import graphs
 
 
 # --------------------------------------------------------------------------- independent judge
@@ -624,8 +624,8 @@ def test_cpsat_hints_only_a_warm_start_that_fits_and_presolves(monkeypatch):
 STRESS_SCRIPT = """
 import json, random, sys
 import networkx as nx
-from passes import remat
-from passes import remat_graphs as graphs
+from passes.recompute import dag as remat
+from passes.recompute import graphs
 
 def random_training_graph(rng):
     ops = rng.randint(16, 30)

@@ -3,7 +3,7 @@ byte figures.
 
 The chains come from tests/graphs.training_chain (uint8 tensors: shape (N,) is N bytes).
 Static bytes are the learning rate (4) plus the weights. The fused updates are tried on the
-float32 training step of one Linear layer that passes.autodiff builds.
+float32 training step of one Linear layer that passes.training builds.
 """
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ def linear_training_step(optimizer: str = "sgd", bias: bool = True, lr: float = 
     from onnx import TensorProto, helper, numpy_helper
 
     from memsched.frontend import lower
-    from passes.autodiff import build_training_step
+    from passes.training import build_training_step
 
     rng = np.random.default_rng(0)
     weight = numpy_helper.from_array((rng.standard_normal((64, 64)) * 0.1).astype(np.float32), "fc.weight")

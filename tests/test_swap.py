@@ -10,9 +10,9 @@ from memsched.errors import BudgetError, UserError
 from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan
 from memsched.simulate import simulate
-from passes.swap import swap_pass
-from passes.swap_gaps import find_problem
-from passes.swap_heuristic import heuristic, improve, select
+from passes.swap.planner import swap_pass
+from passes.swap.gaps import find_problem
+from passes.swap.heuristic import heuristic, improve, select
 
 from .simgraphs import hardware, lower
 from .swapgraphs import relu_chain, toy_hardware, training_mlp, weight_chain, weights_only, with_tiers

@@ -1,7 +1,7 @@
 """Recompute on memsched's training plans: drop activations after the forward, replay their
 producers right before the backward reads them again, at the least added compute time.
 
-`recompute_pass(plan, time_limit)` plans on the abstract problem of `passes.remat` and lets
+`recompute_pass(plan, time_limit)` plans on the abstract problem of `passes.recompute.dag` and lets
 the memory model (`memsched.memory`) judge every answer:
 
 - Mapping (`to_problem`): one node per op in the plan's order; cost = the op's time on the
@@ -26,7 +26,7 @@ the memory model (`memsched.memory`) judge every answer:
   where a U-Net's encoder is best replayed twice), each seed pruned (`prune`: drop the replays
   the budget does not need -- all of a node's, or a second replay of it, whose readers then
   read the first: the greedy replays a node again where the peak it was evicting for has
-  moved on; and, whatever the budget, a replay nothing reads before the next one); then `remat.plan`
+  moved on; and, whatever the budget, a replay nothing reads before the next one); then `dag.plan`
   (checkpoint-all, sqrt(n), greedy, CP-SAT warm-started from the best, with room for the
   warm start's replays), then `prune` of its answer.
 - Judging (`search`): the answer is mapped back (first occurrence `compute`, repeats
@@ -85,9 +85,9 @@ from memsched.schedule import Plan, Schedule, compute, order_schedule, recompute
 from memsched.simulate import simulate
 from memsched.units import format_bytes
 
-from . import remat
-from .order import Problem as OrderProblem, drain
-from .reuse import alias_table, choose_aliases, compute_order, priority_order, training_order
+from passes.recompute import dag
+from passes.order import Problem as OrderProblem, drain
+from passes.reuse import alias_table, choose_aliases, compute_order, priority_order, training_order
 
 MAX_ROUNDS = 6
 FIRST_ROUND_SHARE = 0.4     # of the time limit; later rounds split what is left
@@ -96,7 +96,7 @@ SEED_SHARE = 0.3           # of a round's time for the seeds, at most
 PRUNE_SHARE = 0.15          # of a round's time kept for pruning the answer
 SEED_FAMILY = 33           # members of the keep-costly family (quantiles of time per byte)
 SEED_CONTINUED = 3          # of them continued by the greedy
-DEEP_GREEDY = (3, 4)        # computations per op the extra greedy seeds may use (remat.plan's own: 2)
+DEEP_GREEDY = (3, 4)        # computations per op the extra greedy seeds may use (dag.plan's own: 2)
 EVALUATE_COST = 1e-6        # seconds per node of one judged plan (2,197 nodes: 1.6 ms), and
 GREEDY_COST = 2.5e-7        # seconds per node squared of one greedy run (2,197 nodes: 1.0-1.3 s on 2 cores): the
                             # heuristics count their steps against these prices (memsched.deadline.Work),
@@ -114,7 +114,7 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
 
     Needs a budget, a hardware profile (op times) and a schedule of compute steps only (run
     it after order/reuse, before swap and placement). `method`: "auto" (all solvers and the
-    seeds), or one of `remat.METHODS` alone (for benchmarks; "cpsat" keeps the seeds).
+    seeds), or one of `dag.METHODS` alone (for benchmarks; "cpsat" keeps the seeds).
     `drained`: plan on the drained base orders too (`base_orders`). The search ends before
     the command's `deadline` too, and at once once it is stopped (Ctrl-C).
     Raises BudgetError naming the smallest peak reached when no plan fits.
@@ -132,7 +132,7 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
     input_peak = analyze(graph, plan.schedule, plan.aliases, plan.on_host).peak_bytes
     if input_peak <= budget:   # nothing to replay: the same keys as below
         step_time = simulate(plan, hw).step_time
-        notes = {"status": "optimal", "method": remat.CHECKPOINT_ALL, "base_order": "given", "recomputed_ops": [],
+        notes = {"status": "optimal", "method": dag.CHECKPOINT_ALL, "base_order": "given", "recomputed_ops": [],
                  "recomputations": 0, "added_compute_s": 0.0, "step_time_before_s": step_time,
                  "step_time_after_s": step_time, "overhead": 0.0, "budget_bytes": budget, "peak_bytes": input_peak,
                  "input_peak_bytes": input_peak, "lower_bound_added_s": 0.0, "abstract": None, "rounds": [],
@@ -280,7 +280,7 @@ def replay_blocker(graph: Graph, op: Op) -> str | None:
 
 
 # ---- the mapping -----------------------------------------------------------------------------
-def to_problem(plan: Plan) -> remat.RematProblem:
+def to_problem(plan: Plan) -> dag.RematProblem:
     """The plan's compute schedule as a RematProblem (see the module docstring).
 
     Ids: op names for ops; ("input", name) for graph inputs; ("output", name) for the outputs
@@ -339,7 +339,7 @@ def to_problem(plan: Plan) -> remat.RematProblem:
     deadline = tuple(min((overwritten[t] for t in graph.op_by_name[node_id].present_inputs if t in overwritten),
                          default=None) if isinstance(node_id, str) else None for node_id in ids)
     pinned = sum(graph.tensors[t].nbytes for t in static if t not in plan.on_host)
-    return remat.RematProblem(tuple(ids), tuple(cost), tuple(size), tuple(preds), pinned, frozenset(fixed),
+    return dag.RematProblem(tuple(ids), tuple(cost), tuple(size), tuple(preds), pinned, frozenset(fixed),
                               deadline if any(d is not None for d in deadline) else ())
 
 
@@ -394,12 +394,12 @@ def to_schedule(ids, graph: Graph | None = None, shared: dict[str, str] | None =
 
 
 # ---- starting plans that know the training step ------------------------------------------------
-def late_readers(problem: remat.RematProblem, graph: Graph) -> list[bool]:
+def late_readers(problem: dag.RematProblem, graph: Graph) -> list[bool]:
     """Per node: does it run after the forward (loss, backward, update, or the end sink)?"""
     return [v == END or (isinstance(v, str) and graph.op_by_name[v].phase != "forward") for v in problem.ids]
 
 
-def drop_plan(problem: remat.RematProblem, late: list[bool], keep: set[int]) -> list[list[int]]:
+def drop_plan(problem: dag.RematProblem, late: list[bool], keep: set[int]) -> list[list[int]]:
     """A plan that keeps the first computation of `keep` (and of fixed nodes) for all its
     readers, and replays every other node once, at its first late reader -- or earlier, where a
     replayed reader needs it: Chen et al.'s checkpoints, with the checkpoints chosen freely."""
@@ -413,13 +413,13 @@ def drop_plan(problem: remat.RematProblem, late: list[bool], keep: set[int]) -> 
     return [[t] if t is not None else [] for t in stage]
 
 
-def plan_cost_peak(problem: remat.RematProblem, plan: list[list[int]]) -> tuple[float, int]:
+def plan_cost_peak(problem: dag.RematProblem, plan: list[list[int]]) -> tuple[float, int]:
     """(added cost, abstract peak) of a plan, by remat's judge."""
-    _, peak, total, _ = remat.evaluate(problem, [problem.ids[v] for v in remat.schedule_from_plan(problem, plan)])
+    _, peak, total, _ = dag.evaluate(problem, [problem.ids[v] for v in dag.schedule_from_plan(problem, plan)])
     return total - problem.base_cost, peak
 
 
-def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, work: Work,
+def prune(problem: dag.RematProblem, plan: list[list[int]], budget: int, work: Work,
           nodes=None, first: bool = False) -> list[list[int]]:
     """Drop replays that the budget does not need, the dearest per byte first: every replay of
     a node at once, then later single replays of a node replayed more than once (their readers
@@ -451,7 +451,7 @@ def prune(problem: remat.RematProblem, plan: list[list[int]], budget: int, work:
     return plan
 
 
-def _without_unread_replays(problem: remat.RematProblem, plan: list[list[int]]) -> list[list[int]]:
+def _without_unread_replays(problem: dag.RematProblem, plan: list[list[int]]) -> list[list[int]]:
     """`plan` (copied) less each replay of a node that no reader uses before the node's next
     replay (a reader computed, or replayed, at a stage from that replay's up to the next one's):
     the greedy can leave one behind when a later replay serves every reader (BERT-base's
@@ -469,7 +469,7 @@ def _without_unread_replays(problem: remat.RematProblem, plan: list[list[int]]) 
     return plan
 
 
-def improve(problem: remat.RematProblem, plan: list[list[int]], budget: int, work: Work,
+def improve(problem: dag.RematProblem, plan: list[list[int]], budget: int, work: Work,
             copies: int = DEEP_GREEDY[0]) -> list[list[int]]:
     """A cheaper plan within `budget` near a fitting `plan`, by local search (ruin and
     recreate): keep one replayed node's output instead (its replays dropped), let the greedy,
@@ -498,10 +498,10 @@ def improve(problem: remat.RematProblem, plan: list[list[int]], budget: int, wor
             start[v] = []
             barred = dataclasses.replace(problem, fixed=problem.fixed | kept | {v})
             work.spend(GREEDY_COST * problem.n ** 2)   # the run's price; a copy of what is left bounds it
-            found = remat.solve_greedy(barred, budget, copies, start=start, work=Work(work.left, work.deadline))
+            found = dag.solve_greedy(barred, budget, copies, start=start, work=Work(work.left, work.deadline))
             if not found.fits:
                 continue
-            grown = remat.plan_from_schedule(problem, found.schedule)
+            grown = dag.plan_from_schedule(problem, found.schedule)
             moved = {u for u in range(problem.n) if grown[u] != plan[u]} | _ancestors(problem, v, ANCESTRY)
             trial = prune(problem, grown, budget, work, moved, first=True)
             added, peak = plan_cost_peak(problem, trial)
@@ -511,7 +511,7 @@ def improve(problem: remat.RematProblem, plan: list[list[int]], budget: int, wor
     return plan
 
 
-def _ancestors(problem: remat.RematProblem, v: int, depth: int) -> set[int]:
+def _ancestors(problem: dag.RematProblem, v: int, depth: int) -> set[int]:
     """The inputs of node v, their inputs, ... up to `depth` levels."""
     seen, frontier = set(), {v}
     for _ in range(depth):
@@ -520,9 +520,9 @@ def _ancestors(problem: remat.RematProblem, v: int, depth: int) -> set[int]:
     return seen
 
 
-def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, work: Work,
+def seed_plans(problem: dag.RematProblem, late: list[bool], budget: int, work: Work,
                family: int = SEED_FAMILY, continued: int = SEED_CONTINUED) -> dict[str, list[list[int]]]:
-    """Starting plans for `remat.plan` at `budget`, from a family of `drop_plan`s.
+    """Starting plans for `dag.plan` at `budget`, from a family of `drop_plan`s.
 
     Member q keeps the nodes that cost the most time per byte (above the q-quantile of the
     ratio; MONeT's and Checkmate's cheap-to-recompute activations, BN and ReLU outputs, go
@@ -552,8 +552,8 @@ def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, work:
                      key=lambda m: m[1])
     best = None
     for _, _, start in cheaper[:continued]:
-        found = remat.solve_greedy(problem, budget, 2, start=start, work=Work(work.left, work.deadline))
-        plan = remat.plan_from_schedule(problem, found.schedule)
+        found = dag.solve_greedy(problem, budget, 2, start=start, work=Work(work.left, work.deadline))
+        plan = dag.plan_from_schedule(problem, found.schedule)
         if found.fits:
             plan = prune(problem, plan, budget, work)
         cost, peak = plan_cost_peak(problem, plan)
@@ -567,44 +567,44 @@ def seed_plans(problem: remat.RematProblem, late: list[bool], budget: int, work:
 
 
 # ---- the search over abstract budgets ----------------------------------------------------------
-def solve(problem: remat.RematProblem, late: list[bool], budget: int, seconds: float,
-          method: str = "auto", outer: Deadline | None = None) -> remat.Result:
+def solve(problem: dag.RematProblem, late: list[bool], budget: int, seconds: float,
+          method: str = "auto", outer: Deadline | None = None) -> dag.Result:
     """One abstract solve at `budget` with `seconds` of work (memsched.deadline.Work): the
     training-aware seeds (auto and cpsat only; pruned before CP-SAT, which may spend all its
     time and find nothing on a large graph; the optional greedy ones as many as `greedy_runs`
-    affords), `remat.plan` (baselines, then CP-SAT from the best) in what the seeds left, then
+    affords), `dag.plan` (baselines, then CP-SAT from the best) in what the seeds left, then
     `prune` of the answer (its status drops to feasible/heuristic if that made it cheaper)."""
     started = time.perf_counter()
     work = Work((1 - PRUNE_SHARE) * seconds, outer)
     runs = greedy_runs(problem, seconds)
     deep = DEEP_GREEDY[:runs] if method == "auto" else ()
     seeds = seed_plans(problem, late, budget, Work(SEED_SHARE * seconds, outer),
-                       continued=min(SEED_CONTINUED, runs - len(deep))) if method in ("auto", remat.CPSAT) else {}
+                       continued=min(SEED_CONTINUED, runs - len(deep))) if method in ("auto", dag.CPSAT) else {}
     work.spend(min(SEED_SHARE * seconds, GREEDY_COST * problem.n ** 2 * (runs - len(deep))))
     if method == "auto":
         for copies in deep:
             work.spend(GREEDY_COST * problem.n ** 2)
-            found = remat.solve_greedy(problem, budget, copies, name=f"greedy-{copies}",
+            found = dag.solve_greedy(problem, budget, copies, name=f"greedy-{copies}",
                                        work=Work(work.left, work.deadline))
-            plan = remat.plan_from_schedule(problem, found.schedule)
+            plan = dag.plan_from_schedule(problem, found.schedule)
             pruned = prune(problem, plan, budget, work) if found.fits else plan
             seeds[found.method if pruned == plan else f"{found.method}+prune"] = pruned
-    result = remat.plan(problem, budget, max(0.05, work.left), method, seeds=seeds,
+    result = dag.plan(problem, budget, max(0.05, work.left), method, seeds=seeds,
                         work=Work(work.left, outer))
     if result.status == "optimal":
         return result
-    plan = prune(problem, remat.plan_from_schedule(problem, result.schedule), budget,
+    plan = prune(problem, dag.plan_from_schedule(problem, result.schedule), budget,
                  Work(PRUNE_SHARE * seconds, outer))
     return _cheaper(problem, result, plan, "prune", started) or result
 
 
-def greedy_runs(problem: remat.RematProblem, seconds: float) -> int:
+def greedy_runs(problem: dag.RematProblem, seconds: float) -> int:
     """How many optional greedy runs (deep seeds, continued seeds) `seconds` afford on `problem`."""
     return int(seconds / (GREEDY_COST * max(1, problem.n) ** 2))
 
 
-def _cheaper(problem: remat.RematProblem, result: remat.Result, plan: list[list[int]], how: str,
-             started: float) -> remat.Result | None:
+def _cheaper(problem: dag.RematProblem, result: dag.Result, plan: list[list[int]], how: str,
+             started: float) -> dag.Result | None:
     """`result` remade from `plan`, `how` (prune, search) added to its method, where `plan`
     costs less; else None. Its status drops to feasible (CP-SAT's bound still holds) or
     heuristic."""
@@ -612,14 +612,14 @@ def _cheaper(problem: remat.RematProblem, result: remat.Result, plan: list[list[
     total = problem.base_cost + added
     if total >= result.total_cost:
         return None
-    schedule = tuple(problem.ids[v] for v in remat.schedule_from_plan(problem, plan))
+    schedule = tuple(problem.ids[v] for v in dag.schedule_from_plan(problem, plan))
     status = "feasible" if result.lower_bound is not None else "heuristic"
     return dataclasses.replace(result, method=f"{result.method}+{how}", schedule=schedule, peak_bytes=peak,
                                total_cost=total, overhead=total / problem.base_cost - 1 if problem.base_cost else 0.0,
                                status=status, seconds=time.perf_counter() - started)
 
 
-def search(problem: remat.RematProblem, plan: Plan, budget: int, seconds: float, method: str = "auto",
+def search(problem: dag.RematProblem, plan: Plan, budget: int, seconds: float, method: str = "auto",
            outer: Deadline | None = None):
     """Solve the abstract problem at abstract budgets steered by the judge (module docstring),
     with `seconds` of work shared by the rounds: FIRST_ROUND_SHARE to the first, then each
@@ -646,7 +646,7 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, seconds: float,
         rounds.append(record)
         try:
             result = solve(problem, late, target, max(0.05, share), method, outer)
-        except remat.BudgetInfeasible as exc:   # judge the closest all the same: the judge may differ
+        except dag.BudgetInfeasible as exc:   # judge the closest all the same: the judge may differ
             result = exc.closest
             record["abstract"] = "infeasible"
         schedule = to_schedule(result.schedule, graph, shared)
@@ -674,14 +674,14 @@ def search(problem: remat.RematProblem, plan: Plan, budget: int, seconds: float,
     return best, rounds
 
 
-def polish(problem: remat.RematProblem, plan: Plan, best: tuple, budget: int, work: Work) -> tuple:
+def polish(problem: dag.RematProblem, plan: Plan, best: tuple, budget: int, work: Work) -> tuple:
     """`best` (as `search` returns it, on `plan`'s order) improved by `improve` at the abstract
     budget it was found at, with `work`, where the judge agrees that it fits; else `best`."""
     result, _, _, _, target = best
     started = time.perf_counter()
     if result.status == "optimal" or result.total_cost <= problem.base_cost or not work.ok():
         return best   # nothing cheaper at that abstract budget, or no time
-    start = remat.plan_from_schedule(problem, result.schedule)
+    start = dag.plan_from_schedule(problem, result.schedule)
     better = _cheaper(problem, result, improve(problem, start, target, work), "search", started) \
         if start is not None else None
     if better is None:

@@ -1,4 +1,4 @@
-"""passes.autodiff: turn a forward graph into one training step of standard ONNX ops.
+"""passes.training: turn a forward graph into one training step of standard ONNX ops.
 
 `build_training_step(graph, loss, optimizer, lr, freeze)` returns forward + loss + backward
 (+ optimizer update) as ONE Graph of default-domain ops (opset >= 17, no com.microsoft,
@@ -37,9 +37,9 @@ backward pass when it drops anything).
 Gradient rules live in rules_elementwise, rules_shape and rules_nn, registered by op type
 in registry.RULES; losses in loss, optimizers in optimizer.
 """
-from .builder import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step, describe
-from .loss import LOSSES
-from .optimizer import OPTIMIZERS
-from .registry import RULES
+from passes.training.builder import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step, describe
+from passes.training.loss import LOSSES
+from passes.training.optimizer import OPTIMIZERS
+from passes.training.registry import RULES
 
 __all__ = ["build_training_step", "describe", "GRAD_ROLES_KEY", "TRAINING_KEY", "LOSSES", "OPTIMIZERS", "RULES"]

@@ -34,14 +34,14 @@ from onnx import TensorProto
 from memsched.errors import UserError
 from memsched.ir import Graph, Op, Tensor
 
-from .builder import (_assemble, _check_control_flow, _check_options, _check_supported, _emit_backward,
+from passes.training.builder import (_assemble, _check_control_flow, _check_options, _check_supported, _emit_backward,
                       _emit_forward, _reaching_output, _requiring_grad, _trainable, _training_opset)
-from .emitter import Emitter
-from .fuse import fuse_patterns
-from .loss import bce_with_logits
-from .optimizer import STATES, emit_update, update_outputs
-from .registry import FLOAT_TYPES, differentiable_outputs, differentiable_positions
-from .simplify import drop_no_ops
+from passes.training.emitter import Emitter
+from passes.training.fuse import fuse_patterns
+from passes.training.loss import bce_with_logits
+from passes.training.optimizer import STATES, emit_update, update_outputs
+from passes.training.registry import FLOAT_TYPES, differentiable_outputs, differentiable_positions
+from passes.training.simplify import drop_no_ops
 
 LOSS = "bce_with_logits"
 OUTPUTS = ("loss_D", "loss_G")

@@ -1,16 +1,16 @@
-"""passes.swap: fit a plan into its device budget by swapping tensors to host tiers (DRAM,
+"""passes.swap.planner: fit a plan into its device budget by swapping tensors to host tiers (DRAM,
 NVDIMM) and recomputing them, with the transfers hidden behind compute where the link allows.
 
 `swap_pass(plan)` is Plan -> Plan. The budget (`plan.budget`) and the hardware profile
 (`plan.hardware`: device link, host tiers with capacities, bandwidths, latencies) are the whole
 interface: no distances or thresholds to tune.
 
-How: passes.swap_gaps finds every idle gap of every tensor that spans a step over the budget
+How: passes.swap.gaps finds every idle gap of every tensor that spans a step over the budget
 (activations between their forward and backward uses, gradients waiting for their update,
 outputs held to the end, and weights and optimizer state, which may start the step on the
-host); passes.swap_heuristic picks a valid choice for each fast (TFLMS/Capuchin-style) and
-passes.swap_model improves on it with CP-SAT under a time limit (where building the model is
-priced within twice that limit, `swap_model.build_seconds`). Both answers are emitted,
+host); passes.swap.heuristic picks a valid choice for each fast (TFLMS/Capuchin-style) and
+passes.swap.model improves on it with CP-SAT under a time limit (where building the model is
+priced within twice that limit, `passes.swap.model.build_seconds`). Both answers are emitted,
 judged by the memory model (memsched.memory.validate) and timed by the event simulator
 (memsched.simulate); the faster one is returned. The returned plan has no arena offsets (the
 placement pass runs after this one).
@@ -33,9 +33,9 @@ from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan, free, recompute, swap_in, swap_out
 from memsched.simulate import Simulation, simulate
 
-from .swap_gaps import Problem, find_problem
-from .swap_heuristic import MOVING, Choice, heuristic, improve, reloads, select
-from .swap_model import Solved, build_seconds, solve
+from passes.swap.gaps import Problem, find_problem
+from passes.swap.heuristic import MOVING, Choice, heuristic, improve, reloads, select
+from passes.swap.model import Solved, build_seconds, solve
 
 DEFAULT_TIME_LIMIT = 10.0
 

@@ -1,6 +1,6 @@
 """The swap planner's CP-SAT model: keep / swap (per tier) / evict / host / recompute for every
 candidate gap jointly, with where each swap-out and swap-in goes, minimising the delay the time
-model of passes.swap_heuristic predicts (the two encode the same rules; `timeline` evaluates
+model of passes.swap.heuristic predicts (the two encode the same rules; `timeline` evaluates
 them for fixed choices, which is how the heuristic's answer becomes a complete hint).
 
 Per gap g: one mode literal each (swap/evict/host per tier), a one-hot release slot j over
@@ -32,12 +32,12 @@ from ortools.sat.python import cp_model
 
 from memsched.deadline import Deadline
 
-from . import solver as cpsat
-from .swap_gaps import Gap, Problem
-from .swap_heuristic import Choice, MOVING, Timing, in_order, out_order, timeline
+from passes import solver as cpsat
+from passes.swap.gaps import Gap, Problem
+from passes.swap.heuristic import Choice, MOVING, Timing, in_order, out_order, timeline
 
 # Seconds to build the model per (release slot x reload slot) pair of a gap, a loaded core's
-# figure (GPT-2 with 30 layers: 65,922 pairs, 8.7 s; BERT-base: 23,380, 5.6 s): passes.swap
+# figure (GPT-2 with 30 layers: 65,922 pairs, 8.7 s; BERT-base: 23,380, 5.6 s): passes.swap.planner
 # builds no model priced at more than twice its time limit.
 BUILD_COST = 1e-4
 

@@ -40,7 +40,7 @@ class Emitter:
         self.tensors: dict[str, Tensor] = {n: dataclasses.replace(t) for n, t in source.tensors.items()}
         self.phase = "forward"
         self._scope = ""
-        self.fusions = dict(fusions or {})   # fused op -> passes.autodiff.fuse.Fusion
+        self.fusions = dict(fusions or {})   # fused op -> passes.training.fuse.Fusion
         self._taken: set[str] = (set(source.tensors) | {op.name for op in source.ops}
                                  | {op.name for fusion in self.fusions.values() for op in fusion.ops})
         self._consts: dict[tuple, str] = {}

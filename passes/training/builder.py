@@ -11,13 +11,13 @@ from memsched.frontend import captured_names, subgraphs
 from memsched.ir import Graph, Op
 from memsched.onnx_utils import IR_VERSION, OPSET
 
-from . import rules_elementwise, rules_nn, rules_shape  # noqa: F401 - they fill RULES
-from .emitter import Emitter
-from .fuse import fuse_patterns
-from .loss import LOSS_NAME, LOSSES, emit_loss
-from .optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
-from .registry import FLOAT_TYPES, RULES, differentiable_outputs, differentiable_positions
-from .simplify import drop_no_ops
+from passes.training import rules_elementwise, rules_nn, rules_shape  # noqa: F401 - they fill RULES
+from passes.training.emitter import Emitter
+from passes.training.fuse import fuse_patterns
+from passes.training.loss import LOSS_NAME, LOSSES, emit_loss
+from passes.training.optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
+from passes.training.registry import FLOAT_TYPES, RULES, differentiable_outputs, differentiable_positions
+from passes.training.simplify import drop_no_ops
 
 GRAD_ROLES_KEY = "memsched.grad_roles"
 TRAINING_KEY = "memsched.training"
@@ -268,7 +268,7 @@ WEIGHT_PART_OPS = frozenset({"Split", "Slice"})    # ops that cut a weight into 
 def _parameter_views(graph: Graph, params: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     """Weights as layers see them. Exports feed some weights through view ops (a Linear
     on 3-D input is MatMul(x, Transpose(W)) in a training export), and a weight may be cut
-    into parts (a Split or Slice of it: passes.concat_split's per-part convolutions): returns
+    into parts (a Split or Slice of it: passes.rewrites.concat_split's per-part convolutions): returns
     (tensor -> the parameter it is, views or is a part of, view op -> the one layer its view
     feeds)."""
     weights = {p: p for p in params}

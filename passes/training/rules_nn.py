@@ -21,8 +21,8 @@ import math
 import numpy as np
 from onnx import TensorProto
 
-from .registry import rule
-from .rules_shape import folded_bias, folded_scale, runs_as_gemm, scaled_scores
+from passes.training.registry import rule
+from passes.training.rules_shape import folded_bias, folded_scale, runs_as_gemm, scaled_scores
 
 _STASH_DTYPE = TensorProto.FLOAT  # LayerNormalization's Mean/InvStdDev type (stash_type 1)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import rule
+from passes.training.registry import rule
 
 
 @rule("Reshape", "Flatten", "Squeeze", "Unsqueeze", inputs=(0,))

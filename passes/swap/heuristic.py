@@ -1,6 +1,6 @@
 """The swap planner's heuristic: a valid plan fast, the CP-SAT model's warm start and fallback.
 
-Three phases over the gaps of passes.swap_gaps:
+Three phases over the gaps of passes.swap.gaps:
 1. memory: in order of how easily they hide -- statics that can start on the host first (no
    copy out), then the longest idle interval per transfer time (TFLMS: per byte; or the
    longest idle interval, or the earliest ready: SELECT_ORDERS, each tried), tiny tensors
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .swap_gaps import Gap, Problem
+from passes.swap.gaps import Gap, Problem
 
 MOVING = ("swap", "evict", "host")      # modes that put the tensor on a host tier
 TRIALS = 64                             # phase 3's replay trials per phase-1 order, at most, and

@@ -49,7 +49,7 @@ import numpy as np
 from memsched.deadline import Work
 from memsched.errors import BudgetError, UserError
 
-from .solver import solve
+from passes.solver import solve
 
 CHECKPOINT_ALL = "checkpoint_all"
 SQRT_N = "sqrt_n"

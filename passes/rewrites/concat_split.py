@@ -38,7 +38,7 @@ from onnx import TensorProto, numpy_helper
 
 from memsched.ir import Graph, Op, Tensor
 
-from .reuse import record_rewrite, undo_rewrite
+from passes.reuse import record_rewrite, undo_rewrite
 
 SPLIT_KEY = "memsched.concat_split"   # what split_training_step changed, so it can be undone
 VARIANT = "concat-split"              # the reuse pass's name for the split step
@@ -231,7 +231,7 @@ def _split_ops(graph: Graph, conv: Op, concat: Op) -> tuple[list[Op], list[Tenso
 
 def split_training_step(forward: Graph, given: Graph, build: Callable[[Graph], Graph]) -> Graph | None:
     """The training step of `forward` with its Concat convolutions split, `build` being how
-    `given` was built from `forward` (passes.autodiff with the same options); None when no
+    `given` was built from `forward` (passes.training with the same options); None when no
     convolution qualifies. The step records how to get `given` back (`unsplit_graph`)."""
     split_forward, convs = split_concat_convs(forward)
     if not convs:

@@ -29,9 +29,9 @@ from typing import Callable
 
 from memsched.ir import Graph, Op, Tensor
 
-from .concat_split import even_sizes, names_taken, sizes_constant
-from .concat_split import unsplit_graph as unsplit_concat
-from .reuse import record_rewrite, undo_rewrite, unfused_graph
+from passes.rewrites.concat_split import even_sizes, names_taken, sizes_constant
+from passes.rewrites.concat_split import unsplit_graph as unsplit_concat
+from passes.reuse import record_rewrite, undo_rewrite, unfused_graph
 
 SPLIT_KEY = "memsched.batch_split"    # what split_training_step changed, so it can be undone
 # Ops whose output sample n depends on input sample n alone (batch on axis 0), whatever the
