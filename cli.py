@@ -11,6 +11,9 @@ from memsched.errors import MemschedError
 from memsched.onnx_utils import save_model_atomic
 from memsched.outputs import Terminated, check_outputs, install_sigterm_handler
 
+# the training step's losses (passes.training.loss.LOSSES, named here so parsing imports no pass)
+LOSSES = ["cross_entropy", "mse", "bce_with_logits", "output"]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
@@ -76,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", help="device bytes to fit instead of the device's memory, e.g. 12GiB")
     p.add_argument("--strategies", action="append", metavar="SET",
                    help="a strategy set to compare, e.g. order,reuse (repeatable; default: none, order,reuse, full)")
-    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse", "output"])
+    p.add_argument("--loss", default="cross_entropy", choices=LOSSES)
     p.add_argument("--optimizer", default="sgd", choices=["none", "sgd", "momentum", "adam"])
     p.add_argument("--time-limit", type=positive_seconds, default=5.0, metavar="S",
                    help="seconds for the whole compile of each batch (default 5)")
@@ -167,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and G('z'), then G's step through the updated D (BCE on logits; default optimizer sgd)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the training step")
     add_dim_option(p)
-    p.add_argument("--loss", choices=["cross_entropy", "mse", "bce_with_logits", "output"],
+    p.add_argument("--loss", choices=LOSSES,
                    help="cross_entropy against int64 'labels', mse or bce_with_logits against 'targets', or the "
                         "model's scalar output (default: cross_entropy; a GAN step takes bce_with_logits)")
     p.add_argument("--optimizer", choices=["none", "sgd", "momentum", "adam"],
@@ -182,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-numerics", help="float32 training-step gradients against the same step in float64")
     p.add_argument("model", help="an .onnx file (a forward graph, or a training step built by train-graph)")
     add_dim_option(p)
-    p.add_argument("--loss", choices=["cross_entropy", "mse", "output"], default="cross_entropy")
+    p.add_argument("--loss", choices=LOSSES, default="cross_entropy")
     p.add_argument("--top", type=int, default=10, metavar="N", help="rows to print (default 10)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (default: all)")
     p.add_argument("--strict", action="store_true",
@@ -237,7 +240,7 @@ def add_dim_option(p: argparse.ArgumentParser) -> None:
 
 def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", action="store_true", help="plan the training step (forward, loss, backward, update)")
-    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse", "output"])
+    p.add_argument("--loss", default="cross_entropy", choices=LOSSES)
     p.add_argument("--optimizer", default="sgd", choices=["none", "sgd", "momentum", "adam"])
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--freeze", action="append", default=[], metavar="PATTERN",

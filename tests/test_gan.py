@@ -310,3 +310,10 @@ def test_dcgan_at_64_pixels_batch_64_fits_half_and_runs_bit_identical():
     step = build_gan_step(g, d)
     assert len(step.inputs) == 2 and step.tensors["real"].shape == (64, 3, 64, 64)
     _plan_and_run(step, time_limit=60)
+
+
+def test_the_cli_offers_every_loss_the_builder_has():
+    import cli
+    from passes.training.loss import LOSSES
+
+    assert sorted(cli.LOSSES) == sorted(LOSSES)

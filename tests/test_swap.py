@@ -182,7 +182,7 @@ def test_compile_with_swap_through_the_cli(tmp_path):
 
     path = save_model_atomic(models.build("mlp", batch=64), tmp_path / "mlp.onnx")
     done = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "42%",
-                   "--time-limit", "1", "--json")
+                   "--time-limit", "30", "--json")     # its counted work ends it first: ~3 s even at load 5
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["plan"]["peak_bytes"] <= report["budget_bytes"] < report["baseline"]["peak_bytes"]
