@@ -84,7 +84,7 @@ def render_html(report: dict, baseline_sim: dict, plan_sim: dict) -> str:
     plan, base = report["plan"], report["baseline"]
     budget = report.get("budget_bytes")
     timeline = figures.memory_timeline_svg([
-        {"title": "baseline (framework order, nothing reused)", **baseline_sim["memory_timeline"]},
+        {"title": "baseline (its own order, updates in place)", **baseline_sim["memory_timeline"]},
         {"title": f"plan ({', '.join(report['strategies']) or 'no strategies'})", **plan_sim["memory_timeline"]},
     ], budget)
     gantt = figures.gantt_svg(plan_sim["events"])

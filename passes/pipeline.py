@@ -1,7 +1,7 @@
 """compile(): the whole flow of DESIGN.md in one call -- load, (train), plan, place, simulate.
 
-    model --frontend--> Graph --autodiff (train)--> Graph
-      baseline = the graph's own order, nothing reused (what frameworks do)
+    model --frontend--> Graph --training step (train)--> Graph
+      baseline = the graph's own order, updates in place (what PyTorch eager does)
       plan     = reuse -> order -> fit (passes.fit: the fastest placed plan within the
                  budget, recompute and swap only while over it) -> placement
       where the plan needs recompute or swap (or nothing fits), the step in micro-batches
@@ -40,7 +40,7 @@ from memsched.units import format_bytes, parse_bytes, parse_percent
 from passes.rewrites.batch_split import batch_split_step, given_graph
 from passes.rewrites.concat_split import reuse_variants
 from passes.fit import DRAINED, IMPROVE, Search
-from passes.reuse import FUSED_KEY
+from passes.reuse import FUSED_KEY, baseline_aliases
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")
 PLACEMENT_FREE = ("order", "reuse")      # the strategies without a budget: no added time
@@ -139,7 +139,8 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     graph, variants = training_steps(forward, loss, optimizer, lr, freeze, variants="reuse" in strategies) \
         if train else (given_graph(forward), {})
 
-    baseline = Plan.initial(graph, hardware=hw)
+    initial = Plan.initial(graph, hardware=hw)
+    baseline = framework_baseline(initial)
     baseline_profile = validate(baseline)
     budget_bytes = parse_budget(budget, baseline_profile.peak_bytes)
     costs = CostTable.load(costs) if isinstance(costs, (str, Path)) else costs
@@ -169,7 +170,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         found.first_plans()
         return found
 
-    searches, split = {"given": search(baseline, variants, "")}, None
+    searches, split = {"given": search(initial, variants, "")}, None
     if budget_bytes is not None:
         given = searches["given"]
         needs_more = given.best is None or \
@@ -233,10 +234,20 @@ def _faster(searches: dict[str, Search], chunks: int | None, strategies, hw, cos
     return dataclasses.replace(plan, notes={**plan.notes, "batch_split": note})
 
 
+BASELINE_ASSUMES = "the graph's own order; gradients alive until their update; updates in place, as torch.optim's"
+
+
+def framework_baseline(initial: Plan) -> Plan:
+    """The baseline a plan is judged against, as PyTorch eager runs a step: `initial` (the
+    graph's own order, nothing reused) with each optimizer update written in place over its
+    parameter and state (`passes.reuse.baseline_aliases`). The searches start from `initial`."""
+    return dataclasses.replace(initial, aliases=baseline_aliases(initial.graph))
+
+
 def baseline_of(plan: Plan) -> Plan:
     """The baseline `plan` is judged against: its graph as given (fused updates and concat
-    splits undone), in the given order, on the plan's hardware."""
-    return Plan.initial(given_graph(plan.graph), hardware=plan.hardware)
+    splits undone) as `framework_baseline` runs it, on the plan's hardware."""
+    return framework_baseline(Plan.initial(given_graph(plan.graph), hardware=plan.hardware))
 
 
 def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], model,
@@ -306,7 +317,7 @@ def build_report(graph: Graph, hw, budget_bytes: int | None, strategies, baselin
         "budget_bytes": budget_bytes,
         "strategies": list(strategies),
         "baseline": {"peak_bytes": baseline_profile.peak_bytes, "step_time_s": baseline_sim.step_time,
-                     "peak_step": baseline_profile.peak_step},
+                     "peak_step": baseline_profile.peak_step, "assumes": BASELINE_ASSUMES},
         "plan": {"peak_bytes": profile.peak_bytes, "arena_bytes": notes.get("placement", {}).get("arena_bytes"),
                  "step_time_s": sim.step_time, "overhead": overhead, "stall_s": sim.stall,
                  "recomputed_ops": recomputed, "swapped_bytes": {tier: t["out"] for tier, t in sim.traffic.items()},

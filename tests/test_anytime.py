@@ -80,7 +80,8 @@ def test_an_expired_deadline_still_gives_the_first_plan():
     """With no time at all, each pass returns its heuristic answer, so the first candidate
     that fits is still planned and placed (the deadline is reported as hit)."""
     model = lower(models.build("resnet18", **SMALL))
-    result = compile_plan(model, train=True, budget="50%", time_limit=5, deadline=Deadline(0.0))
+    # 55%: at 50% of the in-place baseline only a searched plan fits, not a first heuristic one
+    result = compile_plan(model, train=True, budget="55%", time_limit=5, deadline=Deadline(0.0))
     assert result.report["solver"]["deadline_hit"] is True
     assert result.report["plan"]["arena_bytes"] <= result.report["budget_bytes"]
     assert len(result.plan.notes["fit"]["tried"]) <= fit.FIT_ROUNDS
