@@ -170,9 +170,9 @@ def test_offsets_are_dropped_when_the_schedule_changes():
 
 
 def test_compile_with_swap_through_the_cli(tmp_path):
-    # LeNet-300-100 training step after reuse (fused updates, in place: 47.8% of the baseline):
-    # at 42% of the baseline the swap pass moves tensors to DRAM; at 1% it says which budget it
-    # can reach (exit 3, one line)
+    # LeNet-300-100 training step after reuse (fused updates, in place: 58% of the baseline,
+    # whose updates run in place too): at 53% of the baseline the swap pass moves tensors to
+    # DRAM; at 1% it says which budget it can reach (exit 3, one line)
     import json
 
     import models
@@ -181,7 +181,7 @@ def test_compile_with_swap_through_the_cli(tmp_path):
     from .conftest import run_cli
 
     path = save_model_atomic(models.build("mlp", batch=64), tmp_path / "mlp.onnx")
-    done = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "42%",
+    done = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "53%",
                    "--time-limit", "30", "--json")     # its counted work ends it first: ~3 s even at load 5
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -190,8 +190,8 @@ def test_compile_with_swap_through_the_cli(tmp_path):
     assert report["passes"]["swap"]["status"] in ("optimal", "feasible", "heuristic")
     tried = report["passes"]["fit"]["tried"]
     assert [t["candidate"] for t in tried if t.get("chosen")] == ["swap"]
-    printed = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "42%",
-                      "--time-limit", "1")
+    printed = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "53%",
+                      "--time-limit", "30")
     assert printed.returncode == 0 and "swap: +" in printed.stdout and "(chosen)" in printed.stdout
     failed = run_cli("compile", path, "--train", "--strategies", "reuse,swap", "--budget", "1%",
                      "--time-limit", "1")
