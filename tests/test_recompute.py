@@ -531,6 +531,7 @@ def test_recompute_plan_runs_bit_identical_on_the_executor(graphs, name):
     assert result.ops == len(placed.schedule)
 
 
+@pytest.mark.slow    # 40 s on 2 cores; the fast suite stays under 10 minutes
 def test_compile_hands_a_budget_recompute_cannot_meet_to_swap():
     from passes.pipeline import compile as compile_plan
 
