@@ -9,9 +9,6 @@ wheels, loaded by ONNX Runtime's preload_dlls), and last a real session on a one
 """
 from __future__ import annotations
 
-import onnx
-from onnx import helper
-
 from . import cuda
 from .errors import UserError
 
@@ -21,22 +18,12 @@ FIX_DRIVER = "run on a machine with an NVIDIA GPU and its driver; memsched plans
 FIX_LIBRARIES = "pip install -e '.[cuda]' (NVIDIA's CUDA 13 runtime, cuBLAS, cuRAND and cuDNN 9 wheels)"
 
 
-def probe_model() -> onnx.ModelProto:
-    """A one-op model (Identity on one float), the smallest thing a provider can be asked to run."""
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
-                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    return model
-
-
 def diagnose() -> dict:
     """What the CUDA path finds here: ONNX Runtime, libraries, GPUs, a probe session; with
     `cuda_usable` and, where it is not, the first `reason` and its `fix`."""
     import onnxruntime as ort
 
-    from .ort import make_session
+    from .ort import make_session, one_op_model
 
     providers = ort.get_available_providers()
     needed = cuda.required_libraries()
@@ -56,7 +43,7 @@ def diagnose() -> dict:
         report.update(reason=f"CUDA libraries not found: {', '.join(missing)}", fix=FIX_LIBRARIES)
     else:
         try:
-            session = make_session(probe_model(), "cuda")
+            session = make_session(one_op_model(), "cuda")
             report["session_providers"] = session.get_providers()
             report["cuda_usable"] = True
             free, total = cuda.device_memory(cuda.load_cudart())
@@ -76,4 +63,4 @@ def _loadable(name: str) -> bool:
     return True
 
 
-__all__ = ["CUDA_PROVIDER", "probe_model", "diagnose"]
+__all__ = ["CUDA_PROVIDER", "diagnose"]

@@ -53,7 +53,8 @@ from .cuda import device_memory, load_cudart
 from .measure import ProcessMemory
 from .memory import MemoryProfile, Residency, buffer_groups, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
-from .ort import bound_session, node_providers, providers_for, quiet_logger, session_options, warm_environment
+from .ort import (bound_session, node_providers, one_op_model, providers_for, quiet_logger, session_options,
+                  warm_environment)
 from .schedule import Plan
 
 DEVICES = ("cpu", "cuda")
@@ -1165,12 +1166,7 @@ def _resolve_device(device: str) -> tuple[str, str | None]:
         try:
             ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, "cuda", 0)
             _Cuda().close()
-            probe = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
-                                      [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-                                      [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
-            model = helper.make_model(probe, opset_imports=[helper.make_opsetid("", 13)])
-            model.ir_version = 8
-            session = ort.InferenceSession(model.SerializeToString(), session_options(1),
+            session = ort.InferenceSession(one_op_model().SerializeToString(), session_options(1),
                                            providers=providers_for("cuda"))
             if "CUDAExecutionProvider" not in session.get_providers():    # ORT dropped it (libraries missing)
                 return "cpu", "ONNX Runtime could not register its CUDA execution provider here"

@@ -118,6 +118,19 @@ def bound_options(threads: int):
 _warm = False
 
 
+def one_op_model(op_type: str = "Identity") -> onnx.ModelProto:
+    """A model of one unary op on one float (x -> y), the least a session can be made for: to
+    warm ONNX Runtime up, or to ask a provider whether it really runs here."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node(op_type, ["x"], ["y"])], op_type.lower(),
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
 def warm_environment() -> None:
     """Make ONNX Runtime's environment and page in its session code, once per process: one
     one-node session, run once. What this costs (about 7 MiB of the library's code, resident
@@ -128,14 +141,8 @@ def warm_environment() -> None:
         return
     import numpy as np
     import onnxruntime as ort
-    from onnx import TensorProto, helper
 
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "warm",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(one_op_model("Relu").SerializeToString(), providers=["CPUExecutionProvider"])
     session.run(None, {"x": np.zeros(1, np.float32)})
     _warm = True
 
@@ -202,5 +209,5 @@ def node_providers(session) -> dict[str, str]:
 
 
 __all__ = ["PROVIDERS", "CUDA_OPTIONS", "OPTIMIZATION", "quiet_logger", "session_options", "bound_options",
-           "bound_session", "shared_scratch_arena", "warm_environment", "providers_for", "make_session",
-           "node_providers"]
+           "bound_session", "shared_scratch_arena", "warm_environment", "one_op_model", "providers_for",
+           "make_session", "node_providers"]
