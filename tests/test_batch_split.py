@@ -156,7 +156,7 @@ def test_the_cli_compiles_micro_batches_and_runs_them_against_the_step_as_given(
     model, scheduled = tmp_path / "cnn.onnx", tmp_path / "scheduled.onnx"
     save_model_atomic(cnn().to_onnx(), model)
     result = run_cli("compile", model, "--train", "--lr", "0.1", "--budget", f"{SPLIT_BUDGET}B", "--strategies", ALL,
-                     "--time-limit", "10", "-o", scheduled, "--json")
+                     "--time-limit", "30", "-o", scheduled, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["plan"]["micro_batches"] == 2
     run = run_cli("run", scheduled, "--check", "--json")
