@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import models  # noqa: E402
 from memsched import frontend  # noqa: E402
 from memsched.errors import MemschedError  # noqa: E402
-from memsched.executor import prepare_inputs, run_plan, session_options  # noqa: E402
+from memsched.executor import prepare_inputs, run_plan  # noqa: E402
+from memsched.ort import session_options  # noqa: E402
 from memsched.simulate import simulate  # noqa: E402
 from passes.training import build_training_step  # noqa: E402
 from passes.pipeline import compile as compile_plan  # noqa: E402
@@ -88,9 +89,14 @@ def bench_plan(plan, steps: int, threads: int) -> dict:
     }
 
 
+def small_training_step(name: str):
+    """The SGD training step (cross-entropy) of bundled model `name` at its size in SIZES."""
+    return build_training_step(frontend.lower(models.build(name, **SIZES[name])), loss="cross_entropy",
+                               optimizer="sgd")
+
+
 def bench_model(name: str, steps: int, threads: int, time_limit: float) -> dict:
-    graph = build_training_step(frontend.lower(models.build(name, **SIZES[name])), loss="cross_entropy",
-                                optimizer="sgd")
+    graph = small_training_step(name)
     feeds = prepare_inputs(graph)
     entry = {"model": name, "size": SIZES[name], "graph": "training step (sgd)", "ops": len(graph.ops),
              "strategies": []}

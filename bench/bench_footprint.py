@@ -55,7 +55,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_executor import SIZES  # noqa: E402
+from bench_executor import SIZES, small_training_step  # noqa: E402
+from json_report import emit  # noqa: E402
 
 PLANS = [("order,reuse", None), ("order,reuse,recompute,swap", "60%")]
 # acceptance: memory growth <= 0.6x ORT's defaults; time <= 1.1x at equal threads, <= 1.25x at defaults
@@ -205,16 +206,12 @@ def bench_plan(plan_path: Path, arena: int, steps: int, threads: int, rounds: in
 
 
 def bench_model(name: str, directory: Path, steps: int, threads: int, rounds: int, time_limit: float) -> dict:
-    import models
-    from memsched import frontend
     from memsched.emit import write_plan
     from memsched.errors import MemschedError
     from memsched.memory import analyze_plan, check_placement
-    from passes.training import build_training_step
     from passes.pipeline import compile as compile_plan
 
-    graph = build_training_step(frontend.lower(models.build(name, **SIZES[name])), loss="cross_entropy",
-                                optimizer="sgd")
+    graph = small_training_step(name)
     entry = {"model": name, "size": SIZES[name], "ops": len(graph.ops), "plans": []}
     for strategies, budget in PLANS:
         row = {"strategies": strategies, "budget": budget}
@@ -273,11 +270,7 @@ def main(argv=None) -> int:
                           "cores": os.cpu_count(), "load_before": load, "load_after": list(os.getloadavg())},
               "threads": threads, "steps": args.steps, "rounds": args.rounds, "targets": TARGETS, "summary": summary,
               "models": rows}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    return 0
+    return emit(report, args.output)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 import models  # noqa: E402
 from memsched.frontend import lower  # noqa: E402
-from memsched.memory import VIEW_OPS, analyze, analyze_plan, validate  # noqa: E402
+from memsched.memory import analyze, analyze_plan, validate  # noqa: E402
+from memsched.ops import VIEW_OPS  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
 from passes.order import order_pass  # noqa: E402
 from passes.placement import place_pass  # noqa: E402

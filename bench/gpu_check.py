@@ -40,7 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_executor import SIZES  # noqa: E402
+from bench_executor import SIZES, small_training_step  # noqa: E402
+from json_report import emit  # noqa: E402
 
 PLANS = [("order,reuse", None), ("order,reuse,recompute,swap", "60%")]
 PRESETS = {"H100": "h100-80gb", "H200": "h200", "A100": "a100-80gb", "V100": "v100-32gb"}
@@ -129,15 +130,11 @@ def run_worker(kind: str, plan_path: Path, steps: int) -> dict:
 
 # ---- the driver --------------------------------------------------------------------------
 def check_model(name: str, hardware: str, directory: Path, steps: int, time_limit: float) -> dict:
-    import models
-    from memsched import frontend
     from memsched.emit import write_plan
     from memsched.errors import MemschedError
-    from passes.training import build_training_step
     from passes.pipeline import compile as compile_plan
 
-    graph = build_training_step(frontend.lower(models.build(name, **SIZES[name])), loss="cross_entropy",
-                                optimizer="sgd")
+    graph = small_training_step(name)
     entry = {"model": name, "size": SIZES[name], "ops": len(graph.ops), "plans": []}
     for strategies, budget in PLANS:
         row = {"strategies": strategies, "budget": budget}
@@ -205,11 +202,7 @@ def main(argv=None) -> int:
     report = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "hardware_profile": hardware,
               "python": platform.python_version(), "doctor": doctor, "summary": summary,
               "not_measured": NOT_MEASURED, "models": rows}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -63,30 +63,9 @@ from .errors import UserError
 from .hardware import Hardware
 from .ir import Graph, Op, Tensor, tensor_value
 from .onnx_utils import write_text_atomic
+from .ops import (DATA_OPS, ELEMENTWISE_OPS, EXP_REDUCTION_OPS, GATHER_OPS, NORM_OPS, POOL_OPS, REDUCTION_OPS,
+                  SHAPE_OPS, SOFTMAX_OPS, TRANSCENDENTAL_OPS)
 
-SHAPE_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Shape", "Size", "Identity", "Constant"})
-TRANSCENDENTAL_OPS = frozenset({
-    "Exp", "Log", "Tanh", "Sigmoid", "Erf", "Pow", "Softplus", "Softsign", "Elu", "Selu", "Celu", "Gelu",
-    "HardSwish", "Mish", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh",
-})
-ELEMENTWISE_OPS = frozenset({
-    "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "LeakyRelu", "PRelu", "ThresholdedRelu", "HardSigmoid",
-    "Clip", "Sqrt", "Reciprocal", "Floor", "Ceil", "Round", "Sign", "Max", "Min", "Sum", "Mean", "Where",
-    "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor", "Cast",
-    "CastLike", "Dropout", "IsNaN", "IsInf", "Mod", "BitShift", "Shrink",
-}) | TRANSCENDENTAL_OPS
-REDUCTION_OPS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
-                           "ReduceL2", "ReduceSumSquare", "ArgMax", "ArgMin",
-                           "CumSum"})
-EXP_REDUCTION_OPS = frozenset({"ReduceLogSumExp", "ReduceLogSum"})   # a log or exp per element, unvectorised
-POOL_OPS = frozenset({"MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool"})
-NORM_OPS = frozenset({"BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization",
-                      "LpNormalization", "MeanVarianceNormalization"})
-SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax", "Hardmax", "SoftmaxCrossEntropyLoss"})
-GATHER_OPS = frozenset({"Gather", "GatherElements", "GatherND", "Scatter", "ScatterElements", "ScatterND",
-                        "NegativeLogLikelihoodLoss", "OneHot"})
-DATA_OPS = frozenset({"Transpose", "Concat", "Split", "Slice", "Pad", "Expand", "Tile", "Resize", "Upsample",
-                      "DepthToSpace", "SpaceToDepth", "ConstantOfShape", "Range", "Trilu", "EyeLike"})
 # The classes a calibrated profile may carry its own figures for. Shape classes split an op
 # type where one efficiency cannot fit: transposed and grouped convolutions, batched MatMuls
 # (attention) against GEMMs with a weight operand.

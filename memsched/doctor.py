@@ -10,7 +10,6 @@ wheels, loaded by ONNX Runtime's preload_dlls), and last a real session on a one
 from __future__ import annotations
 
 from . import cuda
-from .errors import UserError
 
 CUDA_PROVIDER = "CUDAExecutionProvider"
 FIX_BUILD = "pip install onnxruntime-gpu (it replaces the CPU-only onnxruntime package)"
@@ -23,7 +22,7 @@ def diagnose() -> dict:
     `cuda_usable` and, where it is not, the first `reason` and its `fix`."""
     import onnxruntime as ort
 
-    from .ort import make_session, one_op_model
+    from .ort import make_session, one_op_model, resolve_device
 
     providers = ort.get_available_providers()
     needed = cuda.required_libraries()
@@ -42,14 +41,14 @@ def diagnose() -> dict:
     elif missing:
         report.update(reason=f"CUDA libraries not found: {', '.join(missing)}", fix=FIX_LIBRARIES)
     else:
-        try:
-            session = make_session(one_op_model(), "cuda")
-            report["session_providers"] = session.get_providers()
+        device, reason = resolve_device("cuda")      # the executor's own verdict
+        if device == "cuda":
             report["cuda_usable"] = True
+            report["session_providers"] = make_session(one_op_model(), "cuda").get_providers()
             free, total = cuda.device_memory(cuda.load_cudart())
             report["device_memory"] = {"free_bytes": free, "total_bytes": total}
-        except UserError as err:
-            report.update(reason=str(err), fix=FIX_LIBRARIES)
+        else:
+            report.update(reason=reason, fix=FIX_LIBRARIES)
     return report
 
 

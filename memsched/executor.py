@@ -53,22 +53,13 @@ from .cuda import device_memory, load_cudart
 from .measure import ProcessMemory
 from .memory import MemoryProfile, Residency, buffer_groups, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
-from .ort import (bound_session, node_providers, one_op_model, providers_for, quiet_logger, session_options,
-                  warm_environment)
+from .ops import CONSTANT_OPS, HOISTED_OPS, draws_random
+from .ort import bound_session, node_providers, providers_for, reference_session, resolve_device, warm_environment
 from .schedule import Plan
 
 DEVICES = ("cpu", "cuda")
 POISON = 0xFF        # every float made of these bytes is a NaN
 ALIGN = 64           # the arena's base address alignment
-# Ops that draw random numbers: never recomputed (a replay would draw other numbers).
-RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-                        "Bernoulli", "Multinomial"})
-
-# Ops whose value the executor writes itself, in schedule order, instead of a session: ONNX
-# Runtime turns a Constant node into an initializer when it loads a model, and copies an
-# initializer that is a graph output into its bound buffer at the end of the run, not in
-# schedule order, where the plan may have reused those bytes since.
-CONSTANT_OPS = frozenset({"Constant"})
 
 
 @dataclass
@@ -132,7 +123,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     planned_arena = check_placement(profile, plan.offsets)
     graph = plan.graph
     feeds = prepare_inputs(graph, inputs)
-    actual_device, fallback = _resolve_device(device)
+    actual_device, fallback = resolve_device(device)
     if fallback is not None and not allow_fallback:
         raise UserError(f"cannot run on {device}: {fallback}; pass --allow-fallback to run on the CPU instead")
 
@@ -606,7 +597,6 @@ class _OrderGuard:
     segment ends there) when it does not."""
 
     ORDERED, ANY = "ordered", "any"
-    HOISTED = frozenset({"Shape", "Size"})     # the ops ONNX Runtime's priority order moves
 
     def __init__(self, order: str):
         self.order = order
@@ -637,7 +627,7 @@ class _OrderGuard:
             else:
                 inner.append(None)
         allowed = before | me
-        checked = run.writes if self.order == self.ANY or run.op.op_type in self.HOISTED else []
+        checked = run.writes if self.order == self.ANY or run.op.op_type in HOISTED_OPS else []
         for _, lo, hi, _ in checked:
             if any(a < hi and lo < b and touched & ~allowed for a, b, touched in self.spans):
                 return False
@@ -772,11 +762,6 @@ def _finals(plan: Plan, by_tensor, region, stores, n: int) -> dict:
 def _last_event(plan: Plan, tensor: str) -> str | None:
     kinds = [s.kind for s in plan.schedule if s.target == tensor and s.kind in ("swap_out", "swap_in", "free")]
     return kinds[-1] if kinds else None
-
-
-def draws_random(op: Op) -> bool:
-    """A random op, or a Dropout given a training_mode (it may draw a mask): a replay could differ."""
-    return op.op_type in RANDOM_OPS or (op.op_type == "Dropout" and len(op.inputs) > 2 and bool(op.inputs[2]))
 
 
 # ---- the rehearsal: the executor's own accounting -------------------------------------------
@@ -1154,28 +1139,6 @@ class _Runtime:
         self.wait_all()
 
 
-def _resolve_device(device: str) -> tuple[str, str | None]:
-    """'cuda' when a CUDA arena and session can really be made, else 'cpu' and the reason."""
-    if device == "cpu":
-        return "cpu", None
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return "cpu", "this ONNX Runtime build has no CUDA execution provider"
-    with quiet_logger():   # the reason is reported once, here
-        try:
-            ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, "cuda", 0)
-            _Cuda().close()
-            session = ort.InferenceSession(one_op_model().SerializeToString(), session_options(1),
-                                           providers=providers_for("cuda"))
-            if "CUDAExecutionProvider" not in session.get_providers():    # ORT dropped it (libraries missing)
-                return "cpu", "ONNX Runtime could not register its CUDA execution provider here"
-        except Exception as exc:  # noqa: BLE001 - any failure means no usable CUDA
-            reason = re.sub(r"^.*\) ", "", str(exc).strip().splitlines()[-1])   # drop ORT's source location
-            return "cpu", f"CUDA is not usable here: {reason[:160]}"
-    return "cuda", None
-
-
 class _Cuda:
     """The few CUDA runtime calls the executor needs (ctypes over libcudart): pinned host
     buffers and async copies on two copy streams (d2h, h2d), each copy with an event."""
@@ -1249,12 +1212,8 @@ class _Reference:
     """The unscheduled graph in one plain ONNX Runtime session, initializers fed as inputs."""
 
     def __init__(self, graph: Graph, device: str, threads: int):
-        import onnxruntime as ort
-
-        model = reference_model(graph)
         self.outputs = list(graph.outputs)
-        self.session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
-                                            providers=providers_for(device))
+        self.session = reference_session(reference_model(graph).SerializeToString(), threads, device)
 
     def run(self, feeds: dict, statics: dict) -> dict[str, np.ndarray]:
         values = self.session.run(self.outputs, {**feeds, **statics})
@@ -1300,4 +1259,4 @@ def _fp16_barriers(graph: Graph) -> Graph:
 
 
 __all__ = ["run_plan", "RunResult", "prepare_inputs", "feed_back", "compare_outputs", "reference_model",
-           "segment_model", "session_options", "providers_for"]
+           "segment_model"]

@@ -39,20 +39,9 @@ import numpy as np
 
 from .errors import ScheduleError
 from .ir import Graph
+from .ops import INPLACE_OPS, VIEW_OPS, writable_inputs
 from .schedule import Plan, Schedule
 
-# Shape-only views: they change no element, so they share their input's storage (rule 4).
-VIEW_OPS = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze"})
-# Ops whose output may take the storage of an input of the same size (ONNX Runtime's
-# allocation planner allows the same for these).
-INPLACE_OPS = VIEW_OPS | frozenset({
-    "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "HardSigmoid", "Softplus", "Erf",
-    "Abs", "Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Clip", "Add", "Sub", "Mul", "Div", "Pow",
-    "Dropout", "Where", "Cast", "ScatterND", "ScatterElements",
-})
-# In-place ops whose output may take only the storage of their first input (the data they
-# scatter into; ONNX Runtime's kernels copy it to the output unless the two are one buffer).
-INPLACE_DATA_ONLY = frozenset({"ScatterND", "ScatterElements"})
 
 
 @dataclass(frozen=True)
@@ -208,17 +197,6 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
     live, by_kind = _timeline(residencies, n)
     names = [str(s) for s in schedule]
     return MemoryProfile(residencies, live, by_kind, names)
-
-
-def writable_inputs(op) -> list[str]:
-    """The inputs rule 4 lets an output of `op` write over (where it runs in place at all): a
-    Gemm update only C (the product reads A and B while it writes), a scatter only its data,
-    any other op any input."""
-    if op.op_type == "Gemm":
-        return op.inputs[2:3]
-    if op.op_type in INPLACE_DATA_ONLY:
-        return op.inputs[:1]
-    return op.present_inputs
 
 
 def _check_alias(graph: Graph, op, output: str, source: str) -> None:

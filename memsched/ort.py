@@ -14,6 +14,7 @@ Two kinds of session are made here:
 from __future__ import annotations
 
 import contextlib
+import re
 
 import onnx
 
@@ -154,6 +155,40 @@ def bound_session(model: bytes, threads: int, device: str):
     return ort.InferenceSession(model, bound_options(threads), providers=providers_for(device))
 
 
+def reference_session(model: bytes, threads: int, device: str):
+    """The plain session the executor's run is checked against: the executor's optimisation
+    level and thread count (`session_options`), ONNX Runtime's own memory arena and planner."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model, session_options(threads), providers=providers_for(device))
+
+
+def resolve_device(device: str) -> tuple[str, str | None]:
+    """'cuda' when a CUDA arena, the CUDA runtime and a CUDA session can really be made here,
+    else 'cpu' and the reason in one line: the verdict the executor runs by and doctor reports."""
+    if device == "cpu":
+        return "cpu", None
+    import numpy as np
+    import onnxruntime as ort
+
+    from .cuda import load_cudart
+
+    if PROVIDERS["cuda"] not in ort.get_available_providers():
+        return "cpu", "this ONNX Runtime build has no CUDA execution provider"
+    with quiet_logger():   # the reason is reported once, here
+        try:
+            ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, "cuda", 0)
+            load_cudart()
+            session = ort.InferenceSession(one_op_model().SerializeToString(), session_options(1),
+                                           providers=providers_for("cuda"))
+            if PROVIDERS["cuda"] not in session.get_providers():    # ORT dropped it (libraries missing)
+                return "cpu", "ONNX Runtime could not register its CUDA execution provider here"
+        except Exception as exc:  # noqa: BLE001 - any failure means no usable CUDA
+            reason = re.sub(r"^.*\) ", "", str(exc).strip().splitlines()[-1])   # drop ORT's source location
+            return "cpu", f"CUDA is not usable here: {reason[:160]}"
+    return "cuda", None
+
+
 # The CUDA provider's own memory is bounded: every tensor is bound into the plan's arena, so
 # the provider allocates only kernels' workspace; its arena grows by what is asked, not by
 # doubling, and cuDNN picks convolution algorithms without its largest workspaces.
@@ -209,5 +244,5 @@ def node_providers(session) -> dict[str, str]:
 
 
 __all__ = ["PROVIDERS", "CUDA_OPTIONS", "OPTIMIZATION", "quiet_logger", "session_options", "bound_options",
-           "bound_session", "shared_scratch_arena", "warm_environment", "one_op_model", "providers_for",
-           "make_session", "node_providers"]
+           "bound_session", "reference_session", "resolve_device", "shared_scratch_arena", "warm_environment",
+           "one_op_model", "providers_for", "make_session", "node_providers"]

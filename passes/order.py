@@ -47,7 +47,8 @@ from ortools.sat.python import cp_model
 from memsched.deadline import Deadline, unlimited
 from memsched.errors import ScheduleError
 from memsched.ir import Graph
-from memsched.memory import VIEW_OPS, analyze
+from memsched.memory import analyze
+from memsched.ops import VIEW_OPS
 from memsched.schedule import Plan, order_schedule
 
 from passes.reuse import alias_table, choose_aliases, compute_order, training_order

@@ -10,7 +10,7 @@ Three decisions, none adding a FLOP or a transfer:
   size; where the weight is larger (FC layers), dX runs first, so the weight's last reader is
   done and the update overwrites it in place.
 - In-place aliasing (`Plan.aliases`): an output takes the storage of an input of the same
-  size that dies at its op, where the memory model allows it (`memsched.memory.INPLACE_OPS`,
+  size that dies at its op, where the memory model allows it (`memsched.ops.INPLACE_OPS`,
   update ops on their parameter). Chosen greedily; the judge (`analyze`) confirms.
 - Fused per-layer update (SGD, momentum): where a weight's gradient is one Gemm read only by
   its update, the update's first step takes the gradient from the Gemm's accumulation -- SGD's
@@ -49,7 +49,8 @@ from onnx import helper, numpy_helper
 
 from memsched.errors import ScheduleError
 from memsched.ir import Graph, Op, Tensor, tensor_value
-from memsched.memory import INPLACE_OPS, VIEW_OPS, analyze, writable_inputs
+from memsched.memory import analyze
+from memsched.ops import INPLACE_ANY_INPUT, INPLACE_OPS, VIEW_OPS, writable_inputs
 from memsched.schedule import Plan, Schedule, default_schedule, order_schedule
 
 # where passes.training records each backward op's role (dW, dX, update; see its package doc)
@@ -58,8 +59,6 @@ TRAINING_KEY = "memsched.training"     # the training step's options (loss, opti
 # what fuse_updates replaced, so the graph as given (the baseline's) can be rebuilt
 FUSED_KEY = "memsched.fused_updates"
 TENSOR_ATTRIBUTE = "tensor_proto_base64"   # how op_json writes a tensor-valued attribute
-# ops whose every input may be overwritten by the output; other in-place ops only their first
-_ANY_INPUT = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
 
 def reuse_pass(plan: Plan, fuse: bool = True, variants: dict[str, Graph] | None = None) -> Plan:
@@ -443,7 +442,7 @@ def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
     Parameters come first: taking their storage saves them for the rest of the step."""
     if op.op_type not in INPLACE_OPS and op.phase != "update":
         return []
-    if op.phase == "update" or op.op_type in _ANY_INPUT:
+    if op.phase == "update" or op.op_type in INPLACE_ANY_INPUT:
         data = writable_inputs(op)            # the memory model's rule (a fused update: only over C)
     else:                                     # other in-place ops: their data input (Where: its branches)
         data = op.inputs[1:3] if op.op_type == "Where" else op.inputs[:1]

@@ -119,9 +119,10 @@ def test_a_split_step_runs_like_the_step_as_given():
     assert run.check["given"]["passed"] and run.check["given"]["max_abs_diff"] < 1e-5   # the sums round in pieces
 
 
-# The step as given reaches 5,984 B at best; split in two, its plans place in 5,588-5,824 B
-# depending on where a loaded machine's wall clock cuts the 2 s searches: 5,900 B leaves room.
-SPLIT_BUDGET = 5900
+# The step as given reaches 5,984 B at best; split in two, its plans place from 5,588 B up to
+# above 5,900 B, depending on where a loaded machine's wall clock cuts the 2 s searches: 5,980 B
+# is the most room below the step as given.
+SPLIT_BUDGET = 5980
 
 
 def test_compile_plans_micro_batches_where_the_step_as_given_cannot_fit(capsys):

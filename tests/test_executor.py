@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper
 
-from memsched import executor, simulate
+from memsched import executor, ort, simulate
 from memsched.emit import read_plan, write_plan
 from memsched.errors import ScheduleError, UserError
 from memsched.executor import run_plan
@@ -120,12 +120,12 @@ def test_float16_is_bit_identical_though_a_plain_whole_graph_run_keeps_float32()
     # why the reference routes float16 tensors through barriers: without them ORT keeps the
     # intermediates in float32 and the whole-graph result differs from the declared graph
     x = executor.prepare_inputs(graph)["x"]
-    plain = onnxruntime.InferenceSession(graph.to_onnx().SerializeToString(), executor.session_options(1),
+    plain = onnxruntime.InferenceSession(graph.to_onnx().SerializeToString(), ort.session_options(1),
                                          providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert not np.array_equal(plain, result.outputs["y"])
 
 
-@pytest.mark.skipif(executor._resolve_device("cuda")[0] == "cuda", reason="a usable GPU is present")
+@pytest.mark.skipif(ort.resolve_device("cuda")[0] == "cuda", reason="a usable GPU is present")
 def test_cuda_request_without_a_gpu_runs_on_cpu_and_says_so():
     result = run_plan(PLANS["mlp-order"], device="cuda", check=True)
     assert result.provider == "CPUExecutionProvider" and result.requested_device == "cuda"

@@ -25,7 +25,8 @@ from memsched.executor import run_plan
 from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.frontend import lower
 from memsched.hardware import load as load_hardware
-from memsched.memory import VIEW_OPS, analyze, analyze_plan, check_placement, validate
+from memsched.memory import analyze, analyze_plan, check_placement, validate
+from memsched.ops import VIEW_OPS
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan, compute, order_schedule, recompute, swap_in, swap_out
 from memsched.simulate import simulate

@@ -345,9 +345,9 @@ def test_zero_op_model_says_what_is_wrong(tmp_path):
 
 
 def _cuda_usable() -> bool:
-    from memsched.executor import _resolve_device
+    from memsched.ort import resolve_device
 
-    return _resolve_device("cuda")[0] == "cuda"
+    return resolve_device("cuda")[0] == "cuda"
 
 
 @pytest.mark.skipif(_cuda_usable(), reason="CUDA works here: there is no fallback to refuse")

@@ -59,7 +59,7 @@ Which ops may be replayed (`replay_blocker`): forward, loss and backward ops
 (REPLAYABLE_PHASES: each is a pure function of the step's inputs and parameters; a backward
 op that the order pass ran early, in the forward -- a BatchNorm's x - mean, a ReLU's mask --
 is an activation kept for the backward like any other), deterministic ones
-(`memsched.executor.draws_random`: not RandomNormal/RandomUniform(Like)/Bernoulli/Multinomial,
+(`memsched.ops.draws_random`: not RandomNormal/RandomUniform(Like)/Bernoulli/Multinomial,
 and no Dropout given a training_mode input -- autodiff keeps a training Dropout's random mask
 for the backward, and a replay would draw a new one; the executor refuses such replays too),
 and none with an output that is a graph output (held to the end of the step anyway, so a
@@ -78,9 +78,9 @@ from memsched import hardware as hardware_mod
 from memsched.cost import op_time
 from memsched.deadline import Deadline, Work, unlimited
 from memsched.errors import BudgetError, ScheduleError, UserError
-from memsched.executor import draws_random
 from memsched.ir import Graph, Op
-from memsched.memory import VIEW_OPS, analyze, validate
+from memsched.memory import analyze, validate
+from memsched.ops import VIEW_OPS, draws_random
 from memsched.schedule import Plan, Schedule, compute, order_schedule, recompute
 from memsched.simulate import simulate
 from memsched.units import format_bytes

@@ -15,7 +15,7 @@ region tensor that an op outside it (or the graph's output) reads. Autodiff then
 step from it: each chunk's backward is its own, and a weight read by every chunk gets its
 gradient summed over the chunks (the same sum over samples, rounded in pieces).
 
-The region: ops of PER_SAMPLE types whose every input is either a region tensor (a chunked
+The region: ops of PER_SAMPLE_OPS types (memsched.ops) whose every input is either a region tensor (a chunked
 input or a region op's output) or an initializer without a batch axis, grown in graph order
 from the batch inputs. It stops at the first op that couples samples (a BatchNormalization on
 batch statistics, the loss) and at ops whose parameters outweigh their batch tensors (a VGG
@@ -28,18 +28,13 @@ from __future__ import annotations
 from typing import Callable
 
 from memsched.ir import Graph, Op, Tensor
+from memsched.ops import PER_SAMPLE_OPS
 
 from passes.rewrites.concat_split import even_sizes, names_taken, sizes_constant
 from passes.rewrites.concat_split import unsplit_graph as unsplit_concat
 from passes.reuse import record_rewrite, undo_rewrite, unfused_graph
 
 SPLIT_KEY = "memsched.batch_split"    # what split_training_step changed, so it can be undone
-# Ops whose output sample n depends on input sample n alone (batch on axis 0), whatever the
-# other attributes; Flatten, Softmax and MaxPool are checked further in _per_sample.
-PER_SAMPLE = frozenset({
-    "Conv", "ConvTranspose", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "Softplus", "Erf",
-    "HardSigmoid", "Identity", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Flatten",
-    "Add", "Sub", "Mul", "Div", "Gemm", "MatMul", "Softmax", "LogSoftmax"})
 
 
 def given_graph(graph: Graph) -> Graph:
@@ -167,10 +162,10 @@ def _region(forward: Graph, batch: int) -> set[str]:
 
 
 def _per_sample(graph: Graph, op: Op, batched: set[str], batch: int) -> bool:
-    """Whether `op` may run per chunk: a PER_SAMPLE type in the form that keeps samples apart,
+    """Whether `op` may run per chunk: a PER_SAMPLE_OPS type in the form that keeps samples apart,
     reading batch tensors of the region and initializers that cannot reach across samples,
     its outputs batch-leading, and its batch tensors outweighing its parameters."""
-    if op.domain or op.op_type not in PER_SAMPLE or not op.outputs:
+    if op.domain or op.op_type not in PER_SAMPLE_OPS or not op.outputs:
         return False
     inputs = [t for t in op.inputs if t]
     data = [t for t in inputs if t in batched]

@@ -55,14 +55,10 @@ def split_concat_convs(forward: Graph) -> tuple[Graph, list[str]]:
     """`forward` with every qualifying Conv over a Concat split into one Conv per part (module
     docstring); returns (graph, the convolutions split), the graph itself when none is."""
     forward, upsamplings = split_upsamplings(forward)
-    consumers = forward.consumers
     replaced: dict[str, list[Op]] = {}   # conv name -> the ops standing in its place
     dropped: set[str] = set()            # the Concats
     tensors = dict(forward.tensors)
-    for conv in forward.ops:
-        concat = _split_site(forward, conv, consumers)
-        if concat is None:
-            continue
+    for conv, concat in _split_sites(forward):
         new_ops, new_tensors = _split_ops(forward, conv, concat)
         if names_taken(forward, tensors, new_ops, new_tensors):
             continue
@@ -89,10 +85,7 @@ def split_upsamplings(forward: Graph) -> tuple[Graph, list[str]]:
     replaced: dict[str, list[Op]] = {}
     tensors = dict(forward.tensors)
     concat_parts: dict[str, list[str]] = {}      # concat name -> its new inputs
-    for conv in forward.ops:
-        concat = _split_site(forward, conv, consumers)
-        if concat is None:
-            continue
+    for _, concat in _split_sites(forward):
         for up_name in concat.inputs:
             up = forward.producer.get(up_name)
             widths = [forward.tensors[t].shape[1] for t in concat.inputs if t != up_name]
@@ -145,6 +138,15 @@ def _upsampling_ops(graph: Graph, up: Op, pieces: list[int]) -> tuple[list[Op], 
                         dict(up.attributes), phase=up.phase, doc_string=f"upsampling split: {up.name}, piece {i}")
                      for i, (wp, yp) in enumerate(zip(w_parts, y_parts))]
     return ops, [sizes_tensor, *w_parts, *y_parts]
+
+
+def _split_sites(forward: Graph):
+    """(conv, concat) for every Conv that reads a Concat the split applies to (`_split_site`)."""
+    consumers = forward.consumers
+    for conv in forward.ops:
+        concat = _split_site(forward, conv, consumers)
+        if concat is not None:
+            yield conv, concat
 
 
 def _split_site(graph: Graph, conv: Op, consumers) -> Op | None:

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memsched.cost import op_time
-from memsched.executor import draws_random
 from memsched.hardware import Hardware
 from memsched.memory import MemoryProfile, Residency, buffer_groups
+from memsched.ops import draws_random
 from memsched.schedule import Plan
 
 TICKS_PER_STEP_TIME = 2**20     # resolution of the time axis: the step is about 2^20 ticks long
