@@ -16,7 +16,7 @@ from memsched.frontend import lower
 from memsched.memory import validate
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan
-from passes.training import build_training_step
+from passes.training import build_training_step, builder
 from passes.training.fuse import fuse_patterns
 from tests.gradcheck import check_against_float64, session, training_info
 
@@ -57,7 +57,7 @@ def _backward_reads(step) -> set[str]:
 
 # ---- the bundled transformers ---------------------------------------------------------------
 @pytest.mark.parametrize("name, anchor", [("bert-base", "Erf"), ("gpt2", "Tanh")])
-def test_transformer_gelu_is_fused_and_keeps_only_its_input(name, anchor):
+def test_transformer_gelu_is_fused_and_keeps_only_its_input(name, anchor, monkeypatch):
     """BERT's exact GELU and GPT-2's gelu_new become one Gelu each: the backward reads the
     GELU's input, not x / sqrt2, erf + 1 (or the tanh form's intermediates), the peak falls
     and the gradients are unchanged."""
@@ -78,8 +78,10 @@ def test_transformer_gelu_is_fused_and_keeps_only_its_input(name, anchor):
     assert _backward_reads(plain) & intermediates
     assert not _backward_reads(fused) & intermediates
     assert gelu.op.inputs[0] in _backward_reads(fused)
-    assert _peak(build_training_step(graph, optimizer="sgd")) < _peak(
-        build_training_step(graph, optimizer="sgd", fuse=False))
+    with monkeypatch.context() as m:     # the fusion alone: no layer input derived again
+        m.setattr(builder, "rederive_in_backward", lambda step: step)
+        assert _peak(build_training_step(graph, optimizer="sgd")) < _peak(
+            build_training_step(graph, optimizer="sgd", fuse=False))
     assert max(row.error for row in numerics.check(fused)) < 1e-4
 
 
@@ -226,7 +228,7 @@ def test_pattern_is_fused_and_its_gradients_agree(case):
     kept = sum(fused.tensors[t].nbytes for t in _backward_reads(fused))
     assert kept < sum(plain.tensors[t].nbytes for t in _backward_reads(plain))
     if op_type != "Gelu":
-        assert sum(op.op_type == op_type for op in fused.ops) == 1
+        assert sum(op.op_type == op_type for op in fused.ops if op.phase == "forward") == 1
         assert len(fused.ops) < len(plain.ops)
     if differences:
         check_against_float64(model, _feeds(), loss="output", agree=1e-5)
@@ -261,7 +263,8 @@ def test_layer_norm_of_an_older_opset_becomes_the_op():
     graph = lower(_model(_layer_norm_decomposed, opset=13))
     fused, _ = _assert_same_gradients(graph, _feeds(), "output")
     assert fused.opset_imports[""] == 17
-    assert [op.op_type for op in fused.ops if op.op_type == "LayerNormalization"] == ["LayerNormalization"]
+    assert [op.phase for op in fused.ops if op.op_type == "LayerNormalization"] in (
+        ["forward"], ["forward", "backward"])     # the backward may derive its output again
 
 
 def test_gelu_is_one_op_where_the_opset_has_it():

@@ -16,6 +16,7 @@ from passes.training.emitter import Emitter
 from passes.training.fuse import fuse_patterns
 from passes.training.loss import LOSS_NAME, LOSSES, emit_loss
 from passes.training.optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
+from passes.training.rederive import rederive_in_backward
 from passes.training.registry import FLOAT_TYPES, RULES, differentiable_outputs, differentiable_positions
 from passes.training.simplify import drop_no_ops
 
@@ -35,7 +36,9 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     the gradient would have to pass through and for every node that has no gradient rule,
     before anything is built. With `fuse`, GELU, LayerNorm and softmax written out in
     primitive ops become one op each first (`fuse.fuse_patterns`): their backward then keeps
-    what PyTorch's kernels keep, not every intermediate of the forward."""
+    what PyTorch's kernels keep, not every intermediate of the forward. Last, a layer input
+    that a cheap op makes from tensors the backward keeps anyway (a GELU or LayerNorm output) is
+    derived again for its weight gradient instead of kept (`rederive.rederive_in_backward`)."""
     hyper = _check_options(loss, optimizer, lr, momentum, betas, eps)
     opset = _training_opset(graph)
     graph = drop_no_ops(graph)
@@ -69,8 +72,9 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
             start = len(em.ops)
             outputs += emit_update(em, optimizer, param, grads[param], hyper)
             roles.update({op.name: {"role": "update", "param": param} for op in em.ops[start:]})
-    return _assemble(graph, em, extra_inputs, outputs, params, roles, opset,
+    step = _assemble(graph, em, extra_inputs, outputs, params, roles, opset,
                      {"loss": loss, "optimizer": optimizer, **hyper})
+    return rederive_in_backward(step)
 
 
 def _emit_forward(em: Emitter, graph: Graph, needed: list[Op]) -> None:
