@@ -55,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=positive_seconds, default=60.0, metavar="S",
                    help="seconds for the whole compile (default 60); Ctrl-C keeps the best plan so far")
     p.add_argument("--costs", metavar="COSTS.json", help="measured cost table from `memsched profile`")
-    p.add_argument("--data-parallel", type=int, metavar="N", help="also estimate N-worker data-parallel steps")
+    p.add_argument("--data-parallel", type=int, metavar="N",
+                   help="plan the step of one of N data-parallel workers (with --train: 1/N of the batch each) "
+                        "and estimate its all-reduces")
+    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
+                   help="with --data-parallel: gradient bucket size in MiB, as DDP's bucket_cap_mb (default 25)")
     p.add_argument("--report", metavar="OUT.html", help="write the cost report as a self-contained HTML page")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_compile)
@@ -212,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvdimm-dir", metavar="DIR", help="directory for the NVDIMM tier's store (default: a temp dir)")
     p.add_argument("--threads", type=int, default=0,
                    help="ONNX Runtime intra-op threads (default 0: every core, as ONNX Runtime does; 1 for timing)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="data parallel: start N local ranks (torch.distributed, gloo) on a plan compiled with "
+                        "--data-parallel N; under torchrun each process is one rank")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_run)
     return parser
@@ -389,6 +396,7 @@ def cmd_simulate(args) -> int:
 
 def cmd_compile(args) -> int:
     from memsched import frontend
+    from memsched.errors import UserError
     from memsched.deadline import Deadline
     from memsched.emit import write_plan
     from memsched.interrupt import stop_on_interrupt
@@ -396,13 +404,16 @@ def cmd_compile(args) -> int:
     from passes.pipeline import compile as compile_plan
 
     check_outputs({"-o": args.output, "--report": args.report}, [args.model, args.costs, args.hardware])
+    if not math.isfinite(args.bucket_mb) or args.bucket_mb <= 0:
+        raise UserError(f"--bucket-mb must be a size above 0 MiB, not {args.bucket_mb:g}")
     deadline = Deadline(args.time_limit)
     with progress(deadline) as say, stop_on_interrupt(deadline, say_interrupted):
         result = compile_plan(args.model, dims=frontend.parse_dims(args.dim), train=args.train, loss=args.loss,
                               optimizer=args.optimizer, lr=args.lr, freeze=tuple(args.freeze),
                               hardware=args.hardware, budget=args.budget, strategies=args.strategies,
                               time_limit=args.time_limit, costs=args.costs, data_parallel=args.data_parallel,
-                              progress=say, deadline=deadline)
+                              bucket_bytes=max(1, int(args.bucket_mb * 1024 * 1024)), progress=say,
+                              deadline=deadline)
     written = {"plan": str(write_plan(result.plan, args.output))} if args.output else {}
     return show_report(result, args.report, written, args.json)
 
@@ -543,6 +554,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from memsched.distributed import launched
     from memsched.emit import read_plan
     from passes.rebuild import model_step
     from memsched.errors import UserError
@@ -553,6 +565,8 @@ def cmd_run(args) -> int:
 
     if args.against and not args.check:
         raise UserError("--against compares the plan's outputs with the model's; give --check with it")
+    if args.workers is not None or launched():
+        return cmd_run_workers(args)
     plan = read_plan(args.plan)
     given = given_graph(plan.graph) if args.check else plan.graph     # only a check runs the model as given
     against = model_step(plan, args.against) if args.against else None
@@ -581,6 +595,42 @@ def cmd_run(args) -> int:
             print(f"memsched: error: check failed: output '{worst}' differs from {reference} "
                   f"by up to {failed['max_abs_diff']:.3g}{within}", file=sys.stderr)
             return 1
+    return 0
+
+
+def cmd_run_workers(args) -> int:
+    """`run --workers N`, or one rank under torchrun: a data-parallel run (memsched.distributed)."""
+    from memsched.distributed import launch, launched, run_rank
+    from memsched.emit import read_plan
+    from memsched.errors import UserError
+
+    used = [flag for flag, given in (("--check", args.check), ("--device cuda", args.device == "cuda"),
+                                     ("--nvdimm-dir", args.nvdimm_dir)) if given]
+    if used:
+        raise UserError(f"a data-parallel run (--workers, torchrun) runs on the CPU without {used[0]}")
+    if launched():
+        world = int(os.environ["WORLD_SIZE"])
+        if args.workers is not None and args.workers != world:
+            raise UserError(f"--workers {args.workers} but torchrun started {world} processes")
+        summary, _ = run_rank(read_plan(args.plan), steps=args.steps, threads=args.threads, path=args.plan)
+        if os.environ["RANK"] != "0":
+            return 0
+    else:
+        summary = launch(args.plan, args.workers, steps=args.steps, threads=args.threads)
+    if args.json:
+        print_json(summary)
+        return 0
+    measured, predicted = summary["measured"], summary["predicted"]
+    print(f"ran {summary['steps']} step(s) of {summary['plan']} on {summary['workers']} workers "
+          f"({summary['backend']}, {len(summary['buckets'])} gradient buckets)")
+    print(f"{'':24}{'measured':>16}{'predicted':>16}")
+    rows = (("peak bytes per worker", "peak_bytes", "{:,}"), ("step time (s)", "step_time_s", "{:.6f}"),
+            ("all-reduce wait (s)", "allreduce_wait_s", "{:.6f}"), ("all-reduce time (s)", "allreduce_s", "{:.6f}"),
+            ("overlap fraction", "overlap_fraction", "{:.3f}"))
+    for label, key, form in rows:
+        print(f"{label:24}{form.format(measured[key]):>16}{form.format(predicted[key]):>16}")
+    print(f"predicted step without overlap: {predicted['step_no_overlap_s']:.6f} s (the cpu profile, "
+          f"{predicted['interconnect']['bandwidth'] / 1e9:g} GB/s interconnect)")
     return 0
 
 

@@ -1,36 +1,44 @@
-"""Data-parallel training over N workers: when gradient all-reduces hide behind backward.
+"""Data-parallel training over N workers: gradient buckets and when their all-reduces hide.
 
-Each worker runs the plan's compute stream with the simulator's per-op times (swap stalls are
-the simulator's business and are not repeated here). A gradient bucket is what one backward
-op produces of `param_grad` tensors (one layer's dW). Its ring all-reduce takes
+Each worker runs the same plan on its share of the batch (`worker_forward` plans the model at
+the per-worker batch), and the workers' weight gradients are averaged by all-reduces. The
+gradients (`weight_gradients`: what the updates read) are grouped into buckets as DDP does
+(`gradient_buckets`): walking the schedule, each backward op's weight gradients join the open
+bucket, which closes once it holds `bucket_bytes` (DDP's default 25 MiB) -- or earlier, where an
+op is about to read one of its gradients (an update that runs before the bucket would fill).
+A bucket's all-reduce starts when the op that closes it (its last gradient's maker) ends; an op
+that reads a gradient waits for that gradient's bucket only. The buckets are a function of the
+plan, so every worker, the estimate and the runtime (memsched.distributed) see the same ones.
+
+A ring all-reduce of a bucket takes
 
     2 (N - 1) / N * bytes / bandwidth + 2 (N - 1) * latency
 
-on one network stream, buckets in the order they are ready (FIFO, as one communicator does).
+on one network stream, buckets in the order they close (FIFO, as one communicator does).
 
-With overlap, a bucket's all-reduce starts as soon as its dW op ends, while backward goes on.
-The update is split per layer: an update-phase op runs once the all-reduces of the gradients
-it depends on (through other update ops) are done, and the next step's ops that read a
-parameter wait only for the update ops that read that parameter. The compute stream gives
-priority to forward/backward ops; pending updates run, in order of readiness, when an op needs
-their parameter or when the step's backward is over. Without overlap, all all-reduces start
-after backward, all updates after the all-reduces, and the next forward after the updates.
-
-The step time reported is the steady-state period: the time between the ends of the
-backward passes of two consecutive steps (or of their all-reduces, if the network is the
-bottleneck), from a short run of `ITERATIONS` steps.
+The estimate (`data_parallel`) replays the plan as one worker runs it: the compute stream runs
+the schedule's ops in order with the simulator's per-op times (swap stalls are the simulator's
+business and are not repeated here), an op that reads a gradient starts once that gradient's
+all-reduce is done. With overlap, a bucket's all-reduce starts when it closes, while backward
+goes on; without, it starts only when an op (or the end of the step) needs it, every closed
+bucket then all-reduced before compute goes on (backward first, then all communication, then
+the updates, where the updates follow backward).
 """
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 
 from .errors import UserError
 from .ir import Graph
 from .schedule import Plan
 from .simulate import Simulation
 
-ITERATIONS = 3
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024      # DDP's bucket_cap_mb=25
+# The default interconnect: 100 Gb/s InfiniBand (12.5 GB/s) with ~5 us per message.
+INTERCONNECT = (12.5e9, 5e-6)
+# Where a data-parallel plan records its workers, bucket size and per-sample inputs (graph metadata).
+PLAN_KEY = "memsched.data_parallel"
 
 
 def allreduce_time(nbytes: int, workers: int, bandwidth: float, latency: float) -> float:
@@ -44,121 +52,197 @@ def allreduce_time(nbytes: int, workers: int, bandwidth: float, latency: float) 
 
 @dataclass(frozen=True)
 class Bucket:
-    op: str              # the backward op whose param_grad outputs form the bucket
-    grads: tuple[str, ...]
+    op: str                  # the op whose end closes the bucket (its last gradient's maker)
+    step: int                # that op's index in the schedule
+    grads: tuple[str, ...]   # param_grad tensors, in the order they are made
     nbytes: int
-    seconds: float       # its all-reduce
+    seconds: float = 0.0     # its all-reduce (the estimate's)
 
 
 @dataclass(frozen=True)
 class DataParallel:
     workers: int
+    bucket_bytes: int
     compute_s: float                 # one step's compute on one worker (updates included)
     allreduce_s: float               # sum of all buckets' all-reduces
     step_no_overlap_s: float
     step_overlap_s: float
-    first_step_s: float              # one step from a cold start, with overlap, updates flushed
     buckets: list[Bucket]
 
     @property
     def exposed_comm_s(self) -> float:
+        """Time the compute stream waits for all-reduces, with overlap."""
         return self.step_overlap_s - self.compute_s
 
+    @property
+    def overlap_fraction(self) -> float:
+        """The share of all-reduce time hidden behind compute (1 where there is none)."""
+        return 1.0 - self.exposed_comm_s / self.allreduce_s if self.allreduce_s > 0 else 1.0
+
     def to_dict(self) -> dict:
-        return {"workers": self.workers, "compute_s": self.compute_s, "allreduce_s": self.allreduce_s,
-                "step_no_overlap_s": self.step_no_overlap_s, "step_overlap_s": self.step_overlap_s,
-                "first_step_s": self.first_step_s, "exposed_comm_s": self.exposed_comm_s,
+        return {"workers": self.workers, "bucket_bytes": self.bucket_bytes, "compute_s": self.compute_s,
+                "allreduce_s": self.allreduce_s, "step_no_overlap_s": self.step_no_overlap_s,
+                "step_overlap_s": self.step_overlap_s, "exposed_comm_s": self.exposed_comm_s,
+                "overlap_fraction": self.overlap_fraction,
                 "buckets": [{"op": b.op, "grads": list(b.grads), "bytes": b.nbytes, "seconds": b.seconds}
                             for b in self.buckets]}
 
 
-def data_parallel(plan: Plan, sim: Simulation, workers: int, bandwidth: float, latency: float) -> DataParallel:
-    """Step times of `plan` on `workers` data-parallel workers, with and without overlap."""
+def weight_gradients(graph: Graph) -> set[str]:
+    """The weight gradients the workers average: `param_grad` tensors that only update ops read
+    (or none: a step's gradient outputs). Autodiff also marks the tensors on the way to a
+    weight's gradient (a convolution's transposed or reshaped partial results) `param_grad`;
+    backward ops read those, and they are no gradient of a weight yet."""
+    consumers = graph.consumers
+    return {name for name, t in graph.tensors.items() if t.kind == "param_grad"
+            and all(op.phase == "update" for op in consumers.get(name, ()))}
+
+
+def gradient_buckets(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """The plan's gradient buckets, in the order they close (module docstring). Only an op's
+    first computation makes gradients for a bucket (a recomputation replays it)."""
+    if bucket_bytes < 1:
+        raise UserError(f"the bucket size must be at least 1 byte, not {bucket_bytes}")
     graph = plan.graph
-    steps = [(e.target, e.end - e.start, e.kind == "recompute") for e in sim.on("compute")]
-    buckets = _buckets(graph, steps, workers, bandwidth, latency)
-    main = [step for step in steps if graph.op_by_name[step[0]].phase != "update"]
-    updates = [(name, t) for name, t, _ in steps if graph.op_by_name[name].phase == "update"]
-    compute = sum(t for _, t, _ in steps)
-    comm = sum(b.seconds for b in buckets.values())
-    no_overlap = sum(t for _, t, _ in main) + comm + sum(t for _, t in updates)
-    one = _run(graph, main, updates, buckets, iterations=1)
-    many = _run(graph, main, updates, buckets, iterations=ITERATIONS)
-    return DataParallel(workers=workers, compute_s=compute, allreduce_s=comm, step_no_overlap_s=no_overlap,
-                        step_overlap_s=many["period"], first_step_s=one["end"], buckets=list(buckets.values()))
+    weights = weight_gradients(graph)
+    buckets: list[Bucket] = []
+    grads: list[str] = []
+    last: tuple[str, int] | None = None        # the latest op that added to the open bucket
 
-
-def _buckets(graph: Graph, steps, workers, bandwidth, latency) -> dict[str, Bucket]:
-    """Backward op name -> the bucket of param_grad tensors it produces (not its replays)."""
-    result = {}
-    for name, _, replay in steps:
-        op = graph.op_by_name[name]
-        if op.phase != "backward" or replay:
-            continue
-        grads = tuple(t for t in op.present_outputs if graph.tensors[t].kind == "param_grad")
+    def close() -> None:
+        nonlocal grads, last
         if grads:
-            nbytes = sum(graph.tensors[t].nbytes for t in grads)
-            result[name] = Bucket(name, grads, nbytes, allreduce_time(nbytes, workers, bandwidth, latency))
+            buckets.append(Bucket(last[0], last[1], tuple(grads), sum(graph.tensors[t].nbytes for t in grads)))
+        grads, last = [], None
+
+    for i, step in enumerate(plan.schedule):
+        if step.kind not in ("compute", "recompute"):
+            continue
+        op = graph.op_by_name[step.target]
+        if grads and set(op.present_inputs) & set(grads):
+            close()
+        made = [t for t in op.present_outputs if t in weights]
+        if step.kind == "compute" and made:
+            grads.extend(made)
+            last = (op.name, i)
+            if sum(graph.tensors[t].nbytes for t in grads) >= bucket_bytes:
+                close()
+    close()
+    return buckets
+
+
+def readers(plan: Plan, buckets: list[Bucket]) -> dict[int, list[int]]:
+    """Schedule step -> the buckets (indices) whose gradients its op reads."""
+    of = {g: k for k, b in enumerate(buckets) for g in b.grads}
+    result = {}
+    for i, step in enumerate(plan.schedule):
+        if step.kind in ("compute", "recompute"):
+            needed = sorted({of[t] for t in plan.graph.op_by_name[step.target].present_inputs if t in of})
+            if needed:
+                result[i] = needed
     return result
 
 
-def _grads_behind(graph: Graph, update_ops) -> dict[str, set[str]]:
-    """Update op -> the param_grad tensors it reads, directly or through other update ops."""
-    memo: dict[str, set[str]] = {}
-    for name in update_ops:                 # schedule order: producers come first
-        grads: set[str] = set()
-        for t in graph.op_by_name[name].present_inputs:
-            if graph.tensors[t].kind == "param_grad":
-                grads.add(t)
-            producer = graph.producer.get(t)
-            if producer is not None and producer.phase == "update":
-                grads |= memo.get(producer.name, set())
-        memo[name] = grads
-    return memo
+def data_parallel(plan: Plan, sim: Simulation, workers: int, bandwidth: float = INTERCONNECT[0],
+                  latency: float = INTERCONNECT[1], bucket_bytes: int | None = None) -> DataParallel:
+    """Step times of `plan` on `workers` data-parallel workers, with and without overlap.
+    `bucket_bytes` None: the size the plan was compiled with (`PLAN_KEY`), else DDP's default."""
+    if bucket_bytes is None:
+        bucket_bytes = plan_options(plan.graph).get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+    buckets = [replace(b, seconds=allreduce_time(b.nbytes, workers, bandwidth, latency))
+               for b in gradient_buckets(plan, bucket_bytes)]
+    steps = [(e.step, e.end - e.start) for e in sim.on("compute")]
+    compute = sum(t for _, t in steps)
+    comm = sum(b.seconds for b in buckets)
+    return DataParallel(workers=workers, bucket_bytes=bucket_bytes, compute_s=compute, allreduce_s=comm,
+                        step_no_overlap_s=_replay(plan, steps, buckets, overlap=False),
+                        step_overlap_s=_replay(plan, steps, buckets, overlap=True), buckets=buckets)
 
 
-def _run(graph: Graph, main, updates, buckets: dict[str, Bucket], iterations: int) -> dict:
-    """Event simulation of `iterations` overlapped steps; returns the last period and the end."""
-    behind = _grads_behind(graph, [n for n, _ in updates])
-    reads = {n: [t for t in graph.op_by_name[n].present_inputs if graph.tensors[t].kind == "parameter"]
-             for n, _, _ in main}
-    updated_by: dict[str, list[str]] = {}       # parameter -> update ops reading it
-    for n, _ in updates:
-        for t in graph.op_by_name[n].present_inputs:
-            if graph.tensors[t].kind == "parameter":
-                updated_by.setdefault(t, []).append(n)
+def _replay(plan: Plan, steps: list[tuple[int, float]], buckets: list[Bucket], overlap: bool) -> float:
+    """One step on one worker: the compute stream in schedule order, all-reduces on one network
+    stream in the order they start; returns when both are done."""
+    closing = {b.step: k for k, b in enumerate(buckets)}
+    needs = readers(plan, buckets)
+    done: dict[int, float] = {}           # bucket -> when its all-reduce ends
+    closed: list[int] = []                # buckets closed, not yet started (without overlap)
     clock = net = 0.0
-    pending: list[tuple[float, int, str, float]] = []     # (ready, order, op, seconds) of earlier steps
-    done: set[str] = set()                                 # update ops run for the latest pending step
-    main_ends, net_ends = [], []
 
-    def run_until(condition) -> None:
-        nonlocal clock
-        while pending and not condition():
-            ready, _, name, seconds = heapq.heappop(pending)
-            clock = max(clock, ready) + seconds
-            done.add(name)
+    def start(ks) -> None:
+        nonlocal net
+        for k in ks:
+            net = max(net, clock) + buckets[k].seconds
+            done[k] = net
 
-    for _ in range(iterations):
-        grad_ready: dict[str, float] = {}
-        for name, seconds, replay in main:
-            for p in reads[name]:
-                run_until(lambda p=p: all(u in done for u in updated_by.get(p, ())))
-            clock += seconds
-            if name in buckets and not replay:
-                b = buckets[name]
-                net = max(net, clock) + b.seconds
-                for g in b.grads:
-                    grad_ready[g] = net
-        main_ends.append(clock)
-        net_ends.append(net)
-        run_until(lambda: False)             # the previous step's updates no op here needed
-        done = set()
-        for order, (name, seconds) in enumerate(updates):
-            ready = max((grad_ready.get(g, 0.0) for g in behind[name]), default=0.0)
-            heapq.heappush(pending, (ready, order, name, seconds))
-    run_until(lambda: False)
-    end = max(clock, net)
-    if iterations == 1:
-        return {"period": end, "end": end}
-    return {"period": max(main_ends[-1] - main_ends[-2], net_ends[-1] - net_ends[-2]), "end": end}
+    for index, seconds in steps:
+        wanted = needs.get(index, [])
+        if not overlap and any(k not in done for k in wanted):
+            start(closed)
+            closed.clear()
+            clock = max(clock, net)
+        clock = max([clock] + [done[k] for k in wanted]) + seconds
+        if index in closing:
+            if overlap:
+                start([closing[index]])
+            else:
+                closed.append(closing[index])
+    start(closed)
+    return max(clock, net)
+
+
+# ---- the plan at the per-worker batch ---------------------------------------------------------
+def plan_options(graph: Graph) -> dict:
+    """What a data-parallel compile recorded in the graph: {'workers', 'bucket_bytes',
+    'batch_inputs', 'worker_batch'}; {} for a plan compiled for one worker."""
+    text = graph.metadata.get(PLAN_KEY)
+    return json.loads(text) if text else {}
+
+
+def record_options(graph: Graph, workers: int, bucket_bytes: int, batch_inputs: list[str]) -> None:
+    """Store the data-parallel options in `graph`'s metadata (they travel with the plan file)."""
+    batch = graph.tensors[batch_inputs[0]].shape[0] if batch_inputs else None
+    graph.metadata[PLAN_KEY] = json.dumps({"workers": workers, "bucket_bytes": bucket_bytes,
+                                           "batch_inputs": list(batch_inputs), "worker_batch": batch})
+
+
+def batch_inputs(forward: Graph, step: Graph) -> list[str]:
+    """The training step's per-sample inputs: the forward model's data inputs with a leading
+    axis (the batch) and the inputs the loss adds (labels, targets) with the same leading axis."""
+    data = [n for n in forward.inputs if not forward.tensors[n].is_static and forward.tensors[n].shape]
+    if not data:
+        return []
+    batch = forward.tensors[data[0]].shape[0]
+    return [n for n in step.inputs if not step.tensors[n].is_static and step.tensors[n].shape
+            and step.tensors[n].shape[0] == batch and (n in data or n not in forward.inputs)]
+
+
+def worker_forward(forward: Graph, workers: int) -> Graph:
+    """`forward` at the per-worker batch: its data inputs' leading axis (the global batch, the
+    same on every data input) divided by `workers`, shapes inferred again."""
+    from .frontend import lower
+
+    data = [n for n in forward.inputs if not forward.tensors[n].is_static]
+    sizes = {forward.tensors[n].shape[0] for n in data if forward.tensors[n].shape}
+    if len(sizes) != 1:
+        raise UserError("data parallel splits the batch, the leading axis of every data input; the model's data "
+                        "inputs " + ("have no leading axis" if not sizes else
+                                     f"disagree on it ({', '.join(map(str, sorted(sizes)))})"))
+    batch = sizes.pop()
+    if batch % workers:
+        raise UserError(f"the batch {batch} does not divide among {workers} workers; give a batch that is a "
+                        f"multiple of {workers}")
+    if workers == 1:
+        return forward
+    model = forward.to_onnx()
+    for vi in list(model.graph.input) + list(model.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if vi.name in data:
+            dims[0].dim_value = batch // workers
+        elif vi.name in forward.outputs and dims and dims[0].HasField("dim_value") and dims[0].dim_value == batch:
+            dims[0].Clear()            # inferred again from the inputs
+    del model.graph.value_info[:]
+    try:
+        return lower(model, base_dir=forward.base_dir)
+    except UserError as exc:
+        raise UserError(f"the model does not run at the per-worker batch {batch // workers} ({exc}); export it with "
+                        f"a batch axis that is not written into its ops") from None

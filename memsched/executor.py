@@ -54,7 +54,8 @@ from .measure import ProcessMemory
 from .memory import MemoryProfile, Residency, buffer_groups, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
 from .ops import CONSTANT_OPS, HOISTED_OPS, draws_random
-from .ort import bound_session, node_providers, providers_for, reference_session, resolve_device, warm_environment
+from .ort import (bind_addresses, bound_session, device_buffer, node_providers, providers_for, reference_session,
+                  resolve_device, warm_environment)
 from .schedule import Plan
 
 DEVICES = ("cpu", "cuda")
@@ -94,7 +95,8 @@ class RunResult:
 def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = False,
              inputs: dict[str, np.ndarray] | None = None, nvdimm_dir: str | None = None,
              progress: Callable[[int, int], None] | None = None, threads: int = 0,
-             given: Graph | None = None, allow_fallback: bool = True, against: Graph | None = None) -> RunResult:
+             given: Graph | None = None, allow_fallback: bool = True, against: Graph | None = None,
+             before: dict[int, Callable] | None = None, after: dict[int, Callable] | None = None) -> RunResult:
     """Run `steps` training steps of `plan`; with `check`, compare against a plain ORT run.
 
     Multi-step runs feed each `<tensor>.updated` output back as `<tensor>` for the next step
@@ -107,7 +109,13 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     user's original model, with the same inputs and outputs as the plan's graph but its own
     initializers (weights); with `check`, compared the same way (`check["against"]`), so a plan
     whose ops, constants or weights differ from the model's fails. Without `allow_fallback`, a
-    CUDA request that CUDA here cannot serve is a UserError instead of a run on the CPU."""
+    CUDA request that CUDA here cannot serve is a UserError instead of a run on the CPU.
+
+    `before` and `after` (CPU only): schedule step -> a callable run, every step, just before
+    that step's op runs (given its inputs) or just after (given its outputs), each as a
+    {tensor: numpy view of its bytes in the arena}: a caller's way to act on tensors in place
+    between ops (memsched.distributed all-reduces gradients so). Those steps' ops start and end
+    sessions of their own; what the callables take is inside the step time."""
     warm_environment()     # before memory is measured: the library's code is any ORT user's
     memory = ProcessMemory()
     if steps < 1:
@@ -126,10 +134,13 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     actual_device, fallback = resolve_device(device)
     if fallback is not None and not allow_fallback:
         raise UserError(f"cannot run on {device}: {fallback}; pass --allow-fallback to run on the CPU instead")
+    hooks = _Hooks(before or {}, after or {})
+    if (hooks.before or hooks.after) and actual_device != "cpu":
+        raise UserError("step hooks (data-parallel all-reduces) run on the CPU only")
 
     device_memory_use = _DeviceMemory() if actual_device == "cuda" else None
     with _Runtime(actual_device, planned_arena, threads, nvdimm_dir) as rt:
-        program = _compile(plan, profile, rt)
+        program = _compile(plan, profile, rt, hooks)
         live, high_water = _rehearse(program, profile)
         setup_growth = memory.growth()
         if device_memory_use is not None:
@@ -149,7 +160,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
             moved = time.perf_counter() - start
             _load(program, rt, graph, feeds, first=k == 0, poison=check)
             start = time.perf_counter()
-            _execute(program, rt, poison=check)
+            _execute(program, rt, poison=check, hooks=hooks)
             rt.synchronize()
             times.append(moved + time.perf_counter() - start)
             if k == steps - 1:
@@ -389,7 +400,7 @@ class _Program:
         return {name for name, _, _ in self.updates}
 
 
-def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime") -> _Program:
+def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime", hooks: "_Hooks | None" = None) -> _Program:
     graph, schedule = plan.graph, plan.schedule
     n = len(schedule)
     by_key = {r.key: r for r in profile.residencies}
@@ -488,12 +499,12 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime") -> _Program:
     inserts = rt.device == "cuda" or any(t.dtype in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
                                          for t in graph.tensors.values())
     order = _OrderGuard.ANY if inserts else _OrderGuard.ORDERED
-    for item in _items(program.actions, graph, rt.device == "cuda", order):
+    for item in _items(program.actions, graph, rt.device == "cuda", order, hooks):
         if isinstance(item, _Segment) and not rt.build(item, graph, exact=order == _OrderGuard.ORDERED):
             # ONNX Runtime's record of the nodes it assigned differs from the segment's: the
             # segment is cut where any order would be wrong
             parts = _items([r if i in item.steps else None for i, r in enumerate(program.actions)], graph,
-                           rt.device == "cuda", _OrderGuard.ANY)
+                           rt.device == "cuda", _OrderGuard.ANY, hooks)
             for part in parts:
                 rt.build(part, graph, exact=False)
             items.extend(parts)
@@ -529,11 +540,12 @@ def constant_value(op: Op, graph: Graph) -> np.ndarray:
     return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
 
 
-def _items(actions: list, graph: Graph, split_at_waits: bool, order: str) -> list:
+def _items(actions: list, graph: Graph, split_at_waits: bool, order: str, hooks: "_Hooks | None" = None) -> list:
     """The program as it runs: segments of consecutive op runs, cut at every copy (and on CUDA
-    at every run that waits for one, so a copy overlaps the runs before it) and wherever the
-    `_OrderGuard` (in mode `order`) refuses a run, and the copies; Constant ops (CONSTANT_OPS)
-    become writes of their value."""
+    at every run that waits for one, so a copy overlaps the runs before it), before and after
+    each run that has `hooks`, and wherever the `_OrderGuard` (in mode `order`) refuses a run,
+    and the copies; Constant ops (CONSTANT_OPS) become writes of their value."""
+    hooks = hooks or _Hooks({}, {})
     items: list = []
     current: _Segment | None = None
     guard = _OrderGuard(order)
@@ -547,7 +559,8 @@ def _items(actions: list, graph: Graph, split_at_waits: bool, order: str) -> lis
                 items.append(const)
                 current = None
         elif isinstance(action, _Run):
-            if current is None or (split_at_waits and action.waits) or not guard.admit(action):
+            if current is None or (split_at_waits and action.waits) or i in hooks.before \
+                    or current.last in hooks.after or not guard.admit(action):
                 current = _Segment([], i, i, waits=list(action.waits))
                 items.append(current)
                 guard = _OrderGuard(order)
@@ -858,13 +871,18 @@ def _advance(program: _Program, rt: "_Runtime") -> None:
                 rt.put(b, temps.pop(a[1]) if a[0] == "temp" else a)
 
 
-def _execute(program: _Program, rt: "_Runtime", poison: bool) -> None:
+def _execute(program: _Program, rt: "_Runtime", poison: bool, hooks: "_Hooks | None" = None) -> None:
     """One step: the segments, constants and copies in order, released bytes poisoned when
-    checking."""
+    checking; the `hooks` around the steps that have them."""
     for item in program.items:
         rt.wait(item.waits)
         if isinstance(item, _Segment):
+            if hooks is not None and item.first in hooks.before:
+                hooks.before[item.first](_views(rt, program, item.runs[0].reads))
             item.session.run_with_iobinding(item.binding)
+            if hooks is not None and item.last in hooks.after:
+                written = [(key[0], lo, hi) for key, lo, hi, _ in item.runs[-1].writes]
+                hooks.after[item.last](_views(rt, program, written))
         elif isinstance(item, _Const):
             rt.write(item.lo, item.data)
         elif item.kind == "swap_out":
@@ -875,6 +893,19 @@ def _execute(program: _Program, rt: "_Runtime", poison: bool) -> None:
             rt.wait_all()
             for lo, hi in item.poison:
                 rt.fill(lo, hi, POISON)
+
+
+@dataclass
+class _Hooks:
+    """Callables around schedule steps (run_plan's `before` and `after`)."""
+
+    before: dict[int, Callable]
+    after: dict[int, Callable]
+
+
+def _views(rt: "_Runtime", program: _Program, spans: list[tuple[str, int, int]]) -> dict[str, np.ndarray]:
+    """{tensor: its bytes in the (CPU) arena as a writable array of its type and shape}."""
+    return {t: rt.arena[lo:hi].view(program.types[t][0]).reshape(program.types[t][1]) for t, lo, hi in spans}
 
 
 def _collect(program: _Program, rt: "_Runtime", last: bool) -> dict[str, np.ndarray]:
@@ -983,9 +1014,7 @@ class _Runtime:
             self.arena = self._raw[skip:skip + arena_bytes]
             self.base = self.arena.ctypes.data if arena_bytes else self._raw.ctypes.data
         else:
-            import onnxruntime as ort
-
-            self.arena = ort.OrtValue.ortvalue_from_shape_and_type([max(arena_bytes, 1)], np.uint8, "cuda", 0)
+            self.arena = device_buffer(arena_bytes)
             self.base = self.arena.data_ptr()
 
     def __enter__(self):
@@ -1025,14 +1054,11 @@ class _Runtime:
         assigned = node_providers(session)
         if exact and (set(assigned) != {node.name for node in model.graph.node} or len(segment.runs) == 0):
             return False
-        binding = session.io_binding()
-        device = "cuda" if self.device == "cuda" else "cpu"
-        for value, tensor, lo in inputs:
+        def at(value: str, tensor: str, lo: int) -> tuple:
             t = graph.tensors[tensor]
-            binding.bind_input(value, device, 0, t.dtype, list(t.shape), self.base + lo)
-        for value, tensor, lo in outputs:
-            t = graph.tensors[tensor]
-            binding.bind_output(value, device, 0, t.dtype, list(t.shape), self.base + lo)
+            return value, t.dtype, t.shape, self.base + lo
+
+        binding = bind_addresses(session, self.device, [at(*i) for i in inputs], [at(*o) for o in outputs])
         for j, run in enumerate(segment.runs):
             run.provider = assigned.get(f"n{j}", session.get_providers()[0])
         segment.session, segment.binding = session, binding

@@ -307,7 +307,7 @@ def _probe_shapes(model: onnx.ModelProto, names: list[str], base_dir: str | None
 
     ONNX's own inference gives up on shape arithmetic such as Shape->Gather->Concat->Reshape
     in some exports; a real run knows. Models past 2 GB cannot be probed in memory."""
-    import onnxruntime as ort
+    from .ort import probe_session
 
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
@@ -321,12 +321,8 @@ def _probe_shapes(model: onnx.ModelProto, names: list[str], base_dir: str | None
     for name in names:
         if name not in existing:
             probe.graph.output.append(helper.make_empty_tensor_value_info(name))
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    try:
-        session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception:  # noqa: BLE001 - the completeness check below names what stayed unknown
+    session = probe_session(probe.SerializeToString())
+    if session is None:      # the completeness check after the probe names what stayed unknown
         return
     feeds = {}
     initializers = {i.name for i in model.graph.initializer}

@@ -52,7 +52,8 @@ from .hardware import DRAM_LATENCY, Hardware, HostTier, optane_pmem
 from .ir import Graph, Op, tensor_value
 from .memory import analyze
 from .onnx_utils import make_model
-from .ort import PROVIDERS, make_session
+from .ort import PROVIDERS, bind_values, make_session
+from .ort import version as ort_version
 from .schedule import default_schedule
 
 MIN_TIMED_SECONDS = 0.02     # keep timing a fast op until this much time is covered ...
@@ -71,15 +72,7 @@ class Timer:
     @classmethod
     def bind(cls, session, feeds: dict[str, np.ndarray], outputs: list[tuple[str, tuple, np.dtype]],
              device: str, threads: int = 0) -> "Timer":
-        import onnxruntime as ort
-
-        kind = "cuda" if device == "cuda" else "cpu"
-        binding = session.io_binding()
-        for name, value in feeds.items():
-            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, kind, 0))
-        for name, shape, dtype in outputs:
-            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, kind, 0))
-        return cls(session, binding, device, cpu_clock(device, threads))
+        return cls(session, bind_values(session, device, feeds, outputs), device, cpu_clock(device, threads))
 
     def run(self) -> float:
         start = self.clock()
@@ -334,10 +327,8 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
                 values.pop(name, None)
         if progress is not None:
             progress(i + 1, len(graph.ops), op)
-    import onnxruntime as ort
-
     meta = {"graph": graph.name, "device": device, "provider": PROVIDERS[device], "repeats": repeats,
-            "threads": threads, "onnxruntime": ort.__version__, "session_overhead_s": session_overhead,
+            "threads": threads, "onnxruntime": ort_version(), "session_overhead_s": session_overhead,
             "node_overhead_s": node_overhead, "timed_ops": len(sessions), "ops": len(graph.ops),
             "cache_bytes": cache, "dram_read_bw": dram_bw, "dram_read_bytes": sum(dram.values()),
             "clock": cpu_clock(device, threads).__name__}
@@ -462,14 +453,12 @@ def profile_from_fit(fit: dict[str, dict[str, float]], rows: list[dict], node_ov
     peak = max(r["flops"] / r["seconds"] for r in rows if r["class"] in FLOP_CLASSES and r["seconds"] > 0)
     copy_bw, copy_latency = memcpy_rate()
     memory = _physical_memory()
-    import onnxruntime as ort
-
     return Hardware(
         name="cpu", device_memory=memory, peak_flops={"float32": peak},
         memory_bandwidth=fit.get("elementwise", {}).get("bandwidth", copy_bw), launch_overhead=node_overhead,
         link_h2d=copy_bw, link_d2h=copy_bw, link_latency=copy_latency,
         tiers={"dram": HostTier(memory, copy_bw, copy_bw, DRAM_LATENCY), "nvdimm": optane_pmem()},
-        description=(f"{_cpu_name()}, {os.cpu_count()} cores, ONNX Runtime {ort.__version__} "
+        description=(f"{_cpu_name()}, {os.cpu_count()} cores, ONNX Runtime {ort_version()} "
                      f"({threads or 'default'} intra-op threads); calibrated {time.strftime('%Y-%m-%d')} by "
                      f"`memsched hardware calibrate` on microbenchmarks and the training steps of {references}; "
                      f"swaps are DRAM copies; nvdimm: Optane figures"),

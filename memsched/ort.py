@@ -189,6 +189,62 @@ def resolve_device(device: str) -> tuple[str, str | None]:
     return "cuda", None
 
 
+def version() -> str:
+    """The ONNX Runtime version the reports name."""
+    import onnxruntime as ort
+
+    return ort.__version__
+
+
+def probe_session(model: bytes):
+    """A CPU session of `model` with no graph optimisation and errors kept quiet, to learn
+    shapes from one run; None where ONNX Runtime cannot load it (the caller says what stayed
+    unknown)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 - ORT raises its own exception types
+        return None
+
+
+def device_buffer(nbytes: int):
+    """`nbytes` of CUDA device memory (device 0) as an OrtValue; its address is `.data_ptr()`."""
+    import numpy as np
+    import onnxruntime as ort
+
+    return ort.OrtValue.ortvalue_from_shape_and_type([max(nbytes, 1)], np.uint8, "cuda", 0)
+
+
+def bind_addresses(session, device: str, inputs: list, outputs: list):
+    """An IOBinding of `session` whose inputs and outputs live at given addresses on `device`:
+    each a (name, dtype, shape, address); ONNX Runtime allocates none of them."""
+    binding = session.io_binding()
+    kind = "cuda" if device == "cuda" else "cpu"
+    for name, dtype, shape, address in inputs:
+        binding.bind_input(name, kind, 0, dtype, list(shape), address)
+    for name, dtype, shape, address in outputs:
+        binding.bind_output(name, kind, 0, dtype, list(shape), address)
+    return binding
+
+
+def bind_values(session, device: str, feeds: dict, outputs: list):
+    """An IOBinding of `session` with `feeds` copied to `device` once and outputs of the given
+    (name, shape, dtype) allocated there once, so a timed run moves no data."""
+    import onnxruntime as ort
+
+    kind = "cuda" if device == "cuda" else "cpu"
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, kind, 0))
+    for name, shape, dtype in outputs:
+        binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, kind, 0))
+    return binding
+
+
 # The CUDA provider's own memory is bounded: every tensor is bound into the plan's arena, so
 # the provider allocates only kernels' workspace; its arena grows by what is asked, not by
 # doubling, and cuDNN picks convolution algorithms without its largest workspaces.
@@ -245,4 +301,5 @@ def node_providers(session) -> dict[str, str]:
 
 __all__ = ["PROVIDERS", "CUDA_OPTIONS", "OPTIMIZATION", "quiet_logger", "session_options", "bound_options",
            "bound_session", "reference_session", "resolve_device", "shared_scratch_arena", "warm_environment",
-           "one_op_model", "providers_for", "make_session", "node_providers"]
+           "one_op_model", "providers_for", "make_session", "node_providers", "version", "probe_session",
+           "device_buffer", "bind_addresses", "bind_values"]

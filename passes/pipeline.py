@@ -29,25 +29,24 @@ from memsched import hardware as hardware_mod
 from memsched.cost import CostTable, model_pricing
 from memsched.errors import BudgetError, UserError
 from memsched.ir import Graph
+from memsched.data_parallel import DEFAULT_BUCKET_BYTES, batch_inputs, record_options, worker_forward
 from memsched.data_parallel import data_parallel as data_parallel_estimate
 from memsched.deadline import Deadline
 from memsched.memory import MemoryProfile, validate
 from memsched.report import input_pipeline, tensor_decisions
-from memsched.schedule import Plan
+from memsched.schedule import Plan, order_schedule
 from memsched.simulate import Simulation, simulate
 from memsched.units import format_bytes, parse_bytes, parse_percent
 
 from passes.rewrites.batch_split import batch_split_step, given_graph
 from passes.rewrites.concat_split import reuse_variants
 from passes.fit import DRAINED, IMPROVE, Search
-from passes.reuse import FUSED_KEY, baseline_aliases
+from passes.reuse import FUSED_KEY, baseline_aliases, choose_aliases, compute_order
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")
 PLACEMENT_FREE = ("order", "reuse")      # the strategies without a budget: no added time
 DEFAULT_TIME_LIMIT = 60.0                # seconds for the whole compile
 ORDER = 0.1                              # the order pass's share of the time limit
-# Data-parallel interconnect: 100 Gb/s InfiniBand (12.5 GB/s) with ~5 us per message.
-INTERCONNECT = (12.5e9, 5e-6)
 
 
 @dataclass
@@ -124,18 +123,29 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
             freeze: tuple[str, ...] = (), hardware: "str | hardware_mod.Hardware" = "v100-16gb",
             budget: str | int | None = None, strategies=None, time_limit: float = DEFAULT_TIME_LIMIT,
             costs: "CostTable | str | Path | None" = None, data_parallel: int | None = None,
-            progress: Callable[[str], None] | None = None, deadline: Deadline | None = None) -> CompileResult:
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES, progress: Callable[[str], None] | None = None,
+            deadline: Deadline | None = None) -> CompileResult:
     """Plan `model`'s memory within `time_limit` seconds in all (or by `deadline`, which a
     caller may stop early: the best plan found by then is returned). `strategies` None means
     every strategy where a budget is given (recompute and swap run only while the plan is
     over it), order and reuse otherwise. Raises UserError on bad input, BudgetError if the
-    budget cannot be met."""
+    budget cannot be met.
+
+    `data_parallel` N: the step as each of N workers runs it (memsched.data_parallel): with
+    `train`, the model's batch is the global one and each worker's step takes 1/N of it (a
+    training step given as such is one worker's); no update is fused into its dW op, and the
+    updates run after the backward (as DDP's optimizer step does), so every gradient is kept
+    until its bucket (`bucket_bytes`) is all-reduced and its update read it."""
     say = progress or (lambda message: None)
     deadline = deadline or Deadline(time_limit)
     strategies = parse_strategies(strategies, budget is not None)
     hw = hardware_mod.load(hardware)
     say("loading the model" + (" and building the training step" if train else ""))
     forward = load_graph(model, dims)
+    if data_parallel is not None and data_parallel < 1:
+        raise UserError(f"--data-parallel needs at least 1 worker, not {data_parallel}")
+    if data_parallel and train:
+        forward = worker_forward(forward, data_parallel)
     graph, variants = training_steps(forward, loss, optimizer, lr, freeze, variants="reuse" in strategies) \
         if train else (given_graph(forward), {})
 
@@ -160,6 +170,9 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         deadline where another search holds a plan: `fallback`)."""
         # data parallel all-reduces every gradient: no update fused into its dW Gemm
         passes = _passes(fuse_updates=not data_parallel, variants=step_variants)
+        if data_parallel:
+            passes = {**passes, **{name: lambda p, limit, dl, f=passes[name]: updates_last(f(p, limit, dl))
+                                   for name in ("reuse", "order")}}
         start, peak = dataclasses.replace(step, budget=None), validate(step).peak_bytes
         for name in ("reuse", "order"):
             if name in strategies:
@@ -196,6 +209,8 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         raise
     if deadline.stopped:
         plan = dataclasses.replace(plan, notes={**plan.notes, "interrupted": True})
+    if data_parallel:
+        record_options(plan.graph, data_parallel, bucket_bytes, batch_inputs(forward, plan.graph))
     say("simulating the baseline and the plan")
     result = assess(plan, baseline, strategies, timings, model, costs, data_parallel)
     result.report["solver"]["deadline_hit"] = deadline.cut
@@ -270,8 +285,26 @@ def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], mo
             raise UserError("the plan fuses optimizer updates into the ops that make their gradients, so those "
                             "gradients are never made to be all-reduced; compile it with --data-parallel to "
                             "keep them")
-        report["data_parallel"] = data_parallel_estimate(plan, sim, data_parallel, *INTERCONNECT).to_dict()
+        report["data_parallel"] = data_parallel_estimate(plan, sim, data_parallel).to_dict()
     return CompileResult(graph, baseline, baseline_profile, baseline_sim, plan, profile, sim, report)
+
+
+def updates_last(plan: Plan) -> Plan:
+    """`plan` with its update ops moved after every other op (in their order), as a
+    data-parallel step runs them: each update waits for its gradients' all-reduce, which
+    starts only once the gradients' bucket is complete. In-place aliases are chosen again for
+    the new order (the earlier ones preferred). A schedule with recompute or swap steps is kept."""
+    order = compute_order(plan.schedule)
+    if order is None:
+        return plan
+    phase = {name: plan.graph.op_by_name[name].phase for name in order}
+    moved = [n for n in order if phase[n] != "update"] + [n for n in order if phase[n] == "update"]
+    if moved == order:
+        return plan
+    schedule = order_schedule(moved)
+    return dataclasses.replace(plan, schedule=schedule, offsets=None,
+                               aliases=choose_aliases(plan.graph, schedule, plan.aliases),
+                               notes={**plan.notes, "data_parallel": {"updates_moved_last": True}})
 
 
 def strategies_of(plan: Plan) -> tuple[str, ...]:

@@ -1,0 +1,361 @@
+"""Data-parallel runs of a plan on torch.distributed: each worker runs the executor on its rows.
+
+A plan compiled with `--data-parallel N` is one worker's step (memsched.data_parallel). Each of
+the N ranks (processes) runs it with the bundled executor (memsched.executor.run_plan) on its
+shard of the batch: rank r takes rows r*b .. (r+1)*b of every per-sample input (b the per-worker
+batch the plan records; the global batch is N*b). Ranks start from rank 0's weights: each
+parameter and buffer (BatchNorm's running statistics) is broadcast from rank 0 just before the
+first op that reads it in the first step, as DDP does when it wraps a module. BatchNorm in
+training mode normalises with each rank's own batch statistics, and each rank keeps its own
+running statistics from then on (DDP broadcasts rank 0's buffers before every forward by
+default; here they are not synchronised after the start).
+The gradients are averaged in place, in the arena: when the op that closes a bucket
+(`gradient_buckets`) ends, each of the bucket's gradients is scaled by 1/N and all-reduced
+(sum) with `dist.all_reduce(..., async_op=True)` on a torch tensor that is a zero-copy view of
+its arena bytes (`torch.from_numpy`), and compute goes on; an op that reads a gradient (its
+update) first waits for that bucket's work handles only. Gradients nothing reads in the step
+(graph outputs) are waited for at its end. Nothing of the all-reduce is in the arena: gloo's
+own buffers are outside the plan's bytes. Without overlap (`overlap=False`), closed buckets are
+all-reduced only when an op needs one of them, and compute waits for all of them there.
+
+Processes: `launch` starts N local ranks (`python -m memsched.distributed`, with torchrun's
+environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT) and
+collects rank 0's summary; under torchrun the same `run_rank` runs in each process torchrun
+started. The backend is gloo (CPU): the executor's hooks hand out views of the CPU arena.
+torch is imported here only, and only when a run starts (the `distributed` extra).
+
+Measured per rank and step: the step time (the executor's, waits included), the time spent
+waiting for all-reduces; after the steps, the buckets' all-reduces are timed alone (blocking,
+on scratch tensors of the same sizes), so the overlap fraction is 1 - wait / all-reduce time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+from onnx import helper
+
+from .data_parallel import INTERCONNECT, Bucket, data_parallel, gradient_buckets, plan_options, readers
+from .errors import MemschedError, UserError
+from .executor import prepare_inputs, run_plan
+from .schedule import Plan
+
+BACKEND = "gloo"
+TIMEOUT_S = 300.0          # a rank that does not finish in this time fails the run
+COMM_REPEATS = 3           # timed runs of the buckets' all-reduces alone (median)
+
+
+def import_torch():
+    """(torch, torch.distributed), or a UserError that names the extra to install."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        raise UserError("data-parallel runs need torch: pip install 'memsched[distributed]'") from None
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise UserError("this torch build has no torch.distributed gloo backend; install a build that has")
+    return torch, dist
+
+
+def launched() -> bool:
+    """Whether this process is a rank started by torchrun (or by `launch`)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_plan(plan: Plan, workers: int) -> dict:
+    """The plan's data-parallel options, where it was compiled for `workers` workers."""
+    options = plan_options(plan.graph)
+    if not options:
+        raise UserError(f"the plan was compiled for one worker; compile it with --train --data-parallel {workers}")
+    if options["workers"] != workers:
+        raise UserError(f"the plan was compiled for {options['workers']} workers (--data-parallel), not {workers}")
+    if not options["batch_inputs"]:
+        raise UserError("the plan records no per-sample input to split among the workers")
+    swapped = sorted({s.target for s in plan.schedule if s.kind in ("swap_out", "free")
+                      and plan.graph.tensors[s.target].kind == "param_grad"})
+    if swapped:
+        raise UserError(f"the plan moves gradient '{swapped[0]}' out of the arena before its update; a "
+                        f"data-parallel run all-reduces gradients in place: compile without swap for it")
+    return options
+
+
+def global_inputs(plan: Plan, workers: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Made-up inputs of the whole batch: rank r's rows are the executor's made-up inputs with seed
+    seed + r; inputs that are not per-sample are the seed's."""
+    options = plan_options(plan.graph)
+    parts = [prepare_inputs(plan.graph, seed=seed + r) for r in range(workers)]
+    return {name: np.concatenate([p[name] for p in parts]) if name in options["batch_inputs"] else parts[0][name]
+            for name in parts[0]}
+
+
+def shard(plan: Plan, inputs: dict[str, np.ndarray], rank: int, workers: int) -> dict[str, np.ndarray]:
+    """Rank `rank`'s rows of every per-sample input of the whole batch `inputs`; the rest as given."""
+    options = plan_options(plan.graph)
+    b = options["worker_batch"]
+    result = dict(inputs)
+    for name in options["batch_inputs"]:
+        if name not in inputs:
+            continue
+        rows = np.asarray(inputs[name]).shape[0] if np.ndim(inputs[name]) else 0
+        if rows % workers:
+            raise UserError(f"input '{name}' has a batch of {rows}, which does not divide among {workers} workers")
+        if rows != b * workers:
+            raise UserError(f"input '{name}' has a batch of {rows}; the plan takes {b} rows per worker, "
+                            f"{b * workers} in all")
+        result[name] = np.ascontiguousarray(inputs[name][rank * b:(rank + 1) * b])
+    return result
+
+
+class _Comm:
+    """The hooks of one rank's run: broadcast, bucket all-reduces, waits; and what they measured."""
+
+    def __init__(self, plan: Plan, torch, dist, workers: int, overlap: bool):
+        self.torch, self.dist, self.workers, self.overlap = torch, dist, workers, overlap
+        graph = plan.graph
+        self.buckets = gradient_buckets(plan, plan_options(graph)["bucket_bytes"])
+        closing = {b.step: k for k, b in enumerate(self.buckets)}
+        bucketed = {g for b in self.buckets for g in b.grads}
+        self.scratch = {g: (graph.tensors[g].numel, helper.tensor_dtype_to_np_dtype(graph.tensors[g].dtype))
+                        for g in bucketed}      # size and type of each gradient, for `measure`
+        makers = {}             # step -> the bucketed gradients its op makes
+        for i, step in enumerate(plan.schedule):
+            if step.kind == "compute":
+                made = [t for t in graph.op_by_name[step.target].present_outputs if t in bucketed]
+                if made:
+                    makers[i] = made
+        needs = readers(plan, self.buckets)
+        first_read: dict[str, int] = {}          # parameter or buffer -> the step of its first reader
+        for i, step in enumerate(plan.schedule):
+            if step.kind in ("compute", "recompute"):
+                for t in graph.op_by_name[step.target].present_inputs:
+                    if graph.tensors[t].kind in ("parameter", "buffer"):
+                        first_read.setdefault(t, i)
+        broadcast: dict[int, list[str]] = {}
+        for t, i in first_read.items():
+            broadcast.setdefault(i, []).append(t)
+        last = max(i for i, s in enumerate(plan.schedule) if s.kind in ("compute", "recompute"))
+        self.views: dict[str, np.ndarray] = {}
+        self.works: dict[int, list] = {}         # bucket -> its all-reduces' work handles
+        self.closed: list[int] = []              # closed, not yet started (without overlap)
+        self.step = 0
+        self.wait_s: list[float] = [0.0]
+
+        def before(i):
+            def hook(views):
+                if self.step == 0 and i in broadcast:
+                    for t in broadcast[i]:
+                        self.dist.broadcast(self.torch.from_numpy(views[t]), src=0)
+                if i in needs:
+                    self.wait(needs[i])
+            return hook
+
+        def after(i):
+            def hook(views):
+                for t in makers.get(i, ()):
+                    self.views[t] = views[t]
+                if i in closing:
+                    self.close(closing[i])
+                if i == last:
+                    self.wait(range(len(self.buckets)))
+                    self.step += 1
+                    self.wait_s.append(0.0)
+            return hook
+
+        self.before = {i: before(i) for i in set(broadcast) | set(needs)}
+        self.after = {i: after(i) for i in set(makers) | set(closing) | {last}}
+
+    def close(self, k: int) -> None:
+        if not self.overlap:
+            self.closed.append(k)
+            return
+        self.start(k)
+
+    def start(self, k: int) -> None:
+        works = []
+        for g in self.buckets[k].grads:
+            view = self.views.pop(g)
+            view *= view.dtype.type(1.0 / self.workers)
+            works.append(self.dist.all_reduce(self.torch.from_numpy(view), async_op=True))
+        self.works[k] = works
+
+    def wait(self, ks) -> None:
+        """Wait for the all-reduces of buckets `ks` (without overlap: start every closed bucket's
+        and wait for all of them)."""
+        started = time.perf_counter()
+        if not self.overlap:
+            for k in self.closed:
+                self.start(k)
+            self.closed.clear()
+            ks = list(self.works)
+        for k in ks:
+            for work in self.works.pop(k, ()):
+                work.wait()
+        self.wait_s[self.step] += time.perf_counter() - started
+
+    def measure(self) -> float:
+        """Seconds the buckets' all-reduces take alone (blocking, median of COMM_REPEATS)."""
+        scratch = [[self.torch.from_numpy(np.zeros(*self.scratch[g])) for g in b.grads] for b in self.buckets]
+        times = []
+        for _ in range(COMM_REPEATS):
+            self.dist.barrier()
+            started = time.perf_counter()
+            for tensors in scratch:
+                for t in tensors:
+                    self.dist.all_reduce(t)
+            times.append(time.perf_counter() - started)
+        return float(np.median(times))
+
+
+def run_rank(plan: Plan, steps: int = 1, threads: int = 1, inputs: dict[str, np.ndarray] | None = None,
+             overlap: bool = True, path: str | None = None, timeout: float = TIMEOUT_S) -> tuple[dict, dict]:
+    """Run this process's rank of a data-parallel run (the environment torchrun sets names it);
+    returns (the run's summary with every rank's figures, this rank's outputs). `inputs`: the
+    whole batch (every rank is given the same), made up (`global_inputs`) where None."""
+    torch, dist = import_torch()
+    if not launched():
+        raise UserError("not started as a rank: run under torchrun, or with memsched run --workers N")
+    rank, workers = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    check_plan(plan, workers)
+    feeds = shard(plan, inputs if inputs is not None else global_inputs(plan, workers), rank, workers)
+    torch.set_num_threads(1)             # torch computes nothing here: the cores are ONNX Runtime's
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout))
+    try:
+        comm = _Comm(plan, torch, dist, workers, overlap)
+        result = run_plan(plan, steps=steps, device="cpu", inputs=feeds, threads=threads,
+                          before=comm.before, after=comm.after)
+        mine = {"rank": rank, "step_times_s": result.step_times, "allreduce_wait_s": comm.wait_s[:steps],
+                "allreduce_s": comm.measure(), "peak_bytes": result.peak_bytes, "arena_bytes": result.arena_bytes,
+                "provider": result.provider}
+        ranks: list = [None] * workers
+        dist.all_gather_object(ranks, mine)
+    finally:
+        if own:
+            dist.destroy_process_group()
+    return summarize(plan, path, ranks, result, comm.buckets, overlap, threads), result.outputs
+
+
+def summarize(plan: Plan, path: str | None, ranks: list[dict], result, buckets: list[Bucket], overlap: bool,
+              threads: int) -> dict:
+    """The run's summary: measured (the slowest rank's median step) next to predicted (the
+    data-parallel estimate on the `cpu` profile and the default interconnect)."""
+    from .hardware import load
+    from .simulate import simulate
+
+    workers = len(ranks)
+    estimate = data_parallel(plan, simulate(plan, load("cpu")), workers)
+    exposed = estimate.exposed_comm_s if overlap else estimate.step_no_overlap_s - estimate.compute_s
+    step = max(float(np.median(r["step_times_s"])) for r in ranks)
+    wait = float(np.mean([np.median(r["allreduce_wait_s"]) for r in ranks]))
+    comm = float(np.mean([r["allreduce_s"] for r in ranks]))
+    return {
+        "plan": path, "workers": workers, "backend": BACKEND, "overlap": overlap, "steps": result.steps,
+        "threads": threads, "provider": result.provider,
+        "measured": {"peak_bytes": max(r["peak_bytes"] for r in ranks),
+                     "per_worker_peak_bytes": [r["peak_bytes"] for r in ranks],
+                     "arena_bytes": result.arena_bytes, "step_time_s": step, "allreduce_wait_s": wait,
+                     "allreduce_s": comm, "overlap_fraction": min(1.0, max(0.0, 1 - wait / comm)) if comm > 0 else 1.0},
+        "predicted": {"peak_bytes": result.planned_peak_bytes, "arena_bytes": result.planned_arena_bytes,
+                      "step_time_s": estimate.step_overlap_s if overlap else estimate.step_no_overlap_s,
+                      "step_overlap_s": estimate.step_overlap_s, "step_no_overlap_s": estimate.step_no_overlap_s,
+                      "allreduce_wait_s": exposed, "allreduce_s": estimate.allreduce_s,
+                      "overlap_fraction": 1 - exposed / estimate.allreduce_s if estimate.allreduce_s > 0 else 1.0,
+                      "hardware": "cpu", "interconnect": {"bandwidth": INTERCONNECT[0], "latency_s": INTERCONNECT[1]}},
+        "buckets": [{"op": b.op, "grads": list(b.grads), "bytes": b.nbytes} for b in buckets],
+        "ranks": ranks,
+    }
+
+
+# ---- local processes -----------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(plan_path: str, workers: int, steps: int = 1, threads: int = 1, inputs: str | None = None,
+           outputs: str | None = None, overlap: bool = True, timeout: float = TIMEOUT_S) -> dict:
+    """Start `workers` local ranks on `plan_path` (loopback, gloo) and return the run's summary.
+    `inputs`: an .npz of the whole batch; `outputs`: a directory where each rank writes its
+    outputs as rank<r>.npz. A rank that fails or runs past `timeout` seconds fails the run."""
+    from .emit import read_plan
+
+    if workers < 1:
+        raise UserError(f"--workers needs at least 1 worker, not {workers}")
+    check_plan(read_plan(plan_path), workers)
+    import_torch()                        # the one-line error before any process starts
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="memsched-dp-") as tmp:
+        summary_path = Path(tmp) / "summary.json"
+        procs = []
+        for rank in range(workers):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
+                   "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            args = [sys.executable, "-m", "memsched.distributed", str(plan_path), "--steps", str(steps),
+                    "--threads", str(threads), "--timeout", str(timeout), "--summary", str(summary_path)]
+            args += ["--inputs", str(inputs)] if inputs else []
+            args += ["--outputs", str(outputs)] if outputs else []
+            args += [] if overlap else ["--no-overlap"]
+            procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        deadline = time.monotonic() + timeout
+        failed = None
+        for rank, proc in enumerate(procs):
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                for p in procs:
+                    p.communicate()
+                raise UserError(f"rank {rank} did not finish within {timeout:g} s; the data-parallel run was "
+                                f"stopped") from None
+            if proc.returncode and failed is None:
+                lines = [line for line in out.strip().splitlines() if line.strip()]
+                failed = f"rank {rank} failed: {lines[-1] if lines else f'exit status {proc.returncode}'}"
+        if failed is not None:
+            raise UserError(failed.replace("memsched: error: ", ""))
+        return json.loads(summary_path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank started by `launch`: run it, write rank 0's summary and each rank's outputs."""
+    from .emit import read_plan
+
+    parser = argparse.ArgumentParser(prog="python -m memsched.distributed")
+    parser.add_argument("plan")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    parser.add_argument("--inputs")
+    parser.add_argument("--outputs")
+    parser.add_argument("--summary", required=True)
+    parser.add_argument("--no-overlap", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        inputs = dict(np.load(args.inputs)) if args.inputs else None
+        summary, outputs = run_rank(read_plan(args.plan), args.steps, args.threads, inputs, not args.no_overlap,
+                                    args.plan, args.timeout)
+    except MemschedError as exc:
+        print(f"memsched: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if args.outputs:
+        np.savez(Path(args.outputs) / f"rank{os.environ['RANK']}.npz", **outputs)
+    if os.environ["RANK"] == "0":
+        Path(args.summary).write_text(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Data-parallel runs on torch.distributed (gloo, loopback): 2 ranks on B match 1 rank on 2B.
+
+Each run starts 2 processes with a timeout, so a hung rank fails the test instead of the suite."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from memsched.emit import read_plan, write_plan
+from memsched.errors import UserError
+from memsched.executor import run_plan
+from memsched.memory import validate
+from models.layers import GraphBuilder, conv, linear_gemm, max_pool, pool_flatten, relu
+from passes.pipeline import compile as compile_plan
+
+torch = pytest.importorskip("torch")
+from memsched.distributed import global_inputs, import_torch, launch, shard  # noqa: E402
+
+WORKERS, BATCH, STEPS = 2, 4, 2      # the whole batch is WORKERS * BATCH
+TIMEOUT_S = 120
+
+
+def mlp(batch: int) -> onnx.ModelProto:
+    import models
+
+    return models.build("mlp", batch=batch, size=8, hidden=[16])
+
+
+def small_cnn(batch: int) -> onnx.ModelProto:
+    """Conv-Relu-MaxPool-Conv-Relu-GlobalAveragePool-Gemm on 3x8x8 images, no BatchNorm."""
+    b = GraphBuilder("small_cnn", seed=0)
+    x = b.input("input", [batch, 3, 8, 8])
+    x = max_pool(b, "/pool", relu(b, "/relu1", conv(b, "conv1", x, 3, 8, 3, pad=1, bias=True)), 2, 2)
+    x = relu(b, "/relu2", conv(b, "conv2", x, 8, 8, 3, pad=1, bias=True))
+    x = linear_gemm(b, "fc", pool_flatten(b, "/avgpool", x), 8, 10, out="logits")
+    return b.finish(x, [batch, 10])
+
+
+def compiled(model: onnx.ModelProto, tmp_path, workers: int | None, bucket_bytes: int = 512):
+    path = tmp_path / f"model{workers}.onnx"
+    onnx.save(model, str(path))
+    return compile_plan(path, train=True, data_parallel=workers, bucket_bytes=bucket_bytes, time_limit=1,
+                        hardware="cpu", strategies="order,reuse").plan
+
+
+@pytest.mark.parametrize("build", [mlp, small_cnn])
+def test_two_ranks_on_b_update_as_one_rank_on_2b(build, tmp_path):
+    """The averaged gradients of 2 ranks on B rows each are the gradient of 2B rows (mean losses):
+    after STEPS steps every updated weight matches one rank's run on the whole batch within 1e-5
+    relative, and both ranks hold the same weights. Each rank's measured peak (the executor's
+    arena accounting) is the plan's per-worker peak."""
+    model = build(WORKERS * BATCH)
+    plan = compiled(model, tmp_path, WORKERS)
+    one = compiled(model, tmp_path, None)
+    path = write_plan(plan, tmp_path / "plan.onnx")
+    inputs = global_inputs(plan, WORKERS)
+    inputs["labels"] = np.random.default_rng(1).integers(0, 10, WORKERS * BATCH)
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    summary = launch(str(path), WORKERS, steps=STEPS, inputs=str(tmp_path / "inputs.npz"), outputs=str(tmp_path),
+                     timeout=TIMEOUT_S)
+    expected = run_plan(one, steps=STEPS, inputs=inputs, threads=1).outputs
+    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(WORKERS)]
+    updated = [name for name in expected if name.endswith(".updated")]
+    assert len(updated) >= 4
+    for name in updated:
+        want = expected[name].astype(np.float64)
+        for rank in ranks:
+            assert np.abs(rank[name] - want).max() <= 1e-5 * np.abs(want).max(), name
+        assert ranks[0][name].tobytes() == ranks[1][name].tobytes()
+    peak = validate(read_plan(path)).peak_bytes
+    assert summary["measured"]["per_worker_peak_bytes"] == [peak] * WORKERS == [summary["predicted"]["peak_bytes"]] * 2
+    assert len(summary["buckets"]) >= 2 and summary["workers"] == WORKERS
+    assert all(len(r["step_times_s"]) == STEPS and len(r["allreduce_wait_s"]) == STEPS for r in summary["ranks"])
+    assert 0.0 <= summary["measured"]["overlap_fraction"] <= 1.0
+    assert summary["predicted"]["step_overlap_s"] < summary["predicted"]["step_no_overlap_s"]
+
+
+def test_bad_plans_and_batches_are_one_line_errors(tmp_path, cli):
+    model = mlp(WORKERS * BATCH)
+    plan = compiled(model, tmp_path, WORKERS)
+    path = write_plan(plan, tmp_path / "plan.onnx")
+    with pytest.raises(UserError, match="compiled for 2 workers .* not 3"):
+        launch(str(path), 3)
+    done = cli("run", path, "--workers", "3")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == "memsched: error: the plan was compiled for 2 workers (--data-parallel), not 3\n"
+    single = write_plan(compiled(model, tmp_path, None), tmp_path / "single.onnx")
+    with pytest.raises(UserError, match="compiled for one worker"):
+        launch(str(single), 2)
+    inputs = global_inputs(plan, WORKERS)
+    assert inputs["input"].shape[0] == WORKERS * BATCH
+    mine = shard(plan, inputs, 1, WORKERS)
+    assert np.array_equal(mine["input"], inputs["input"][BATCH:]) and mine["labels"].shape == (BATCH,)
+    with pytest.raises(UserError, match="does not divide among 2 workers"):
+        shard(plan, {**inputs, "input": inputs["input"][:-1]}, 0, WORKERS)
+    with pytest.raises(UserError, match="takes 4 rows per worker, 8 in all"):
+        shard(plan, {**inputs, "input": inputs["input"][:6]}, 0, WORKERS)
+
+
+def test_missing_torch_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    with pytest.raises(UserError, match=r"install 'memsched\[distributed\]'"):
+        import_torch()
