@@ -31,23 +31,14 @@ import onnx  # noqa: E402
 import models  # noqa: E402
 from memsched.distributed import launch  # noqa: E402
 from memsched.emit import write_plan  # noqa: E402
-from models.layers import GraphBuilder, conv, linear_gemm, max_pool, pool_flatten, relu  # noqa: E402
+from models.cnn import plain_cnn  # noqa: E402
 from passes.pipeline import compile as compile_plan  # noqa: E402
 
 BATCH = 64          # the global batch, divided among the workers
 
 
-def small_cnn(batch: int) -> onnx.ModelProto:
-    """Conv(3->16)-Relu-MaxPool-Conv(16->32)-Relu-GlobalAveragePool-Gemm(32->10) on 3x16x16 images."""
-    b = GraphBuilder("small_cnn", seed=0)
-    x = b.input("input", [batch, 3, 16, 16])
-    x = max_pool(b, "/pool", relu(b, "/relu1", conv(b, "conv1", x, 3, 16, 3, pad=1, bias=True)), 2, 2)
-    x = relu(b, "/relu2", conv(b, "conv2", x, 16, 32, 3, pad=1, bias=True))
-    x = linear_gemm(b, "fc", pool_flatten(b, "/avgpool", x), 32, 10, out="logits")
-    return b.finish(x, [batch, 10])
-
-
-MODELS = {"mlp": lambda batch: models.build("mlp", batch=batch, hidden=[512, 256]), "small_cnn": small_cnn}
+MODELS = {"mlp": lambda batch: models.build("mlp", batch=batch, hidden=[512, 256]),
+          "small_cnn": lambda batch: plain_cnn(batch=batch)}
 # bucket sizes that give each model several buckets (2.1 MB and 22 KB of gradients), so some can hide
 BUCKET_BYTES = {"mlp": 256 * 1024, "small_cnn": 8 * 1024}
 

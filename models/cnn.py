@@ -39,6 +39,18 @@ def _adaptive_avg_pool(b: GraphBuilder, scope: str, x: str, size: int, target: i
     return b.op("MatMul", scope, [rows, b.const(scope, pool.T.copy())])
 
 
+def plain_cnn(*, batch: int = 8, size: int = 16, widths: tuple[int, int] = (16, 32),
+              classes: int = 10) -> onnx.ModelProto:
+    """Conv-Relu-MaxPool-Conv-Relu-GlobalAveragePool-Gemm on 3 x size x size images, without
+    BatchNorm: a CNN whose gradients average across data-parallel workers exactly."""
+    b = GraphBuilder("plain_cnn", seed=0)
+    x = b.input("input", [batch, 3, size, size])
+    x = max_pool(b, "/pool", relu(b, "/relu1", conv(b, "conv1", x, 3, widths[0], 3, pad=1, bias=True)), 2, 2)
+    x = relu(b, "/relu2", conv(b, "conv2", x, widths[0], widths[1], 3, pad=1, bias=True))
+    x = linear_gemm(b, "fc", pool_flatten(b, "/avgpool", x), widths[1], classes, out="logits")
+    return b.finish(x, [batch, classes])
+
+
 def vgg16(*, batch: int = 32, size: int = 224, classes: int = 1000, hidden: int = 4096,
           dtype: str = "float32", seed: int = 0, weights: bool = True) -> onnx.ModelProto:
     """torchvision vgg16 (configuration D, no BN): 13 convs, 3 linears, 138,357,544 params.

@@ -13,7 +13,7 @@ from memsched.emit import read_plan, write_plan
 from memsched.errors import UserError
 from memsched.executor import run_plan
 from memsched.memory import validate
-from models.layers import GraphBuilder, conv, linear_gemm, max_pool, pool_flatten, relu
+from models.cnn import plain_cnn
 from passes.pipeline import compile as compile_plan
 
 torch = pytest.importorskip("torch")
@@ -30,13 +30,7 @@ def mlp(batch: int) -> onnx.ModelProto:
 
 
 def small_cnn(batch: int) -> onnx.ModelProto:
-    """Conv-Relu-MaxPool-Conv-Relu-GlobalAveragePool-Gemm on 3x8x8 images, no BatchNorm."""
-    b = GraphBuilder("small_cnn", seed=0)
-    x = b.input("input", [batch, 3, 8, 8])
-    x = max_pool(b, "/pool", relu(b, "/relu1", conv(b, "conv1", x, 3, 8, 3, pad=1, bias=True)), 2, 2)
-    x = relu(b, "/relu2", conv(b, "conv2", x, 8, 8, 3, pad=1, bias=True))
-    x = linear_gemm(b, "fc", pool_flatten(b, "/avgpool", x), 8, 10, out="logits")
-    return b.finish(x, [batch, 10])
+    return plain_cnn(batch=batch, size=8, widths=(8, 8))
 
 
 def compiled(model: onnx.ModelProto, tmp_path, workers: int | None, bucket_bytes: int = 512):
