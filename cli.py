@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, metavar="N",
                    help="data parallel: start N local ranks (torch.distributed, gloo) on a plan compiled with "
                         "--data-parallel N; under torchrun each process is one rank")
+    p.add_argument("--sync-batchnorm", action="store_true",
+                   help="data parallel: BatchNorm on the whole batch's statistics, averaged across the ranks "
+                        "(as torch's SyncBatchNorm); by default each rank normalises with its own batch's")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_run)
     return parser
@@ -567,6 +570,8 @@ def cmd_run(args) -> int:
         raise UserError("--against compares the plan's outputs with the model's; give --check with it")
     if args.workers is not None or launched():
         return cmd_run_workers(args)
+    if args.sync_batchnorm:
+        raise UserError("--sync-batchnorm goes with a data-parallel run: give --workers N (or run under torchrun)")
     plan = read_plan(args.plan)
     given = given_graph(plan.graph) if args.check else plan.graph     # only a check runs the model as given
     against = model_step(plan, args.against) if args.against else None
@@ -612,11 +617,13 @@ def cmd_run_workers(args) -> int:
         world = int(os.environ["WORLD_SIZE"])
         if args.workers is not None and args.workers != world:
             raise UserError(f"--workers {args.workers} but torchrun started {world} processes")
-        summary, _ = run_rank(read_plan(args.plan), steps=args.steps, threads=args.threads, path=args.plan)
+        summary, _ = run_rank(read_plan(args.plan), steps=args.steps, threads=args.threads, path=args.plan,
+                              sync_batchnorm=args.sync_batchnorm)
         if os.environ["RANK"] != "0":
             return 0
     else:
-        summary = launch(args.plan, args.workers, steps=args.steps, threads=args.threads)
+        summary = launch(args.plan, args.workers, steps=args.steps, threads=args.threads,
+                         sync_batchnorm=args.sync_batchnorm)
     if args.json:
         print_json(summary)
         return 0
@@ -629,6 +636,9 @@ def cmd_run_workers(args) -> int:
             ("overlap fraction", "overlap_fraction", "{:.3f}"))
     for label, key, form in rows:
         print(f"{label:24}{form.format(measured[key]):>16}{form.format(predicted[key]):>16}")
+    if args.sync_batchnorm:
+        print(f"BatchNorm on the whole batch: {summary['synchronised_batch_statistics']} per-channel statistics "
+              f"averaged across the workers")
     print(f"predicted step without overlap: {predicted['step_no_overlap_s']:.6f} s (the cpu profile, "
           f"{predicted['interconnect']['bandwidth'] / 1e9:g} GB/s interconnect)")
     return 0

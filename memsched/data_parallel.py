@@ -39,6 +39,9 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024      # DDP's bucket_cap_mb=25
 INTERCONNECT = (12.5e9, 5e-6)
 # Where a data-parallel plan records its workers, bucket size and per-sample inputs (graph metadata).
 PLAN_KEY = "memsched.data_parallel"
+# where the training step records each BatchNormalization's per-channel batch statistics:
+# {BN name: {"forward": [mean, variance], "backward": [sum of dy, sum of dy * xhat]}}
+BATCH_STATISTICS_KEY = "memsched.batch_statistics"
 
 
 def allreduce_time(nbytes: int, workers: int, bandwidth: float, latency: float) -> float:
@@ -203,6 +206,18 @@ def record_options(graph: Graph, workers: int, bucket_bytes: int, batch_inputs: 
     batch = graph.tensors[batch_inputs[0]].shape[0] if batch_inputs else None
     graph.metadata[PLAN_KEY] = json.dumps({"workers": workers, "bucket_bytes": bucket_bytes,
                                            "batch_inputs": list(batch_inputs), "worker_batch": batch})
+
+
+def batch_statistics(graph: Graph) -> list[str]:
+    """The per-channel tensors synchronised batch normalisation averages across the workers
+    (`BATCH_STATISTICS_KEY`): each BN's batch mean and variance in the forward pass, and the
+    two sums its input gradient takes in the backward pass. Averaged, they are the statistics
+    and sums of the whole batch over the number of workers, and the BN step of each worker is
+    the step of the whole batch: every worker's batch is the same size, so a mean of means is
+    the whole batch's mean, and the backward divides the sums by its own batch's count."""
+    text = graph.metadata.get(BATCH_STATISTICS_KEY)
+    records = json.loads(text) if text else {}
+    return [t for record in records.values() for part in ("forward", "backward") for t in record.get(part, [])]
 
 
 def batch_inputs(forward: Graph, step: Graph) -> list[str]:

@@ -6,9 +6,13 @@ shard of the batch: rank r takes rows r*b .. (r+1)*b of every per-sample input (
 batch the plan records; the global batch is N*b). Ranks start from rank 0's weights: each
 parameter and buffer (BatchNorm's running statistics) is broadcast from rank 0 just before the
 first op that reads it in the first step, as DDP does when it wraps a module. BatchNorm in
-training mode normalises with each rank's own batch statistics, and each rank keeps its own
-running statistics from then on (DDP broadcasts rank 0's buffers before every forward by
-default; here they are not synchronised after the start).
+training mode normalises with each rank's own batch statistics by default, and each rank keeps
+its own running statistics from then on (DDP broadcasts rank 0's buffers before every forward
+by default; here they are not synchronised after the start). With `sync_batchnorm` (as
+torch's SyncBatchNorm), each BN's batch mean and variance are averaged across the ranks as
+soon as they are computed, and so are the two per-channel sums of its backward pass
+(`data_parallel.batch_statistics`): every rank then normalises with the whole batch's
+statistics, and the step is the whole batch's step.
 The gradients are averaged in place, in the arena: when the op that closes a bucket
 (`gradient_buckets`) ends, each of the bucket's gradients is scaled by 1/N and all-reduced
 (sum) with `dist.all_reduce(..., async_op=True)` on a torch tensor that is a zero-copy view of
@@ -44,7 +48,8 @@ from pathlib import Path
 import numpy as np
 from onnx import helper
 
-from .data_parallel import INTERCONNECT, Bucket, data_parallel, gradient_buckets, plan_options, readers
+from .data_parallel import (INTERCONNECT, Bucket, batch_statistics, data_parallel, gradient_buckets, plan_options,
+                            readers)
 from .errors import MemschedError, UserError
 from .executor import prepare_inputs, run_plan
 from .schedule import Plan
@@ -118,9 +123,17 @@ def shard(plan: Plan, inputs: dict[str, np.ndarray], rank: int, workers: int) ->
 class _Comm:
     """The hooks of one rank's run: broadcast, bucket all-reduces, waits; and what they measured."""
 
-    def __init__(self, plan: Plan, torch, dist, workers: int, overlap: bool):
+    def __init__(self, plan: Plan, torch, dist, workers: int, overlap: bool, sync_batchnorm: bool = False):
         self.torch, self.dist, self.workers, self.overlap = torch, dist, workers, overlap
         graph = plan.graph
+        statistics = set(batch_statistics(graph)) if sync_batchnorm else set()
+        self.synchronised = len(statistics)
+        averaged = {}           # step -> the batch statistics its op makes (compute or recompute)
+        for i, step in enumerate(plan.schedule):
+            if step.kind in ("compute", "recompute"):
+                made = [t for t in graph.op_by_name[step.target].present_outputs if t in statistics]
+                if made:
+                    averaged[i] = made
         self.buckets = gradient_buckets(plan, plan_options(graph)["bucket_bytes"])
         closing = {b.step: k for k, b in enumerate(self.buckets)}
         bucketed = {g for b in self.buckets for g in b.grads}
@@ -160,6 +173,8 @@ class _Comm:
 
         def after(i):
             def hook(views):
+                for t in averaged.get(i, ()):       # blocking: the next op reads them
+                    self.average(views[t])
                 for t in makers.get(i, ()):
                     self.views[t] = views[t]
                 if i in closing:
@@ -171,7 +186,12 @@ class _Comm:
             return hook
 
         self.before = {i: before(i) for i in set(broadcast) | set(needs)}
-        self.after = {i: after(i) for i in set(makers) | set(closing) | {last}}
+        self.after = {i: after(i) for i in set(makers) | set(closing) | set(averaged) | {last}}
+
+    def average(self, view: np.ndarray) -> None:
+        """Replace `view` (bytes in the arena) by its mean over the ranks, now."""
+        view *= view.dtype.type(1.0 / self.workers)
+        self.dist.all_reduce(self.torch.from_numpy(view))
 
     def close(self, k: int) -> None:
         if not self.overlap:
@@ -216,10 +236,12 @@ class _Comm:
 
 
 def run_rank(plan: Plan, steps: int = 1, threads: int = 1, inputs: dict[str, np.ndarray] | None = None,
-             overlap: bool = True, path: str | None = None, timeout: float = TIMEOUT_S) -> tuple[dict, dict]:
+             overlap: bool = True, path: str | None = None, timeout: float = TIMEOUT_S,
+             sync_batchnorm: bool = False) -> tuple[dict, dict]:
     """Run this process's rank of a data-parallel run (the environment torchrun sets names it);
     returns (the run's summary with every rank's figures, this rank's outputs). `inputs`: the
-    whole batch (every rank is given the same), made up (`global_inputs`) where None."""
+    whole batch (every rank is given the same), made up (`global_inputs`) where None.
+    `sync_batchnorm`: BatchNorm on the whole batch's statistics (module doc)."""
     torch, dist = import_torch()
     if not launched():
         raise UserError("not started as a rank: run under torchrun, or with memsched run --workers N")
@@ -231,7 +253,7 @@ def run_rank(plan: Plan, steps: int = 1, threads: int = 1, inputs: dict[str, np.
     if own:
         dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout))
     try:
-        comm = _Comm(plan, torch, dist, workers, overlap)
+        comm = _Comm(plan, torch, dist, workers, overlap, sync_batchnorm)
         result = run_plan(plan, steps=steps, device="cpu", inputs=feeds, threads=threads,
                           before=comm.before, after=comm.after)
         mine = {"rank": rank, "step_times_s": result.step_times, "allreduce_wait_s": comm.wait_s[:steps],
@@ -242,7 +264,9 @@ def run_rank(plan: Plan, steps: int = 1, threads: int = 1, inputs: dict[str, np.
     finally:
         if own:
             dist.destroy_process_group()
-    return summarize(plan, path, ranks, result, comm.buckets, overlap, threads), result.outputs
+    summary = summarize(plan, path, ranks, result, comm.buckets, overlap, threads)
+    summary["synchronised_batch_statistics"] = comm.synchronised
+    return summary, result.outputs
 
 
 def summarize(plan: Plan, path: str | None, ranks: list[dict], result, buckets: list[Bucket], overlap: bool,
@@ -285,7 +309,8 @@ def free_port() -> int:
 
 
 def launch(plan_path: str, workers: int, steps: int = 1, threads: int = 1, inputs: str | None = None,
-           outputs: str | None = None, overlap: bool = True, timeout: float = TIMEOUT_S) -> dict:
+           outputs: str | None = None, overlap: bool = True, timeout: float = TIMEOUT_S,
+           sync_batchnorm: bool = False) -> dict:
     """Start `workers` local ranks on `plan_path` (loopback, gloo) and return the run's summary.
     `inputs`: an .npz of the whole batch; `outputs`: a directory where each rank writes its
     outputs as rank<r>.npz. A rank that fails or runs past `timeout` seconds fails the run."""
@@ -307,6 +332,7 @@ def launch(plan_path: str, workers: int, steps: int = 1, threads: int = 1, input
             args += ["--inputs", str(inputs)] if inputs else []
             args += ["--outputs", str(outputs)] if outputs else []
             args += [] if overlap else ["--no-overlap"]
+            args += ["--sync-batchnorm"] if sync_batchnorm else []
             procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
         deadline = time.monotonic() + timeout
@@ -342,11 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outputs")
     parser.add_argument("--summary", required=True)
     parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--sync-batchnorm", action="store_true")
     args = parser.parse_args(argv)
     try:
         inputs = dict(np.load(args.inputs)) if args.inputs else None
         summary, outputs = run_rank(read_plan(args.plan), args.steps, args.threads, inputs, not args.no_overlap,
-                                    args.plan, args.timeout)
+                                    args.plan, args.timeout, args.sync_batchnorm)
     except MemschedError as exc:
         print(f"memsched: error: {exc}", file=sys.stderr)
         return exc.exit_code

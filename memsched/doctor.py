@@ -20,17 +20,15 @@ FIX_LIBRARIES = "pip install -e '.[cuda]' (NVIDIA's CUDA 13 runtime, cuBLAS, cuR
 def diagnose() -> dict:
     """What the CUDA path finds here: ONNX Runtime, libraries, GPUs, a probe session; with
     `cuda_usable` and, where it is not, the first `reason` and its `fix`."""
-    import onnxruntime as ort
+    from .ort import build, make_session, one_op_model, resolve_device
 
-    from .ort import make_session, one_op_model, resolve_device
-
-    providers = ort.get_available_providers()
+    runtime = build()
+    providers = runtime["providers"]
     needed = cuda.required_libraries()
     preload_error = cuda.preload() if needed else None
     libraries = cuda.locate(needed)
     driver = _loadable(cuda.DRIVER)
-    report = {"onnxruntime": {"version": ort.__version__, "providers": providers,
-                              "cuda_build": getattr(ort, "cuda_version", None) or None},
+    report = {"onnxruntime": runtime,
               "libraries": libraries, "preload": preload_error or "ok", "gpus": cuda.gpus(),
               "session_providers": None, "cuda_usable": False, "reason": None, "fix": None}
     missing = [name for name, path in libraries.items() if path is None and name != cuda.DRIVER]

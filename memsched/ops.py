@@ -103,3 +103,10 @@ FOLDABLE_OPS = frozenset({
 # or cast weight is still that weight), and the ops that cut a weight into the parts layers read.
 WEIGHT_VIEW_OPS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast"})
 WEIGHT_PART_OPS = frozenset({"Split", "Slice"})
+# Activations whose backward is a mask of their input: under a training BatchNorm, the BN keeps
+# its normalised input alone and both are derived from it again (passes.training.bn_relu).
+MASK_ACTIVATIONS = frozenset({"Relu", "Clip"})
+# Ops cheap enough to run again in the backward pass instead of keeping their output
+# (passes.training.rederive): elementwise ops, LayerNormalization, and the shape views between
+# them and the layer that reads them.
+REDERIVABLE_OPS = (ELEMENTWISE_OPS - {"Dropout"}) | {"LayerNormalization"} | VIEW_OPS

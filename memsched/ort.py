@@ -196,6 +196,15 @@ def version() -> str:
     return ort.__version__
 
 
+def build() -> dict:
+    """What this ONNX Runtime is: {'version', 'providers' (the execution providers it was
+    built with), 'cuda_build' (the CUDA version of a CUDA build, else None)}."""
+    import onnxruntime as ort
+
+    return {"version": ort.__version__, "providers": ort.get_available_providers(),
+            "cuda_build": getattr(ort, "cuda_version", None) or None}
+
+
 def probe_session(model: bytes):
     """A CPU session of `model` with no graph optimisation and errors kept quiet, to learn
     shapes from one run; None where ONNX Runtime cannot load it (the caller says what stayed
@@ -301,5 +310,5 @@ def node_providers(session) -> dict[str, str]:
 
 __all__ = ["PROVIDERS", "CUDA_OPTIONS", "OPTIMIZATION", "quiet_logger", "session_options", "bound_options",
            "bound_session", "reference_session", "resolve_device", "shared_scratch_arena", "warm_environment",
-           "one_op_model", "providers_for", "make_session", "node_providers", "version", "probe_session",
+           "one_op_model", "providers_for", "make_session", "node_providers", "version", "build", "probe_session",
            "device_buffer", "bind_addresses", "bind_values"]

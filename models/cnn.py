@@ -132,6 +132,20 @@ def _resnet(name: str, block, blocks: list[int], *, batch: int, size: int, class
     return b.finish(x, [batch, classes])
 
 
+def small_resnet(*, batch: int = 8, size: int = 8, width: int = 8, classes: int = 10) -> onnx.ModelProto:
+    """A ResNet in miniature: a 3x3 conv+BN+ReLU stem, one BasicBlock of `width` channels and
+    one that halves the map into 2 x `width` (a conv+BN downsample on its shortcut), average
+    pool, Linear. Every BatchNorm trains on batch statistics: the data-parallel tests' model
+    for synchronised BatchNorm."""
+    b = GraphBuilder("small_resnet", seed=0)
+    x = b.input("input", [batch, 3, size, size])
+    x = relu(b, "relu", _conv_bn(b, x, "conv1", "bn1", 3, width, 3))
+    x, channels = _basic_block(b, "layer1.0", x, width, width, 1)
+    x, channels = _basic_block(b, "layer2.0", x, channels, 2 * width, 2)
+    x = linear_gemm(b, "fc", pool_flatten(b, "avgpool", x), channels, classes, out="logits")
+    return b.finish(x, [batch, classes])
+
+
 def resnet18(*, batch: int = 32, size: int = 224, classes: int = 1000, dtype: str = "float32",
              seed: int = 0, weights: bool = True, bn_training: bool = False) -> onnx.ModelProto:
     """torchvision resnet18: BasicBlocks [2, 2, 2, 2], 11,689,512 params."""

@@ -13,7 +13,7 @@ from memsched.emit import read_plan, write_plan
 from memsched.errors import UserError
 from memsched.executor import run_plan
 from memsched.memory import validate
-from models.cnn import plain_cnn
+from models.cnn import plain_cnn, small_resnet
 from passes.pipeline import compile as compile_plan
 
 torch = pytest.importorskip("torch")
@@ -40,13 +40,11 @@ def compiled(model: onnx.ModelProto, tmp_path, workers: int | None, bucket_bytes
                         hardware="cpu", strategies="order,reuse").plan
 
 
-@pytest.mark.parametrize("build", [mlp, small_cnn])
-def test_two_ranks_on_b_update_as_one_rank_on_2b(build, tmp_path):
-    """The averaged gradients of 2 ranks on B rows each are the gradient of 2B rows (mean losses):
-    after STEPS steps every updated weight matches one rank's run on the whole batch within 1e-5
-    relative, and both ranks hold the same weights. Each rank's measured peak (the executor's
-    arena accounting) is the plan's per-worker peak."""
-    model = build(WORKERS * BATCH)
+def _two_ranks_against_one(model: onnx.ModelProto, tmp_path, sync_batchnorm: bool = False):
+    """(the 2-worker plan's path, the run's summary, {updated weight: the worse rank's largest
+    difference from one rank's run on the whole batch, relative to the weight's largest value}),
+    after STEPS steps; both ranks must hold the same weights."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     plan = compiled(model, tmp_path, WORKERS)
     one = compiled(model, tmp_path, None)
     path = write_plan(plan, tmp_path / "plan.onnx")
@@ -54,22 +52,44 @@ def test_two_ranks_on_b_update_as_one_rank_on_2b(build, tmp_path):
     inputs["labels"] = np.random.default_rng(1).integers(0, 10, WORKERS * BATCH)
     np.savez(tmp_path / "inputs.npz", **inputs)
     summary = launch(str(path), WORKERS, steps=STEPS, inputs=str(tmp_path / "inputs.npz"), outputs=str(tmp_path),
-                     timeout=TIMEOUT_S)
+                     timeout=TIMEOUT_S, sync_batchnorm=sync_batchnorm)
     expected = run_plan(one, steps=STEPS, inputs=inputs, threads=1).outputs
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(WORKERS)]
-    updated = [name for name in expected if name.endswith(".updated")]
-    assert len(updated) >= 4
-    for name in updated:
+    errors = {}
+    for name in (n for n in expected if n.endswith(".updated")):
         want = expected[name].astype(np.float64)
-        for rank in ranks:
-            assert np.abs(rank[name] - want).max() <= 1e-5 * np.abs(want).max(), name
+        errors[name] = max(float(np.abs(rank[name] - want).max() / np.abs(want).max()) for rank in ranks)
         assert ranks[0][name].tobytes() == ranks[1][name].tobytes()
+    return path, summary, errors
+
+
+@pytest.mark.parametrize("build", [mlp, small_cnn])
+def test_two_ranks_on_b_update_as_one_rank_on_2b(build, tmp_path):
+    """The averaged gradients of 2 ranks on B rows each are the gradient of 2B rows (mean losses):
+    after STEPS steps every updated weight matches one rank's run on the whole batch within 1e-5
+    relative, and both ranks hold the same weights. Each rank's measured peak (the executor's
+    arena accounting) is the plan's per-worker peak."""
+    path, summary, errors = _two_ranks_against_one(build(WORKERS * BATCH), tmp_path)
+    assert len(errors) >= 4 and max(errors.values()) <= 1e-5, errors
     peak = validate(read_plan(path)).peak_bytes
     assert summary["measured"]["per_worker_peak_bytes"] == [peak] * WORKERS == [summary["predicted"]["peak_bytes"]] * 2
     assert len(summary["buckets"]) >= 2 and summary["workers"] == WORKERS
     assert all(len(r["step_times_s"]) == STEPS and len(r["allreduce_wait_s"]) == STEPS for r in summary["ranks"])
     assert 0.0 <= summary["measured"]["overlap_fraction"] <= 1.0
     assert summary["predicted"]["step_overlap_s"] < summary["predicted"]["step_no_overlap_s"]
+
+
+def test_synchronised_batchnorm_makes_two_ranks_one_batch(tmp_path):
+    """A small ResNet: with synchronised BatchNorm, 2 ranks on B rows each update every weight
+    as 1 rank on the 2B rows does, within 1e-5; with each rank's own batch statistics (the
+    default, as DDP) they do not."""
+    model = small_resnet(batch=WORKERS * BATCH)
+    _, summary, synced = _two_ranks_against_one(model, tmp_path / "sync", sync_batchnorm=True)
+    # 6 BatchNorms, each with its mean and variance forward and two sums backward
+    assert summary["synchronised_batch_statistics"] == 6 * 4
+    assert max(synced.values()) <= 1e-5, synced
+    _, _, own = _two_ranks_against_one(model, tmp_path / "own")
+    assert max(own.values()) > 1e-3, own
 
 
 def test_bad_plans_and_batches_are_one_line_errors(tmp_path, cli):

@@ -6,10 +6,12 @@ import json
 import math
 from collections import defaultdict
 
+from memsched.data_parallel import BATCH_STATISTICS_KEY
 from memsched.errors import UserError
 from memsched.frontend import captured_names, subgraphs
 from memsched.ir import Graph, Op
 from memsched.onnx_utils import IR_VERSION, OPSET
+from memsched.ops import WEIGHT_PART_OPS, WEIGHT_VIEW_OPS
 
 from passes.training import rules_elementwise, rules_nn, rules_shape  # noqa: F401 - they fill RULES
 from passes.training.emitter import Emitter
@@ -36,9 +38,11 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     the gradient would have to pass through and for every node that has no gradient rule,
     before anything is built. With `fuse`, GELU, LayerNorm and softmax written out in
     primitive ops become one op each first (`fuse.fuse_patterns`): their backward then keeps
-    what PyTorch's kernels keep, not every intermediate of the forward. Last, a layer input
-    that a cheap op makes from tensors the backward keeps anyway (a GELU or LayerNorm output) is
-    derived again for its weight gradient instead of kept (`rederive.rederive_in_backward`)."""
+    what PyTorch's kernels keep, not every intermediate of the forward. A BatchNormalization
+    that feeds a ReLU or ReLU6 keeps its normalised input alone (`bn_relu`). Last, a value
+    that cheap ops make from tensors the backward keeps anyway (a GELU or LayerNorm output, a
+    BN output and its ReLU from the normalised input) is derived again right before its
+    backward readers instead of kept (`rederive.rederive_in_backward`)."""
     hyper = _check_options(loss, optimizer, lr, momentum, betas, eps)
     opset = _training_opset(graph)
     graph = drop_no_ops(graph)
@@ -265,8 +269,6 @@ def _finish_param_grad(em: Emitter, grads: dict[str, str], param: str, done: set
     return name
 
 
-VIEW_OPS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast"})
-WEIGHT_PART_OPS = frozenset({"Split", "Slice"})    # ops that cut a weight into the parts layers read
 
 
 def _parameter_views(graph: Graph, params: list[str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -277,15 +279,15 @@ def _parameter_views(graph: Graph, params: list[str]) -> tuple[dict[str, str], d
     feeds)."""
     weights = {p: p for p in params}
     for op in graph.ops:
-        if (op.op_type in VIEW_OPS or op.op_type in WEIGHT_PART_OPS) and op.inputs and op.inputs[0] in weights:
+        if (op.op_type in WEIGHT_VIEW_OPS or op.op_type in WEIGHT_PART_OPS) and op.inputs and op.inputs[0] in weights:
             weights.update(dict.fromkeys(op.present_outputs, weights[op.inputs[0]]))
     layer_of = {}
     for op in graph.ops:
-        if op.op_type in VIEW_OPS and op.outputs[0] in weights and op.inputs[0] in weights:
+        if op.op_type in WEIGHT_VIEW_OPS and op.outputs[0] in weights and op.inputs[0] in weights:
             user = op
-            while user.op_type in VIEW_OPS and len(graph.consumers.get(user.outputs[0], [])) == 1:
+            while user.op_type in WEIGHT_VIEW_OPS and len(graph.consumers.get(user.outputs[0], [])) == 1:
                 user = graph.consumers[user.outputs[0]][0]
-            layer_of[op.name] = user.name if user.op_type not in VIEW_OPS else op.name
+            layer_of[op.name] = user.name if user.op_type not in WEIGHT_VIEW_OPS else op.name
     return weights, layer_of
 
 
@@ -336,6 +338,13 @@ def _assemble(source: Graph, em: Emitter, extra_inputs, outputs, params, roles, 
     metadata[GRAD_ROLES_KEY] = json.dumps(roles, sort_keys=True)
     metadata[TRAINING_KEY] = json.dumps({**training, "parameters": params,
                                          "inputs": list(extra_inputs)}, sort_keys=True)
+    # each BatchNorm's batch statistics and backward sums, for synchronised BatchNorm (memsched.data_parallel)
+    statistics = {name: {"forward": [t for t in (saved["mean"], saved["var"]) if t in kept],
+                         "backward": [t for t in saved.get("sums", []) if t in kept]}
+                  for name, saved in em.saved.items()
+                  if name in source.op_by_name and source.op_by_name[name].op_type == "BatchNormalization"}
+    if statistics:
+        metadata[BATCH_STATISTICS_KEY] = json.dumps(statistics, sort_keys=True)
     return Graph(em.ops, kept, inputs, outputs, name=source.name, opset_imports={"": opset},
                  ir_version=min(max(source.ir_version, IR_VERSION), 10), metadata=metadata,
                  base_dir=source.base_dir, doc_string=source.doc_string)

@@ -20,13 +20,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from memsched.ir import Graph, Op, Tensor, tensor_value
+from memsched.ops import FOLDABLE_OPS
 
-# Ops folded by `value` when all their inputs are known (shape arithmetic of exports).
-FOLDABLE = frozenset({
-    "Identity", "Cast", "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Reshape", "Add",
-    "Sub", "Mul", "Div", "Neg", "Equal", "Where", "Range", "ConstantOfShape", "ReduceProd",
-    "Max", "Min", "Abs", "Floor", "Ceil", "Sqrt", "Expand", "Transpose", "Not", "Less", "Greater",
-})
 _FOLD_LIMIT = 1 << 16  # elements: folding is for shapes and scalars, not for weights
 
 
@@ -223,7 +218,7 @@ class Emitter:
         if op.op_type == "Shape" and self.tensors[op.inputs[0]].shape is not None:
             shape = np.array(self.tensors[op.inputs[0]].shape, dtype=np.int64)
             return shape[op.attributes.get("start", 0):op.attributes.get("end", len(shape))]
-        if op.op_type not in FOLDABLE or t.numel > _FOLD_LIMIT:
+        if op.op_type not in FOLDABLE_OPS or t.numel > _FOLD_LIMIT:
             return None
         inputs = [self.value(i) for i in op.present_inputs]
         if any(v is None for v in inputs):

@@ -32,8 +32,8 @@ import numpy as np
 from onnx import helper, numpy_helper
 
 from memsched.ir import Graph, Op, tensor_value
+from memsched.ops import ARITHMETIC_OPS
 
-_ARITHMETIC = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Neg"})
 _MAX_POWER = 4   # x^3 is the highest power a GELU formula has; higher ones are not GELU
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 _TANH_CUBIC = 0.044715
@@ -165,7 +165,7 @@ class _Matcher:
         if name == var:
             return var, {1: 1.0}
         producer = self.producer(name)
-        if producer is None or producer.op_type not in _ARITHMETIC or self.only_reader(name) is None:
+        if producer is None or producer.op_type not in ARITHMETIC_OPS or self.only_reader(name) is None:
             return (name, {1: 1.0}) if var is None else None
         if producer.op_type == "Neg":
             inner = self.polynomial(producer.inputs[0], var, ops)

@@ -15,15 +15,22 @@ LayerNorm output (the input of the next attention block's or feed-forward block'
 from the LayerNorm input and its mean and inverse deviation, which LayerNorm's backward keeps:
 BERT-base keeps three tensors of batch x seq x hidden fewer per layer, 226 MB at 8 x 128.
 
-A value x qualifies (`_derivation`) when its producer is a forward op of REDERIVABLE type that
+In a CNN whose BatchNorm keeps its normalised input x^ (`bn_relu`), the BN output and its
+ReLU are derived again from x^; where a BN keeps its input, from that input and the batch
+statistics. Either way one activation-sized tensor per conv -> BN -> ReLU stays, where
+PyTorch keeps two.
+
+A value x qualifies (`_derivation`) when its producer is a forward op of a REDERIVABLE_OPS type (memsched.ops) that
 draws no random number, x is no graph output, and each input of that producer is an
-initializer or a constant, a tensor the backward pass reads at or after x's first backward reader (so it is
-alive there anyway), or itself qualifies (a chain of at most MAX_CHAIN ops, such as a GELU
-written out in primitive ops). A tensor some derivation reads as kept is never derived again
-itself. The copies are bitwise the forward's values (the same ops on the same tensors), so
-the gradients do not change. The step is rewritten only where that lowers its peak in its own
-order: where parameters and gradients make the peak (a small batch), the copies would only
-add work.
+initializer or a constant, a tensor the backward pass reads at or after x's first backward
+reader (so it is alive there anyway), or itself qualifies (a chain of at most MAX_CHAIN ops,
+such as a GELU written out in primitive ops). Two ways of choosing are tried: derive such an
+input too wherever it can be (then only what the backward keeps for its own use stays), or
+read every input the backward keeps as kept; a tensor some derivation reads as kept is never
+derived again itself. The copies are bitwise the forward's values (the same ops on the same
+tensors), so the gradients do not change. The step is rewritten, the better way, only where
+that lowers its peak in its own order: where parameters and gradients make the peak (a small
+batch), the copies would only add work.
 """
 from __future__ import annotations
 
@@ -31,11 +38,9 @@ import dataclasses
 
 from memsched.ir import Graph, Op, Tensor
 from memsched.memory import analyze
-from memsched.ops import ELEMENTWISE_OPS, VIEW_OPS, draws_random
+from memsched.ops import REDERIVABLE_OPS, VIEW_OPS, draws_random
 from memsched.schedule import default_schedule
 
-# elementwise ops, LayerNormalization, and the shape views between them and the layer reading them
-REDERIVABLE = (ELEMENTWISE_OPS - {"Dropout"}) | {"LayerNormalization"} | VIEW_OPS
 MAX_CHAIN = 10     # forward ops re-run for one value (a GELU written out: 5 for erf, 8 for tanh)
 
 
@@ -43,7 +48,6 @@ def rederive_in_backward(graph: Graph) -> Graph:
     """`graph` (a training step) with every qualifying value (module doc) derived again right
     before its first backward reader; the graph itself where none qualifies."""
     ops = graph.ops
-    producer = graph.producer
     backward_reads: dict[str, list[int]] = {}
     for i, op in enumerate(ops):
         if op.phase == "backward":
@@ -52,24 +56,33 @@ def rederive_in_backward(graph: Graph) -> Graph:
     outputs = set(graph.outputs)
     candidates = sorted((t for t in backward_reads if _qualifies_as_value(graph, t, outputs)),
                         key=lambda t: (-graph.tensors[t].nbytes, backward_reads[t][0]))
-    chosen: dict[str, list[Op]] = {}      # value -> the forward ops that derive it, in order
-    anchors: set[str] = set()             # tensors some derivation reads as kept
+    best, peak = graph, _peak(graph)
+    for derive_inputs in (True, False):     # the second only where strictly lower
+        chosen = _choose(graph, candidates, backward_reads, outputs, derive_inputs)
+        if chosen:
+            derived = _emit(graph, chosen, backward_reads)
+            derived_peak = _peak(derived)
+            if derived_peak < peak:
+                best, peak = derived, derived_peak
+    return best
+
+
+def _choose(graph: Graph, candidates: list[str], backward_reads: dict[str, list[int]], outputs: set[str],
+            derive_inputs: bool) -> dict[str, list[Op]]:
+    """{value: the forward ops that derive it, in order} for the candidates, largest first,
+    that `_derivation` can derive without a tensor another derivation reads as kept."""
+    chosen: dict[str, list[Op]] = {}
+    anchors: set[str] = set()             # tensors some derivation reads as kept: they stay kept
     for t in candidates:
         if t in anchors:
             continue
-        at = backward_reads[t][0]
-        found = _derivation(graph, t, at, backward_reads, set(chosen), outputs)
-        if found is None:
+        found = _derivation(graph, t, backward_reads[t][0], backward_reads, anchors, set(chosen), outputs,
+                            derive_inputs)
+        if found is None or found[1] & set(chosen):
             continue
-        chain, kept = found
-        if kept & set(chosen):
-            continue
-        chosen[t] = chain
+        chosen[t], kept = found
         anchors |= kept
-    if not chosen:
-        return graph
-    derived = _emit(graph, chosen, backward_reads, producer)
-    return derived if _peak(derived) < _peak(graph) else graph
+    return chosen
 
 
 def _peak(graph: Graph) -> int:
@@ -79,14 +92,17 @@ def _peak(graph: Graph) -> int:
 
 def _qualifies_as_value(graph: Graph, t: str, outputs: set[str]) -> bool:
     op = graph.producer.get(t)
-    return (op is not None and op.phase == "forward" and op.op_type in REDERIVABLE and not op.domain
+    return (op is not None and op.phase == "forward" and op.op_type in REDERIVABLE_OPS and not op.domain
             and op.outputs[0] == t and not draws_random(op) and t not in outputs and graph.tensors[t].nbytes > 0)
 
 
-def _derivation(graph: Graph, t: str, at: int, backward_reads: dict[str, list[int]], derived: set[str],
-                outputs: set[str]) -> tuple[list[Op], set[str]] | None:
+def _derivation(graph: Graph, t: str, at: int, backward_reads: dict[str, list[int]], anchors: set[str],
+                derived: set[str], outputs: set[str], derive_inputs: bool) -> tuple[list[Op], set[str]] | None:
     """(the forward ops that derive `t` again, in forward order; the tensors they read as
-    kept) where `t` can be derived at op index `at` from kept tensors, else None."""
+    kept) where `t` can be derived at op index `at`, else None. An input the backward keeps
+    anyway is read as kept; with `derive_inputs`, an input that can itself be derived is
+    derived first (unless another derivation reads it as kept), so that only what the backward
+    keeps for its own use stays (a BN output under its ReLU, both derived from x^)."""
     chain: list[Op] = []
     kept: set[str] = set()
 
@@ -100,10 +116,16 @@ def _derivation(graph: Graph, t: str, at: int, backward_reads: dict[str, list[in
             tensor = graph.tensors[u]
             if tensor.is_static or tensor.kind == "constant" or u in graph.inputs:
                 continue
-            if u not in derived and backward_reads.get(u, [-1])[-1] >= at:
+            if derive_inputs and u not in anchors and _qualifies_as_value(graph, u, outputs):
+                mark, before = len(chain), set(kept)
+                if visit(u):
+                    continue
+                del chain[mark:]
+                kept.intersection_update(before)
+            if u not in derived and backward_reads.get(u, [-1])[-1] >= at:      # alive at `at` anyway
                 kept.add(u)
                 continue
-            if not _qualifies_as_value(graph, u, outputs) or not visit(u):
+            if derive_inputs or not _qualifies_as_value(graph, u, outputs) or not visit(u):
                 return False
         chain.append(op)
         return True
@@ -113,8 +135,7 @@ def _derivation(graph: Graph, t: str, at: int, backward_reads: dict[str, list[in
     return chain, kept
 
 
-def _emit(graph: Graph, chosen: dict[str, list[Op]], backward_reads: dict[str, list[int]],
-          producer: dict[str, Op]) -> Graph:
+def _emit(graph: Graph, chosen: dict[str, list[Op]], backward_reads: dict[str, list[int]]) -> Graph:
     """The graph with each chosen value's chain cloned right before its first backward reader
     and every backward reader reading the clone."""
     taken = set(graph.tensors) | {op.name for op in graph.ops}
@@ -129,17 +150,17 @@ def _emit(graph: Graph, chosen: dict[str, list[Op]], backward_reads: dict[str, l
     tensors = dict(graph.tensors)
     before: dict[int, list[Op]] = {}      # op index -> clones emitted right before it
     renamed: dict[int, dict[str, str]] = {}   # backward op index -> {value: its clone}
-    for t, chain in chosen.items():
+    copies: dict[str, str] = {}           # value -> its clone, shared by the derivations after it
+    for t, chain in sorted(chosen.items(), key=lambda item: backward_reads[item[0]][0]):
         at = backward_reads[t][0]
-        copies: dict[str, str] = {}
         for op in chain:
-            outs = [op.outputs[0]]       # a LayerNormalization's statistics are not needed again
-            new_outs = [fresh(f"{o}.rederived") for o in outs]
-            for o, n in zip(outs, new_outs):
-                tensors[n] = Tensor(n, graph.tensors[o].shape, graph.tensors[o].dtype, "activation")
-                copies[o] = n
+            out = op.outputs[0]           # a LayerNormalization's statistics are not needed again
+            if out in copies:
+                continue
+            copies[out] = fresh(f"{out}.rederived")
+            tensors[copies[out]] = Tensor(copies[out], graph.tensors[out].shape, graph.tensors[out].dtype, "activation")
             clone = dataclasses.replace(op, name=fresh(f"{op.name}/rederived"), phase="backward",
-                                        inputs=[copies.get(u, u) for u in op.inputs], outputs=new_outs,
+                                        inputs=[copies.get(u, u) for u in op.inputs], outputs=[copies[out]],
                                         attributes=dict(op.attributes))
             before.setdefault(at, []).append(clone)
         for i in backward_reads[t]:

@@ -12,7 +12,9 @@ over views of X and dY, summed over the batch (no activation-sized transpose); a
 slice is smaller than the product beyond the kernel the strided form computes. MaxPool keeps
 its argmax as int32 where the input has fewer than 2^31 elements.
 BatchNormalization trains on batch statistics, as PyTorch's train mode does: its forward
-is rewritten into primitive ops that keep the batch mean and 1/std for the backward pass.
+is rewritten into primitive ops that keep the batch mean and 1/std for the backward pass; a BN
+that feeds a ReLU (or ReLU6) keeps its normalised input instead of its input, and the backward
+pass recomputes the activation from it (passes.training.bn_relu).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import math
 import numpy as np
 from onnx import TensorProto
 
+from passes.training.bn_relu import stored_once
 from passes.training.registry import rule
 from passes.training.rules_shape import folded_bias, folded_scale, runs_as_gemm, scaled_scores
 
@@ -405,12 +408,17 @@ def _batch_norm_forward(em, op, needed):
         centred = em.op("Sub", [x, mean])
         var = em.mean_square(centred, axes, keepdims=True)
         inv_std = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, em.scalar(eps, x)])])])
-        scale_b = em.reshape(scale, channel_shape)
+        scale_b, bias_b = em.reshape(scale, channel_shape), em.reshape(bias, channel_shape)
         factor = em.op("Mul", [inv_std, scale_b])
-        scaled = em.op("Mul", [centred, factor])
-        em.op("Add", [scaled, em.reshape(bias, channel_shape)], outputs=[op.outputs[0]], name=op.name)
+        em.saved[op.name] = {"mean": mean, "var": var, "inv_std": inv_std, "k": factor}
+        if needed and op.name in stored_once(em):   # x^ kept, the activation recomputed from it
+            xhat = em.op("Mul", [centred, inv_std])
+            scaled = em.op("Mul", [xhat, scale_b])
+            em.saved[op.name].update(xhat=xhat, scale=scale_b, bias=bias_b)
+        else:
+            scaled = em.op("Mul", [centred, factor])
+        em.op("Add", [scaled, bias_b], outputs=[op.outputs[0]], name=op.name)
         _running_statistics(em, op, {1: mean, 2: var})
-    em.saved[op.name] = {"mean": mean, "inv_std": inv_std, "k": factor}
 
 
 def _running_statistics(em, op, batch_stats):
@@ -462,8 +470,10 @@ def batch_norm(em, op, dys, wants):
     if wants[0] or wants[2]:
         sum_dy = em.reduce("ReduceSum", dy, axes, keepdims=True)
     if wants[0] or wants[1]:
-        xhat = _normalized(em, x, saved["mean"], saved["inv_std"])
+        xhat = saved.get("xhat") or _normalized(em, x, saved["mean"], saved["inv_std"])
         sum_dy_xhat = em.reduce("ReduceSum", em.op("Mul", [dy, xhat]), axes, keepdims=True)
+    # the per-channel sums synchronised BatchNorm averages across data-parallel workers
+    saved["sums"] = ([sum_dy] if wants[0] or wants[2] else []) + ([sum_dy_xhat] if wants[0] or wants[1] else [])
     if wants[0]:
         k = saved["k"]   # the forward's scale * inv_std
         scaled_mean = _scaled_mean(em, k, int(np.prod([em.shape(x)[a] for a in axes])))
