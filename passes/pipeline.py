@@ -249,7 +249,8 @@ def _faster(searches: dict[str, Search], chunks: int | None, strategies, hw, cos
     return dataclasses.replace(plan, notes={**plan.notes, "batch_split": note})
 
 
-BASELINE_ASSUMES = "the graph's own order; gradients alive until their update; updates in place, as torch.optim's"
+BASELINE_ASSUMES = ("the step as memsched builds it (cheap values derived again in the backward), in its own order; "
+                    "gradients alive until their update; updates in place, as torch.optim's")
 
 
 def framework_baseline(initial: Plan) -> Plan:
