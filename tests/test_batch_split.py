@@ -153,6 +153,7 @@ def test_a_gemm_joins_the_front_once_its_batch_tensors_outweigh_its_weights():
     assert split.ops[-1].name == "logits/ConcatBatch" and split.outputs == ["logits"]
 
 
+@pytest.mark.slow     # 30 s of compile; test_compile_plans_micro_batches_... covers the plan in the fast suite
 def test_the_cli_compiles_micro_batches_and_runs_them_against_the_step_as_given(tmp_path):
     model, scheduled = tmp_path / "cnn.onnx", tmp_path / "scheduled.onnx"
     save_model_atomic(cnn().to_onnx(), model)

@@ -344,6 +344,7 @@ def test_cli_compile_then_run(cli, tmp_path):
     assert text.returncode == 0 and "check against the model as given" in text.stdout
 
 
+@pytest.mark.slow     # a 3-D U-Net at 32^3: 17 s; tests/test_concat_split.py covers the split in the fast suite
 def test_cli_compile_then_run_a_split_unet(cli, tmp_path):
     """The 3-D U-Net's decoder convolutions over Concat are split per part by reuse: the emitted
     step runs bit-identical to a plain run of itself and within rounding of the model as given."""
