@@ -64,9 +64,9 @@ LNS_PATIENCE = 60               # local-search rounds without a cheaper plan bef
 LNS_SEED = 20240607
 LNS_TIME_SHARE = 0.6            # share of `plan`'s time limit given to local search, as schedule steps
 STEPS_PER_SECOND = 300_000      # schedule steps judged per second on a loaded core (a low estimate)
-WHOLE_NODES = 3000              # up to this many nodes the heuristics run whole even with a caller's `Work`
-                                # (BERT-base's training step, 2,067 nodes, needs its repair's ~120 greedy rounds
-                                # for its first plan at 30%); beyond, they are bounded by counted steps:
+WHOLE_NODES = 1500              # up to this many nodes the heuristics run whole even with a caller's `Work`
+                                # (ResNet-18's step, ~960 nodes); beyond, they are bounded by counted steps (BERT-base
+                                # b32 at 30%: the whole repair took 34 s to find no recompute-only plan, before swap):
 FLOOR_STEPS = 300_000           # steps a greedy run (the repair, a pruning) may always judge, even when the work
                                 # is spent: ~50 greedy rounds on GPT-2 with 30 layers (5,369 nodes, ~5 s)
 CPSAT_NODE_COST = 2e-7          # seconds per node squared to build a CP-SAT model (its covering cuts):
