@@ -28,11 +28,19 @@ Metadata (graph.metadata, kept in ONNX metadata_props):
   {"role": "update", "param": name}.
 - `memsched.training`: JSON {"loss", "optimizer", "lr", "momentum", "betas", "eps",
   "parameters": [trainable parameters in output order], "inputs": [extra inputs]}.
+- `memsched.batch_statistics`: JSON {BN name: {"forward": [batch mean, variance],
+  "backward": [sum of dy, sum of dy * xhat]}}: what synchronised BatchNorm averages across
+  data-parallel workers (memsched.data_parallel.batch_statistics).
 
 Training semantics: BatchNormalization normalises with batch statistics (PyTorch's train
 mode) and does not update its running statistics (they do not affect the step's loss or
 gradients); Dropout follows the node's own training_mode input (with a mask kept for the
 backward pass when it drops anything).
+
+What the backward keeps: a BatchNormalization that feeds a ReLU or ReLU6 keeps its normalised
+input alone (bn_relu), and values cheap ops make from tensors the backward keeps anyway (GELU
+and LayerNorm outputs, a BN output and its activation) are derived again right before their
+backward readers instead of kept (rederive), where that lowers the step's peak.
 
 Gradient rules live in rules_elementwise, rules_shape and rules_nn, registered by op type
 in registry.RULES; losses in loss, optimizers in optimizer.
