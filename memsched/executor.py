@@ -400,7 +400,7 @@ class _Program:
         return {name for name, _, _ in self.updates}
 
 
-def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime", hooks: "_Hooks | None" = None) -> _Program:
+def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime", hooks: "_Hooks") -> _Program:
     graph, schedule = plan.graph, plan.schedule
     n = len(schedule)
     by_key = {r.key: r for r in profile.residencies}
@@ -540,12 +540,11 @@ def constant_value(op: Op, graph: Graph) -> np.ndarray:
     return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
 
 
-def _items(actions: list, graph: Graph, split_at_waits: bool, order: str, hooks: "_Hooks | None" = None) -> list:
+def _items(actions: list, graph: Graph, split_at_waits: bool, order: str, hooks: "_Hooks") -> list:
     """The program as it runs: segments of consecutive op runs, cut at every copy (and on CUDA
     at every run that waits for one, so a copy overlaps the runs before it), before and after
     each run that has `hooks`, and wherever the `_OrderGuard` (in mode `order`) refuses a run,
     and the copies; Constant ops (CONSTANT_OPS) become writes of their value."""
-    hooks = hooks or _Hooks({}, {})
     items: list = []
     current: _Segment | None = None
     guard = _OrderGuard(order)
@@ -871,16 +870,16 @@ def _advance(program: _Program, rt: "_Runtime") -> None:
                 rt.put(b, temps.pop(a[1]) if a[0] == "temp" else a)
 
 
-def _execute(program: _Program, rt: "_Runtime", poison: bool, hooks: "_Hooks | None" = None) -> None:
+def _execute(program: _Program, rt: "_Runtime", poison: bool, hooks: "_Hooks") -> None:
     """One step: the segments, constants and copies in order, released bytes poisoned when
     checking; the `hooks` around the steps that have them."""
     for item in program.items:
         rt.wait(item.waits)
         if isinstance(item, _Segment):
-            if hooks is not None and item.first in hooks.before:
+            if item.first in hooks.before:
                 hooks.before[item.first](_views(rt, program, item.runs[0].reads))
             item.session.run_with_iobinding(item.binding)
-            if hooks is not None and item.last in hooks.after:
+            if item.last in hooks.after:
                 written = [(key[0], lo, hi) for key, lo, hi, _ in item.runs[-1].writes]
                 hooks.after[item.last](_views(rt, program, written))
         elif isinstance(item, _Const):

@@ -168,7 +168,6 @@ def resolve_device(device: str) -> tuple[str, str | None]:
     else 'cpu' and the reason in one line: the verdict the executor runs by and doctor reports."""
     if device == "cpu":
         return "cpu", None
-    import numpy as np
     import onnxruntime as ort
 
     from .cuda import load_cudart
@@ -177,7 +176,7 @@ def resolve_device(device: str) -> tuple[str, str | None]:
         return "cpu", "this ONNX Runtime build has no CUDA execution provider"
     with quiet_logger():   # the reason is reported once, here
         try:
-            ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, "cuda", 0)
+            device_buffer(1)
             load_cudart()
             session = ort.InferenceSession(one_op_model().SerializeToString(), session_options(1),
                                            providers=providers_for("cuda"))
@@ -201,7 +200,7 @@ def build() -> dict:
     built with), 'cuda_build' (the CUDA version of a CUDA build, else None)}."""
     import onnxruntime as ort
 
-    return {"version": ort.__version__, "providers": ort.get_available_providers(),
+    return {"version": version(), "providers": ort.get_available_providers(),
             "cuda_build": getattr(ort, "cuda_version", None) or None}
 
 

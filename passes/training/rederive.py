@@ -56,12 +56,13 @@ def rederive_in_backward(graph: Graph) -> Graph:
     outputs = set(graph.outputs)
     candidates = sorted((t for t in backward_reads if _qualifies_as_value(graph, t, outputs)),
                         key=lambda t: (-graph.tensors[t].nbytes, backward_reads[t][0]))
-    best, peak = graph, _peak(graph)
+    best, peak = graph, None
     for derive_inputs in (True, False):     # the second only where strictly lower
         chosen = _choose(graph, candidates, backward_reads, outputs, derive_inputs)
         if chosen:
             derived = _emit(graph, chosen, backward_reads)
             derived_peak = _peak(derived)
+            peak = _peak(graph) if peak is None else peak     # judged only where there is a rewrite
             if derived_peak < peak:
                 best, peak = derived, derived_peak
     return best
