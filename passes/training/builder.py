@@ -54,9 +54,7 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     _check_control_flow(graph, live, [])
     params = _trainable(graph, live, freeze)
     requiring = _requiring_grad(graph, params)
-    needed = [op for op in graph.ops
-              if any(t in live for t in differentiable_outputs(op, graph.tensors))
-              and any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors))]
+    needed = needed_ops(graph, live, requiring)
     _check_control_flow(graph, live, needed)
     em = Emitter(graph, opset, fusions)
     _check_supported(em, needed)
@@ -67,18 +65,33 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     extra_inputs, loss_backward = emit_loss(em, loss, output)
     em.phase = "backward"
     grads, roles = _emit_backward(em, graph, needed, params, requiring, {output: loss_backward()})
-    em.phase = "update"
-    outputs = [LOSS_NAME]
-    for param in params:
-        if optimizer == "none":
-            outputs.append(grads[param])
-        else:
-            start = len(em.ops)
-            outputs += emit_update(em, optimizer, param, grads[param], hyper)
-            roles.update({op.name: {"role": "update", "param": param} for op in em.ops[start:]})
+    if optimizer == "none":
+        outputs = [LOSS_NAME] + [grads[param] for param in params]
+    else:
+        outputs = [LOSS_NAME] + emit_updates(em, optimizer, params, grads, hyper, roles)
     step = _assemble(graph, em, extra_inputs, outputs, params, roles, opset,
                      {"loss": loss, "optimizer": optimizer, **hyper})
     return rederive_in_backward(step)
+
+
+def needed_ops(graph: Graph, live: set[str], requiring: set[str]) -> list[Op]:
+    """Ops a gradient flows through: an output reaching the loss, an input requiring one."""
+    return [op for op in graph.ops
+            if any(t in live for t in differentiable_outputs(op, graph.tensors))
+            and any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors))]
+
+
+def emit_updates(em: Emitter, optimizer: str, params: list[str], grads: dict[str, str], hyper: dict,
+                 roles: dict[str, dict]) -> list[str]:
+    """Each parameter's optimizer update, in order, in phase `update`; records each update op's
+    role in `roles`; returns the update outputs."""
+    em.phase = "update"
+    outputs = []
+    for param in params:
+        start = len(em.ops)
+        outputs += emit_update(em, optimizer, param, grads[param], hyper)
+        roles.update({op.name: {"role": "update", "param": param} for op in em.ops[start:]})
+    return outputs
 
 
 def _emit_forward(em: Emitter, graph: Graph, needed: list[Op]) -> None:

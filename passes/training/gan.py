@@ -35,12 +35,13 @@ from memsched.errors import UserError
 from memsched.ir import Graph, Op, Tensor
 
 from passes.training.builder import (_assemble, _check_control_flow, _check_options, _check_supported, _emit_backward,
-                      _emit_forward, _reaching_output, _requiring_grad, _trainable, _training_opset)
+                      _emit_forward, _reaching_output, _requiring_grad, _trainable, _training_opset,
+                      emit_updates, needed_ops)
 from passes.training.emitter import Emitter
 from passes.training.fuse import fuse_patterns
 from passes.training.loss import bce_with_logits
-from passes.training.optimizer import STATES, emit_update, update_outputs
-from passes.training.registry import FLOAT_TYPES, differentiable_outputs, differentiable_positions
+from passes.training.optimizer import STATES, update_outputs
+from passes.training.registry import FLOAT_TYPES
 from passes.training.simplify import drop_no_ops
 
 LOSS = "bce_with_logits"
@@ -73,7 +74,7 @@ def build_gan_step(generator: Graph, discriminator: Graph, optimizer: str = "sgd
     live_d = _reaching_output(source, logits["real"]) | _reaching_output(source, logits["fake"])
     live_g = _reaching_output(source, logits["gen"])
     requiring_d, requiring_g = _requiring_grad(source, d_params), _requiring_grad(source, g_params)
-    needed_d, needed_g = _needed(source, live_d, requiring_d), _needed(source, live_g, requiring_g)
+    needed_d, needed_g = needed_ops(source, live_d, requiring_d), needed_ops(source, live_g, requiring_g)
     needed_names = {op.name for op in needed_d + needed_g}
     needed = [op for op in source.ops if op.name in needed_names]
     _check_control_flow(source, live_d | live_g, needed)
@@ -95,7 +96,7 @@ def build_gan_step(generator: Graph, discriminator: Graph, optimizer: str = "sgd
         seeds = {logits["real"]: real_grad(), logits["fake"]: fake_grad()}
     grads, step_roles = _emit_backward(em, source, needed_d, d_params, requiring_d, seeds)
     roles.update(step_roles)
-    outputs += _emit_updates(em, optimizer, d_params, grads, hyper, roles)
+    outputs += emit_updates(em, optimizer, d_params, grads, hyper, roles)
     # G's step: D' on G's output, G's loss, the backward through D' into G, G's update
     em.phase = "forward"
     _emit_forward(em, source.replace(ops=[op for op in source.ops if op.name in after_update]), needed)
@@ -108,20 +109,10 @@ def build_gan_step(generator: Graph, discriminator: Graph, optimizer: str = "sgd
         seeds = {logits["gen"]: gen_grad()}
     grads, step_roles = _emit_backward(em, source, needed_g, g_params, requiring_g, seeds)
     roles.update(step_roles)
-    outputs += _emit_updates(em, optimizer, g_params, grads, hyper, roles)
+    outputs += emit_updates(em, optimizer, g_params, grads, hyper, roles)
     training = {"loss": LOSS, "optimizer": optimizer, **hyper,
                 "gan": {"discriminator": d_params, "generator": g_params}}
     return _assemble(source, em, [], outputs, d_params + g_params, roles, opset, training)
-
-
-def _emit_updates(em, optimizer, params, grads, hyper, roles) -> list[str]:
-    em.phase = "update"
-    outputs = []
-    for param in params:
-        start = len(em.ops)
-        outputs += emit_update(em, optimizer, param, grads[param], hyper)
-        roles.update({op.name: {"role": "update", "param": param} for op in em.ops[start:]})
-    return outputs
 
 
 # ---- checks -----------------------------------------------------------------------------------
@@ -216,13 +207,6 @@ def _renamed(data, name):
 
 
 # ---- analysis ---------------------------------------------------------------------------------
-def _needed(graph: Graph, live: set[str], requiring: set[str]) -> list[Op]:
-    """Ops a gradient flows through: an output reaching the loss, an input requiring one."""
-    return [op for op in graph.ops
-            if any(t in live for t in differentiable_outputs(op, graph.tensors))
-            and any(op.inputs[i] in requiring for i in differentiable_positions(op, graph.tensors))]
-
-
 def _reading_updated(graph: Graph, d_params: list[str], optimizer: str) -> set[str]:
     """Ops that read D's updated weights, directly or through other such ops (D' on G(z))."""
     tainted = {update_outputs(optimizer, p)[0] for p in d_params}
