@@ -619,7 +619,7 @@ def cmd_run_workers(args) -> int:
             raise UserError(f"--workers {args.workers} but torchrun started {world} processes")
         summary, _ = run_rank(read_plan(args.plan), steps=args.steps, threads=args.threads, path=args.plan,
                               sync_batchnorm=args.sync_batchnorm)
-        if os.environ["RANK"] != "0":
+        if summary is None:              # another rank than 0: rank 0 reports
             return 0
     else:
         summary = launch(args.plan, args.workers, steps=args.steps, threads=args.threads,

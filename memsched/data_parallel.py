@@ -157,16 +157,17 @@ def data_parallel(plan: Plan, sim: Simulation, workers: int, bandwidth: float = 
     steps = [(e.step, e.end - e.start) for e in sim.on("compute")]
     compute = sum(t for _, t in steps)
     comm = sum(b.seconds for b in buckets)
-    return DataParallel(workers=workers, bucket_bytes=bucket_bytes, compute_s=compute, allreduce_s=comm,
-                        step_no_overlap_s=_replay(plan, steps, buckets, overlap=False),
-                        step_overlap_s=_replay(plan, steps, buckets, overlap=True), buckets=buckets)
-
-
-def _replay(plan: Plan, steps: list[tuple[int, float]], buckets: list[Bucket], overlap: bool) -> float:
-    """One step on one worker: the compute stream in schedule order, all-reduces on one network
-    stream in the order they start; returns when both are done."""
-    closing = {b.step: k for k, b in enumerate(buckets)}
     needs = readers(plan, buckets)
+    return DataParallel(workers=workers, bucket_bytes=bucket_bytes, compute_s=compute, allreduce_s=comm,
+                        step_no_overlap_s=_replay(steps, buckets, needs, overlap=False),
+                        step_overlap_s=_replay(steps, buckets, needs, overlap=True), buckets=buckets)
+
+
+def _replay(steps: list[tuple[int, float]], buckets: list[Bucket], needs: dict[int, list[int]],
+            overlap: bool) -> float:
+    """One step on one worker: the compute stream in schedule order, all-reduces on one network
+    stream in the order they start; returns when both are done. `needs`: `readers` of the plan."""
+    closing = {b.step: k for k, b in enumerate(buckets)}
     done: dict[int, float] = {}           # bucket -> when its all-reduce ends
     closed: list[int] = []                # buckets closed, not yet started (without overlap)
     clock = net = 0.0

@@ -237,9 +237,10 @@ class _Comm:
 
 def run_rank(plan: Plan, steps: int = 1, threads: int = 1, inputs: dict[str, np.ndarray] | None = None,
              overlap: bool = True, path: str | None = None, timeout: float = TIMEOUT_S,
-             sync_batchnorm: bool = False) -> tuple[dict, dict]:
+             sync_batchnorm: bool = False) -> tuple[dict | None, dict]:
     """Run this process's rank of a data-parallel run (the environment torchrun sets names it);
-    returns (the run's summary with every rank's figures, this rank's outputs). `inputs`: the
+    returns (the run's summary with every rank's figures on rank 0, None on the others; this
+    rank's outputs). `inputs`: the
     whole batch (every rank is given the same), made up (`global_inputs`) where None.
     `sync_batchnorm`: BatchNorm on the whole batch's statistics (module doc)."""
     torch, dist = import_torch()
@@ -264,6 +265,8 @@ def run_rank(plan: Plan, steps: int = 1, threads: int = 1, inputs: dict[str, np.
     finally:
         if own:
             dist.destroy_process_group()
+    if rank != 0:                        # rank 0 reports the run
+        return None, result.outputs
     summary = summarize(plan, path, ranks, result, comm.buckets, overlap, threads)
     summary["synchronised_batch_statistics"] = comm.synchronised
     return summary, result.outputs
@@ -379,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     if args.outputs:
         np.savez(Path(args.outputs) / f"rank{os.environ['RANK']}.npz", **outputs)
-    if os.environ["RANK"] == "0":
+    if summary is not None:
         Path(args.summary).write_text(json.dumps(summary))
     return 0
 
