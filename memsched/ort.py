@@ -148,11 +148,50 @@ def warm_environment() -> None:
     _warm = True
 
 
-def bound_session(model: bytes, threads: int, device: str):
-    """A session for a model whose every tensor the caller binds (`bound_options`)."""
+def bound_session(model: bytes, threads: int, device: str, stream: int | None = None, saved: str | None = None):
+    """A session for a model whose every tensor the caller binds (`bound_options`). On CUDA,
+    `stream`: the address of the CUDA stream its kernels run on (every session of a run
+    shares it), and kernels' workspace comes from one CUDA arena shared by all sessions
+    (`shared_cuda_arena`). `saved`: a path ONNX Runtime writes the graph to as it will run
+    it, its own added nodes included."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(model, bound_options(threads), providers=providers_for(device))
+    options = bound_options(threads)
+    providers = providers_for(device)
+    if device == "cuda":
+        cuda_options = dict(CUDA_OPTIONS)
+        if stream is not None:
+            cuda_options["user_compute_stream"] = str(stream)
+        shared_cuda_arena()
+        providers = [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
+    if saved is not None:
+        options.optimized_model_filepath = saved
+    return ort.InferenceSession(model, options, providers=providers)
+
+
+cuda_arena_state: str | None = None     # None until a CUDA session is made: "shared", or why not
+
+
+def shared_cuda_arena() -> None:
+    """Register, once per process, a CUDA arena in ONNX Runtime's environment that every bound
+    session (`session.use_env_allocators`) takes kernels' workspace from, as on the CPU
+    (`shared_scratch_arena`): without it each of a run's sessions keeps a CUDA arena of its
+    own, and their sum, not the largest workspace, stays allocated. It grows by what is asked
+    (kSameAsRequested). Where this ONNX Runtime cannot register one, sessions keep their own
+    and `cuda_arena_state` says why."""
+    global cuda_arena_state
+    if cuda_arena_state is not None:
+        return
+    import onnxruntime as ort
+
+    config = ort.OrtArenaCfg({"max_mem": 0, "arena_extend_strategy": 1,
+                              "initial_chunk_size_bytes": 1 << 20, "max_dead_bytes_per_chunk": 1 << 20})
+    info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    try:
+        ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, {"device_id": "0"}, config)
+        cuda_arena_state = "shared"
+    except Exception as exc:  # noqa: BLE001 - an older build or no CUDA: each session keeps its own arena
+        cuda_arena_state = f"not shared: {_error_line(exc)}"
 
 
 def reference_session(model: bytes, threads: int, device: str):
@@ -227,13 +266,16 @@ def device_buffer(nbytes: int):
     return ort.OrtValue.ortvalue_from_shape_and_type([max(nbytes, 1)], np.uint8, "cuda", 0)
 
 
-def bind_addresses(session, device: str, inputs: list, outputs: list):
+def bind_addresses(session, device: str, inputs: list, outputs: list, host: dict | None = None):
     """An IOBinding of `session` whose inputs and outputs live at given addresses on `device`:
-    each a (name, dtype, shape, address); ONNX Runtime allocates none of them."""
+    each a (name, dtype, shape, address); ONNX Runtime allocates none of them. `host`: inputs
+    bound from host arrays instead, by name (the arrays must outlive the binding)."""
     binding = session.io_binding()
     kind = "cuda" if device == "cuda" else "cpu"
     for name, dtype, shape, address in inputs:
         binding.bind_input(name, kind, 0, dtype, list(shape), address)
+    for name, value in (host or {}).items():
+        binding.bind_cpu_input(name, value)
     for name, dtype, shape, address in outputs:
         binding.bind_output(name, kind, 0, dtype, list(shape), address)
     return binding
@@ -308,6 +350,7 @@ def node_providers(session) -> dict[str, str]:
 
 
 __all__ = ["PROVIDERS", "CUDA_OPTIONS", "OPTIMIZATION", "quiet_logger", "session_options", "bound_options",
-           "bound_session", "reference_session", "resolve_device", "shared_scratch_arena", "warm_environment",
+           "bound_session", "shared_cuda_arena", "reference_session", "resolve_device", "shared_scratch_arena",
+           "warm_environment",
            "one_op_model", "providers_for", "make_session", "node_providers", "version", "build", "probe_session",
            "device_buffer", "bind_addresses", "bind_values"]

@@ -1,0 +1,82 @@
+"""How the executor binds values and judges a run, checked on the CPU: the integer constants
+read from host arrays (the CUDA provider reads shape-like inputs on the host), the test for
+nodes ONNX Runtime added to a segment, and the scaled tolerance of a check on CUDA."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+from memsched import executor, ort
+from memsched.ir import Graph
+from tests.planbuild import order_plan
+
+
+def _shape_graph() -> Graph:
+    """x[2,3] -> Unsqueeze(axes from a Constant) -> Reshape(shape from Shape) -> Gather(0-d index)
+    -> y; plus an integer initializer the step updates, and one the caller feeds."""
+    nodes = [
+        helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array([1], np.int64))),
+        helper.make_node("Unsqueeze", ["x", "axes"], ["u"]),
+        helper.make_node("Shape", ["x"], ["s"], start=1),
+        helper.make_node("Size", ["x"], ["n"]),
+        helper.make_node("Reshape", ["u", "flat"], ["r"]),
+        helper.make_node("Gather", ["r", "k"], ["y"], axis=1),
+        helper.make_node("Add", ["step", "one"], ["step.updated"]),
+        helper.make_node("Identity", ["given"], ["given_out"]),
+    ]
+    inits = [numpy_helper.from_array(np.array([2, 3], np.int64), "flat"),
+             numpy_helper.from_array(np.array(1, np.int64), "k"),
+             numpy_helper.from_array(np.array(0, np.int64), "step"),
+             numpy_helper.from_array(np.array(1, np.int64), "one"),
+             numpy_helper.from_array(np.array([7], np.int32), "given")]
+    g = helper.make_graph(nodes, "shapes", [helper.make_tensor_value_info("x", TP.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [2]),
+                           helper.make_tensor_value_info("s", TP.INT64, [1]),
+                           helper.make_tensor_value_info("n", TP.INT64, []),
+                           helper.make_tensor_value_info("step.updated", TP.INT64, []),
+                           helper.make_tensor_value_info("given_out", TP.INT32, [1])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return Graph.from_onnx(onnx.shape_inference.infer_shapes(model))
+
+
+def test_host_constants_are_the_values_fixed_for_the_step():
+    graph = _shape_graph()
+    values = executor.host_constants(graph, {"given": np.array([5], np.int32)})
+    assert set(values) == {"axes", "s", "n", "flat", "k", "one"}   # not the updated step, not a feed
+    assert values["axes"].tolist() == [1] and values["axes"].dtype == np.int64
+    assert values["s"].tolist() == [3]                              # Shape's start=1
+    assert values["n"].shape == () and int(values["n"]) == 6        # a 0-d value stays 0-d
+    assert values["k"].shape == () and values["flat"].tolist() == [2, 3]
+
+
+def test_a_run_reading_host_constants_equals_the_plain_run():
+    graph = _shape_graph()
+    plan = order_plan(graph)
+    result = executor.run_plan(plan, steps=2, check=True, inputs={"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    assert result.check["passed"] and result.check["bit_identical"]
+    assert result.outputs["y"].tolist() == [1.0, 4.0]
+
+
+def test_added_nodes_are_seen_in_the_saved_graph(tmp_path):
+    model = ort.one_op_model("Relu")
+    model.graph.node[0].name = "n0"
+    saved = str(tmp_path / "segment.onnx")
+    ort.bound_session(model.SerializeToString(), 1, "cpu", None, saved)
+    assert executor._adds_no_nodes(saved, {"n0"})
+    assert not executor._adds_no_nodes(saved, {"n0", "n1"})             # a node of ours went missing
+    assert not executor._adds_no_nodes(str(tmp_path / "absent.onnx"), {"n0"})   # nothing saved: nothing assumed
+
+
+def test_cuda_check_scales_the_difference_by_the_output():
+    def step(diff, scale):
+        return {"w": {"max_abs_diff": diff, "bit_identical": False, "scale": scale}}
+
+    assert executor._check_summary([step(5e-4, 10.0)], exact=False)["passed"]          # 5e-5 of its scale
+    assert not executor._check_summary([step(5e-4, 1.0)], exact=False)["passed"]
+    assert not executor._check_summary([step(5e-4, 10.0)], exact=True)["passed"]       # CPU: bits or nothing
+    compared = executor.compare_outputs({"w": np.array([0.0, 20.0], np.float32)},
+                                        {"w": np.array([0.0, -30.0], np.float32)})
+    assert compared["w"]["scale"] == 30.0 and compared["w"]["max_abs_diff"] == 50.0
