@@ -14,7 +14,9 @@ step of models.build(name) (weights left out: only sizes matter), its baseline p
 PyTorch eager runs the step (the step's own order, every gradient alive until its update,
 updates in place: passes.reuse.baseline_aliases) and the peak of the plan `memsched compile
 --train --strategies order,reuse` makes (no budget). torch is not a dependency of memsched: without it the
-PyTorch column is left out. One JSON line per model, then the whole table.
+PyTorch column is left out. `--torch-device cuda` runs PyTorch's step on the GPU instead and
+reads its CUDA allocator's high-water mark (parameters and cuDNN/cuBLAS workspaces included;
+the second of two steps). One JSON line per model, then the whole table.
 """
 from __future__ import annotations
 
@@ -75,8 +77,30 @@ def torch_step_peak(module, inputs, labels) -> int:
     return peak
 
 
-def torch_peak(name: str) -> int | None:
-    """PyTorch's peak for model `name` at its CASES size, or None without torch."""
+def torch_cuda_step_peak(module, inputs, labels) -> int:
+    """Peak bytes of one SGD step on the GPU, from torch's CUDA allocator (its high-water mark
+    of allocated bytes, parameters and cuDNN/cuBLAS workspaces included), after one warm-up
+    step so that lazily made state (the gradients' storage, cuBLAS workspaces) exists as in
+    the CPU figure's steady step."""
+    import torch
+
+    device = torch.device("cuda")
+    module, inputs, labels = module.to(device), inputs.to(device), labels.to(device)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = torch.nn.functional.cross_entropy(module(inputs), labels)
+        loss.backward()
+        optimizer.step()
+        torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated())
+
+
+def torch_peak(name: str, device: str = "cpu") -> int | None:
+    """PyTorch's peak for model `name` at its CASES size, or None without torch: on the CPU
+    from its memory profiler, on "cuda" from its CUDA allocator."""
     try:
         import torch
     except ImportError:
@@ -91,7 +115,8 @@ def torch_peak(name: str) -> int | None:
 
         module = torchvision_classifier(name)
         inputs, classes = torch.randn(case["batch"], 3, case["size"], case["size"]), 1000
-    return torch_step_peak(module, inputs, torch.randint(0, classes, (case["batch"],)))
+    measure = torch_cuda_step_peak if device == "cuda" else torch_step_peak
+    return measure(module, inputs, torch.randint(0, classes, (case["batch"],)))
 
 
 def bert_module(layers: int = 12, hidden: int = 768, heads: int = 12, vocab: int = 30522, positions: int = 512,
@@ -129,7 +154,7 @@ def bert_module(layers: int = 12, hidden: int = 768, heads: int = 12, vocab: int
             self.pool, self.classifier = nn.Linear(hidden, hidden), nn.Linear(hidden, classes)
 
         def forward(self, ids):
-            where = torch.arange(ids.shape[1])[None]
+            where = torch.arange(ids.shape[1], device=ids.device)[None]
             x = self.ln(self.words(ids) + self.types(torch.zeros_like(ids)) + self.positions(where))
             for layer in self.layers:
                 x = layer(x)
@@ -143,6 +168,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(CASES), help="comma-separated, from " + ", ".join(CASES))
     parser.add_argument("--time-limit", type=float, default=60.0, help="the compile's time limit (seconds)")
     parser.add_argument("--no-plan", action="store_true", help="baselines only (no compile)")
+    parser.add_argument("--torch-device", choices=("cpu", "cuda"), default="cpu",
+                        help="where PyTorch's step runs (cuda: its CUDA allocator's peak)")
     args = parser.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
@@ -158,7 +185,8 @@ def main() -> None:
                                                                     aliases=baseline_aliases(step))).peak_bytes
         else:
             row.update(memsched_peaks(name, args.time_limit))
-        reference = torch_peak(name)
+        reference = torch_peak(name, args.torch_device)
+        row["torch_device"] = args.torch_device
         if reference is None:
             print("bench_vs_torch: torch is not installed; the PyTorch peak is left out", file=sys.stderr)
         else:

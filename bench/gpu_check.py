@@ -6,8 +6,10 @@ On a machine where CUDA is not usable it prints one line saying why (memsched.do
 step is compiled for the GPU's preset profile with order,reuse and with every strategy at 60%,
 and each plan runs in fresh subprocesses:
 
-- `memsched`: `run_plan(device="cuda", check=True)`: the check against a plain run of the
-  unscheduled step, the provider that really ran, step time (median after one warm-up);
+- `check`: `run_plan(device="cuda", check=True)`, two steps: the check against a plain run of
+  the unscheduled step, the providers that really ran, the number of sessions;
+- `memsched`: `run_plan(device="cuda")`, unchecked (no reference session in the process, no
+  poisoning): step time (median after one warm-up) and device memory;
 - `ort`: one plain ONNX Runtime CUDA session of the same step, inputs bound on the device.
 
 Each worker's device memory is read from outside by the parent, through NVML's per-process
@@ -18,9 +20,17 @@ together), reported next to the planned arena and to the executor's own cudaMemG
 the copy streams hid behind compute (the executor does not time copies with CUDA events), and
 a calibrated GPU profile (`hardware calibrate` measures the CPU): the JSON says so.
 
-Prints one JSON object (and writes it to --out FILE if given).
+The README's model (resnet18 at batch 32, 224x224, budget 360 MiB) runs too, as `resnet18-224`.
+
+Compiling and running can happen on two machines, so that a lent GPU's time goes to running:
+`--compile-to DIR --hardware h200` compiles every plan here and writes them with a manifest;
+`--plans DIR` on the GPU machine runs them (onnxruntime-gpu is all it needs there, not ortools).
+Prints one JSON object (and writes it to --out FILE if given, after each model too, so a run cut
+short leaves what it measured).
 
     python bench/gpu_check.py [--out gpu_check.json] [--models resnet18,gpt2] [--steps 5] [--time-limit 20]
+    python bench/gpu_check.py --compile-to plans/ --hardware h200     # here
+    python bench/gpu_check.py --plans plans/ --out gpu_check.json     # on the GPU
 """
 from __future__ import annotations
 
@@ -40,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_executor import SIZES, small_training_step  # noqa: E402
+from bench_executor import SIZES  # noqa: E402
 from json_report import emit  # noqa: E402
 
 PLANS = [("order,reuse", None), ("order,reuse,recompute,swap", "60%")]
@@ -58,10 +68,18 @@ def worker(kind: str, plan_path: str, steps: int) -> dict:
 
     plan = read_plan(plan_path)
     feeds = prepare_inputs(plan.graph)
+    if kind == "check":
+        from memsched import ort as ort_plumbing
+
+        result = run_plan(plan, steps=2, device="cuda", check=True, threads=1, inputs=feeds)
+        worst = sorted(result.check["per_output"].items(), key=lambda item: -item[1])[:3]
+        return {"provider": result.provider, "fallback": result.fallback, "sessions": result.sessions,
+                "providers": result.providers, "cuda_arena": ort_plumbing.cuda_arena_state,
+                **{k: result.check[k] for k in ("passed", "exact", "max_abs_diff", "max_scaled_diff")},
+                "worst_outputs": dict(worst)}
     if kind == "memsched":
-        result = run_plan(plan, steps=steps + 1, device="cuda", check=True, threads=1, inputs=feeds)
-        return {"provider": result.provider, "fallback": result.fallback,
-                "check": {k: result.check[k] for k in ("passed", "exact", "max_abs_diff") if k in result.check},
+        result = run_plan(plan, steps=steps + 1, device="cuda", threads=1, inputs=feeds)
+        return {"provider": result.provider, "sessions": result.sessions,
                 "step_time_s": statistics.median(result.step_times[1:]), "arena_bytes": result.arena_bytes,
                 "device_memory_inside": (result.process or {}).get("device")}
     import onnxruntime as ort
@@ -117,11 +135,17 @@ class DeviceMemoryPoll:
         return self.peak
 
 
-def run_worker(kind: str, plan_path: Path, steps: int) -> dict:
+def run_worker(kind: str, plan_path: Path, steps: int, timeout: float = 240.0) -> dict:
     command = [sys.executable, __file__, "--worker", kind, "--plan", str(plan_path), "--steps", str(steps)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     poll = DeviceMemoryPoll(proc.pid)
-    out, err = proc.communicate()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        poll.close()
+        return {"error": f"ran past {timeout:.0f} s"}
     peak = poll.close()
     if proc.returncode != 0:
         return {"error": err.strip()[-2000:]}
@@ -129,26 +153,87 @@ def run_worker(kind: str, plan_path: Path, steps: int) -> dict:
 
 
 # ---- the driver --------------------------------------------------------------------------
-def check_model(name: str, hardware: str, directory: Path, steps: int, time_limit: float) -> dict:
+# label -> (bundled model, its size, the plans: (strategies, budget))
+CASES = {name: (name, size, PLANS) for name, size in SIZES.items()}
+CASES["resnet18-224"] = ("resnet18", dict(batch=32, size=224, classes=1000),
+                         [("order,reuse", None), ("order,reuse,recompute,swap", "360MiB")])
+
+
+def compile_case(label: str, hardware: str, directory: Path, time_limit: float) -> dict:
+    """Compile every plan of case `label` for `hardware` into `directory`: the manifest's entry."""
+    import models
+    from memsched import frontend
     from memsched.emit import write_plan
     from memsched.errors import MemschedError
     from passes.pipeline import compile as compile_plan
+    from passes.training import build_training_step
 
-    graph = small_training_step(name)
-    entry = {"model": name, "size": SIZES[name], "ops": len(graph.ops), "plans": []}
-    for strategies, budget in PLANS:
+    model, size, plans = CASES[label]
+    graph = build_training_step(frontend.lower(models.build(model, **size)), loss="cross_entropy", optimizer="sgd")
+    entry = {"model": label, "size": size, "ops": len(graph.ops), "hardware": hardware, "plans": []}
+    for index, (strategies, budget) in enumerate(plans):
         row = {"strategies": strategies, "budget": budget}
         try:
             compiled = compile_plan(graph, hardware=hardware, strategies=strategies, budget=budget,
                                     time_limit=time_limit)
         except MemschedError as exc:
             row["error"] = str(exc)
-            entry["plans"].append(row)
+        else:
+            plan = dataclasses.replace(compiled.plan, budget=None)
+            path = write_plan(plan, directory / f"{label}-{index}.onnx")
+            row["plan_file"], row["weights"] = path.name, slim_weights(path)
+            row["planned_arena_bytes"] = plan.notes.get("placement", {}).get("arena_bytes")
+            row["planned_peak_bytes"] = compiled.report["plan"].get("peak_bytes")
+            row["predicted_step_time_s"] = compiled.report["plan"]["step_time_s"]
+        entry["plans"].append(row)
+    return entry
+
+
+def slim_weights(path: Path) -> dict:
+    """Drop the values of the plan's large float initializers from the file at `path` (its
+    random weights are most of its bytes, too many to carry to a lent GPU); their mean and
+    standard deviation, by name, for `refill_weights`."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    stats = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.FLOAT and len(tensor.raw_data) > 4096:
+            values = numpy_helper.to_array(tensor).astype(np.float64)
+            stats[tensor.name] = [float(values.mean()), float(values.std())]
+            tensor.raw_data = b""
+    onnx.save(model, str(path))
+    return stats
+
+
+def refill_weights(path: Path, stats: dict, directory: Path) -> Path:
+    """The plan at `path` with its slimmed weights drawn again (normal, the original mean and
+    standard deviation, seeded by name: every worker gets the same values), in `directory`."""
+    import zlib
+
+    import numpy as np
+    import onnx
+
+    model = onnx.load(str(path))
+    for tensor in model.graph.initializer:
+        if tensor.name in stats:
+            mean, std = stats[tensor.name]
+            rng = np.random.default_rng(zlib.crc32(tensor.name.encode()))
+            tensor.raw_data = rng.normal(mean, std, tuple(tensor.dims)).astype(np.float32).tobytes()
+    out = directory / path.name
+    onnx.save(model, str(out))
+    return out
+
+
+def run_case(entry: dict, directory: Path, steps: int, scratch: Path) -> dict:
+    """Run every compiled plan of one manifest entry as memsched and as one plain ORT session."""
+    for row in entry["plans"]:
+        if "plan_file" not in row:
             continue
-        plan = dataclasses.replace(compiled.plan, budget=None)
-        path = write_plan(plan, directory / f"{name}-{len(entry['plans'])}.onnx")
-        row["planned_arena_bytes"] = plan.notes.get("placement", {}).get("arena_bytes")
-        row["predicted_step_time_s"] = compiled.report["plan"]["step_time_s"]
+        path = refill_weights(directory / row["plan_file"], row.get("weights", {}), scratch)
+        row["check"] = run_worker("check", path, steps)
         row["memsched"] = run_worker("memsched", path, steps)
         row["ort"] = run_worker("ort", path, steps)
         if "error" not in row["memsched"] and "error" not in row["ort"]:
@@ -157,10 +242,23 @@ def check_model(name: str, hardware: str, directory: Path, steps: int, time_limi
                                            / max(1, row["ort"]["device_memory_peak_bytes"]))
             row["device_memory_over_arena_bytes"] = (row["memsched"]["device_memory_peak_bytes"]
                                                      - row["memsched"]["arena_bytes"])
-        entry["plans"].append(row)
-        print(f"{name} {strategies} {budget or ''}: check "
-              f"{row['memsched'].get('check', row['memsched'].get('error'))}", file=sys.stderr, flush=True)
+        print(f"{entry['model']} {row['strategies']} {row['budget'] or ''}: check "
+              f"{row['check'].get('passed', row['check'].get('error'))} {row['check'].get('max_scaled_diff')} "
+              f"sessions {row['check'].get('sessions')} memsched {row['memsched'].get('step_time_s')} s "
+              f"{row['memsched'].get('device_memory_peak_bytes')} B, ort {row['ort'].get('step_time_s')} s "
+              f"{row['ort'].get('device_memory_peak_bytes')} B", file=sys.stderr, flush=True)
     return entry
+
+
+def summarise(rows: list[dict]) -> dict:
+    plans = [p for r in rows for p in r["plans"]]
+    checked = [p for p in plans if "passed" in p.get("check", {})]
+    return {"plans": len(plans), "ran": len(checked),
+            "checks_passed": sum(bool(p["check"]["passed"]) for p in checked),
+            "all_on_cuda": all(p["check"]["provider"] == "CUDAExecutionProvider" for p in checked),
+            "worst_time_vs_ort": max((p["time_vs_ort"] for p in plans if "time_vs_ort" in p), default=None),
+            "worst_device_memory_vs_ort": max((p["device_memory_vs_ort"] for p in plans
+                                               if "device_memory_vs_ort" in p), default=None)}
 
 
 def preset_for(gpu_name: str) -> str:
@@ -169,40 +267,59 @@ def preset_for(gpu_name: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(SIZES), help="comma-separated model names")
+    parser.add_argument("--models", default=",".join(CASES), help="comma-separated, from " + ", ".join(CASES))
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after one warm-up)")
     parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per compile")
     parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument("--worker", choices=("memsched", "ort"), help=argparse.SUPPRESS)
+    parser.add_argument("--compile-to", help="only compile the plans, into this folder (no GPU needed)")
+    parser.add_argument("--hardware", help="the profile to compile for (default: the GPU's preset)")
+    parser.add_argument("--plans", help="run the plans `--compile-to` wrote in this folder")
+    parser.add_argument("--worker", choices=("check", "memsched", "ort"), help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, args.plan, args.steps)))
         return 0
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    if args.compile_to:
+        directory = Path(args.compile_to)
+        directory.mkdir(parents=True, exist_ok=True)
+        manifest = [compile_case(name, args.hardware or "h100-80gb", directory, args.time_limit) for name in names]
+        return emit({"compiled": manifest}, str(directory / "manifest.json"))
     from memsched.doctor import diagnose
 
     doctor = diagnose()
     if not doctor["cuda_usable"]:
         print(f"gpu_check: CUDA is not usable here, nothing to check: {doctor['reason']}")
         return 0
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SIZES]
-    if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SIZES)}")
     gpu = doctor["gpus"][0]["name"] if doctor["gpus"] else "unknown GPU"
-    hardware = preset_for(gpu)
-    with tempfile.TemporaryDirectory(prefix="memsched-gpu-check-") as directory:
-        rows = [check_model(name, hardware, Path(directory), args.steps, args.time_limit) for name in names]
-    plans = [p for r in rows for p in r["plans"]]
-    checked = [p for p in plans if "check" in p.get("memsched", {})]
-    summary = {"plans": len(plans), "ran": len(checked),
-               "checks_passed": sum(bool(p["memsched"]["check"].get("passed")) for p in checked),
-               "all_on_cuda": all(p["memsched"]["provider"] == "CUDAExecutionProvider" for p in checked),
-               "worst_time_vs_ort": max((p["time_vs_ort"] for p in plans if "time_vs_ort" in p), default=None)}
-    report = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "hardware_profile": hardware,
-              "python": platform.python_version(), "doctor": doctor, "summary": summary,
-              "not_measured": NOT_MEASURED, "models": rows}
+    report = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "python": platform.python_version(),
+              "doctor": doctor, "not_measured": NOT_MEASURED, "models": []}
+    with tempfile.TemporaryDirectory(prefix="memsched-gpu-check-") as scratch:
+        if args.plans:
+            directory = Path(args.plans)
+            compiled = {e["model"]: e for e in json.loads((directory / "manifest.json").read_text())["compiled"]}
+            entries = [compiled[name] for name in names if name in compiled]
+        else:
+            directory = Path(scratch)
+            hardware = args.hardware or preset_for(gpu)
+            entries = (compile_case(name, hardware, directory, args.time_limit) for name in names)
+        for entry in entries:
+            report["models"].append(run_case(entry, directory, args.steps, Path(scratch)))
+            report["summary"] = summarise(report["models"])
+            if args.out:
+                emit_quietly(report, args.out)
     return emit(report, args.out)
+
+
+def emit_quietly(report: dict, path: str) -> None:
+    """The report so far, to `path` alone (a run cut short still leaves it)."""
+    from memsched.onnx_utils import write_text_atomic
+
+    write_text_atomic(path, json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
