@@ -1276,8 +1276,10 @@ class _Cuda:
         return np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr.value))[:nbytes]
 
     def copy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
-        """A blocking copy: done on the device before it returns (ORT's stream does not wait
-        for the legacy default stream, so a pageable upload must finish here)."""
+        """A blocking copy, after every kernel issued before it (a run bound to device memory
+        may return before its kernels end, and the legacy default stream does not wait for
+        the compute stream) and done on the device before it returns."""
+        self._call("cudaStreamSynchronize", self.compute)
         self._call("cudaMemcpy", ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), kind)
         self.synchronize()
 
@@ -1297,6 +1299,8 @@ class _Cuda:
                 self._call("cudaEventSynchronize", self.events[e])
 
     def memset(self, ptr: int, byte: int, nbytes: int) -> None:
+        """A blocking fill, ordered as `copy`."""
+        self._call("cudaStreamSynchronize", self.compute)
         self._call("cudaMemset", ctypes.c_void_p(ptr), byte, ctypes.c_size_t(nbytes))
         self.synchronize()
 

@@ -10,7 +10,7 @@ from onnx import helper, numpy_helper
 
 from memsched import executor, ort
 from memsched.ir import Graph
-from tests.planbuild import order_plan
+from tests.planbuild import cnn_graph, mlp_train_graph, order_plan, strategy_plans
 
 
 def _shape_graph() -> Graph:
@@ -80,3 +80,45 @@ def test_cuda_check_scales_the_difference_by_the_output():
     compared = executor.compare_outputs({"w": np.array([0.0, 20.0], np.float32)},
                                         {"w": np.array([0.0, -30.0], np.float32)})
     assert compared["w"]["scale"] == 30.0 and compared["w"]["max_abs_diff"] == 50.0
+
+
+def test_copy_waits_hold_when_copies_land_as_late_as_cuda_allows(monkeypatch):
+    """On CUDA a swap copy runs on its own stream and is only known to be done once waited
+    for. Emulated on the CPU at its worst -- each copy's bytes move only when its event is
+    waited for, and segments are cut at waits as on CUDA -- every swapping plan still equals
+    the plain run bit for bit: no op reads a swapped-in tensor, and no op overwrites a
+    swapped-out one, before the copy's wait."""
+    pending: dict[int, tuple] = {}
+
+    def land(rt, event):
+        kind, lo, hi, store = pending.pop(event)
+        if kind == "out":
+            store[:] = rt.arena[lo:hi]
+        else:
+            rt.arena[lo:hi] = store
+
+    def wait(rt, events):
+        for event in events:
+            if event in pending:
+                land(rt, event)
+
+    def wait_all(rt):
+        for event in sorted(pending):
+            land(rt, event)
+
+    synchronize = executor._Runtime.synchronize
+    monkeypatch.setattr(executor._Runtime, "copy_out", lambda rt, lo, hi, store, e: pending.__setitem__(
+        e, ("out", lo, hi, store)))
+    monkeypatch.setattr(executor._Runtime, "copy_in", lambda rt, lo, hi, store, e: pending.__setitem__(
+        e, ("in", lo, hi, store)))
+    monkeypatch.setattr(executor._Runtime, "wait", wait)
+    monkeypatch.setattr(executor._Runtime, "wait_all", wait_all)
+    monkeypatch.setattr(executor._Runtime, "synchronize", lambda rt: (wait_all(rt), synchronize(rt)))
+    items = executor._items
+    monkeypatch.setattr(executor, "_items", lambda actions, graph, split, order, hooks: items(
+        actions, graph, True, order, hooks))
+    for graph in (mlp_train_graph(), cnn_graph()):
+        plan = strategy_plans(graph)["swap"]
+        assert any(step.kind == "swap_in" for step in plan.schedule)
+        result = executor.run_plan(plan, steps=2, check=True)
+        assert result.check["passed"] and result.check["bit_identical"] and not pending
