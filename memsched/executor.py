@@ -9,8 +9,9 @@ in one preallocated arena (a numpy buffer on CPU, one device allocation on CUDA)
 Runtime therefore allocates no tensor of its own; the sessions have no initializers and no
 memory arena of their own (kernels' scratch comes from one arena that all of them share,
 memsched.ort.shared_scratch_arena, kept from step to step), are built once and reused by
-every step. Parameters, buffers, constants and optimizer state live only in the arena: the
-first step loads them from the graph, later steps move each `<name>.updated` into its place.
+every step. Parameters, buffers and optimizer state live only in the arena: the first step
+loads them from the graph, later steps move each `<name>.updated` into its place. Constants
+and fixed integer values (shapes, axes) are read from host arrays (`host_constants`).
 Swap-outs copy bytes to a host tier's store (DRAM: host buffers, pinned on CUDA; NVDIMM: a
 memory-mapped file) and swap-ins copy them back; recomputations re-run the op; frees
 release the slot.
@@ -140,7 +141,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
 
     device_memory_use = _DeviceMemory() if actual_device == "cuda" else None
     with _Runtime(actual_device, planned_arena, threads, nvdimm_dir) as rt:
-        rt.host_values = host_constants(graph, feeds)
+        rt.host_values = host_constants(graph, feeds, actual_device)
         program = _compile(plan, profile, rt, hooks)
         live, high_water = _rehearse(program, profile)
         setup_growth = memory.growth()
@@ -508,7 +509,8 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime", hooks: "_Hooks"
     # between devices; a segment where it did is found at build (_adds_no_nodes) and re-cut.
     inserts = any(t.dtype in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) for t in graph.tensors.values())
     order = _OrderGuard.ANY if inserts else _OrderGuard.ORDERED
-    for item in _items(program.actions, graph, rt.device == "cuda", order, hooks):
+    unwritten = _unwritten(plan, rt.host_values)
+    for item in _items(program.actions, graph, rt.device == "cuda", order, hooks, unwritten):
         if isinstance(item, _Segment) and not rt.build(item, graph, exact=order == _OrderGuard.ORDERED):
             # ONNX Runtime's record of the nodes it assigned differs from the segment's: the
             # segment is cut where any order would be wrong
@@ -519,9 +521,11 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime", hooks: "_Hooks"
             items.extend(parts)
         else:
             items.append(item)
-    for item in items:
-        if isinstance(item, _Const):
-            item.run.provider = providers_for(rt.device)[0] if rt.device == "cpu" else "CUDAExecutionProvider"
+    constants = [item.run for item in items if isinstance(item, _Const)] + [
+        a for a in program.actions if isinstance(a, _Run) and a.op.op_type in CONSTANT_OPS
+        and a.op.outputs[0] in unwritten]
+    for run in constants:
+        run.provider = providers_for(rt.device)[0] if rt.device == "cpu" else "CUDAExecutionProvider"
     program.items = _with_poison(items, program, profile, region)
     return program
 
@@ -551,32 +555,42 @@ def constant_value(op: Op, graph: Graph) -> np.ndarray:
 
 # integer tensors: shapes, axes, indices; the CUDA provider reads the shape-like ones on the host
 _INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
+# on CUDA, a float Constant larger than this stays in the arena (a host one is uploaded every run)
+HOST_CONSTANT_BYTES = 64 * 1024
 
 
-def host_constants(graph: Graph, feeds: dict) -> dict[str, np.ndarray]:
-    """Every integer tensor whose value is the same in every step, by name: Constant outputs,
-    Shape and Size outputs (shapes are static), and integer initializers no update replaces.
+def host_constants(graph: Graph, feeds: dict, device: str = "cpu") -> dict[str, np.ndarray]:
+    """The values read from host arrays instead of the arena, by tensor: every Constant output
+    (on CUDA the float ones up to HOST_CONSTANT_BYTES), and every integer tensor whose value is
+    the same in every step: Shape and Size outputs (shapes are static) and integer initializers
+    no update replaces.
 
-    Their readers read them from these host arrays, not from the arena. ONNX Runtime's CUDA
-    kernels take shape-like inputs (Reshape's shape, Unsqueeze's and ReduceSum's axes,
-    Slice's starts...) in host memory; bound on the device, such an input is copied to the host
-    as the run starts, and that copy was seen read before it had landed (an Unsqueeze's axes
-    read as 0, a Reshape's shape as another tensor's), so the values are given where they are
-    read. On the CPU the same binding is one path for both devices, bytes equal either way."""
+    Two reasons. ONNX Runtime's CUDA kernels take shape-like inputs (Reshape's shape,
+    Unsqueeze's and ReduceSum's axes, Slice's starts...) in host memory; bound on the device,
+    such an input is copied to the host as the run starts, and that copy was seen read before
+    it had landed (an Unsqueeze's axes read as 0, a Reshape's shape as another tensor's). And a
+    Constant that no one reads from the arena needs no write there (`_items`), so it no longer
+    ends a segment where its bytes were another tensor's. On the CPU a host array is bound as
+    the arena is, without a copy."""
     updated = {name.removesuffix(".updated") for name in graph.outputs if name.endswith(".updated")}
     producer = graph.producer
     values: dict[str, np.ndarray] = {}
     for name, t in graph.tensors.items():
-        if t.dtype not in _INTEGER_TYPES or t.shape is None:
+        if t.shape is None or t.dtype in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
             continue
         dtype = helper.tensor_dtype_to_np_dtype(t.dtype)
+        integer = t.dtype in _INTEGER_TYPES
         op = producer.get(name)
-        if op is None:
+        if op is not None and op.op_type in CONSTANT_OPS:
+            if not integer and device == "cuda" and t.nbytes > HOST_CONSTANT_BYTES:
+                continue
+            value = constant_value(op, graph).view(dtype)
+        elif not integer:
+            continue
+        elif op is None:
             if not t.is_static or name in updated or name in feeds:
                 continue
             value = tensor_value(t, graph.base_dir)
-        elif op.op_type in CONSTANT_OPS:
-            value = constant_value(op, graph).view(dtype)
         elif op.op_type in ("Shape", "Size") and graph.tensors[op.inputs[0]].shape is not None:
             shape = graph.tensors[op.inputs[0]].shape
             if op.op_type == "Size":
@@ -590,15 +604,29 @@ def host_constants(graph: Graph, feeds: dict) -> dict[str, np.ndarray]:
     return values
 
 
-def _items(actions: list, graph: Graph, split_at_waits: bool, order: str, hooks: "_Hooks") -> list:
+def _unwritten(plan: Plan, host_values: dict) -> frozenset[str]:
+    """Constant outputs read only by runs, and from host arrays: no write of them is needed
+    (not a step output, never swapped)."""
+    graph = plan.graph
+    moved = {s.target for s in plan.schedule if s.kind in ("swap_out", "swap_in")}
+    producer = graph.producer
+    return frozenset(t for t in host_values if t in producer and producer[t].op_type in CONSTANT_OPS
+                     and t not in graph.outputs and t not in moved)
+
+
+def _items(actions: list, graph: Graph, split_at_waits: bool, order: str, hooks: "_Hooks",
+           unwritten: frozenset[str] = frozenset()) -> list:
     """The program as it runs: segments of consecutive op runs, cut at every copy (and on CUDA
     at every run that waits for one, so a copy overlaps the runs before it), before and after
     each run that has `hooks`, and wherever the `_OrderGuard` (in mode `order`) refuses a run,
-    and the copies; Constant ops (CONSTANT_OPS) become writes of their value."""
+    and the copies; Constant ops (CONSTANT_OPS) become writes of their value, except those in
+    `unwritten` (read from host arrays only), which need none."""
     items: list = []
     current: _Segment | None = None
     guard = _OrderGuard(order)
     for i, action in enumerate(actions):
+        if isinstance(action, _Run) and action.op.op_type in CONSTANT_OPS and action.op.outputs[0] in unwritten:
+            continue
         if isinstance(action, _Run) and action.op.op_type in CONSTANT_OPS:
             const = _Const(action, i, action.writes[0][1], constant_value(action.op, graph), list(action.waits))
             if current is not None and not action.waits and guard.hoist(action):

@@ -52,6 +52,24 @@ def test_host_constants_are_the_values_fixed_for_the_step():
     assert values["k"].shape == () and values["flat"].tolist() == [2, 3]
 
 
+def test_constants_read_from_host_need_no_write_and_end_no_segment():
+    """A float Constant is read from the host too; its write into the arena is dropped, so a
+    Constant placed where a dead tensor was no longer ends the segment: one session."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["b"]),
+             helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.full((2, 3), 2, np.float32))),
+             helper.make_node("Mul", ["b", "c"], ["y"])]
+    g = helper.make_graph(nodes, "consts", [helper.make_tensor_value_info("x", TP.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [2, 3])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    graph = Graph.from_onnx(onnx.shape_inference.infer_shapes(model))
+    assert executor.host_constants(graph, {})["c"].tolist() == [[2.0] * 3] * 2
+    plan = order_plan(graph)
+    result = executor.run_plan(plan, steps=2, check=True, inputs={"x": np.ones((2, 3), np.float32)})
+    assert result.check["passed"] and result.check["bit_identical"] and result.sessions == 1
+    assert result.outputs["y"].tolist() == [[-2.0] * 3] * 2
+
+
 def test_a_run_reading_host_constants_equals_the_plain_run():
     graph = _shape_graph()
     plan = order_plan(graph)
@@ -115,8 +133,7 @@ def test_copy_waits_hold_when_copies_land_as_late_as_cuda_allows(monkeypatch):
     monkeypatch.setattr(executor._Runtime, "wait_all", wait_all)
     monkeypatch.setattr(executor._Runtime, "synchronize", lambda rt: (wait_all(rt), synchronize(rt)))
     items = executor._items
-    monkeypatch.setattr(executor, "_items", lambda actions, graph, split, order, hooks: items(
-        actions, graph, True, order, hooks))
+    monkeypatch.setattr(executor, "_items", lambda actions, graph, split, *rest: items(actions, graph, True, *rest))
     for graph in (mlp_train_graph(), cnn_graph()):
         plan = strategy_plans(graph)["swap"]
         assert any(step.kind == "swap_in" for step in plan.schedule)
