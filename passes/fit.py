@@ -14,8 +14,10 @@ A candidate planned at a target with an effort (the seconds each of its passes m
 an attempt: its judged peak, its predicted step time (the simulator, before placement, whose
 offsets can only narrow the waits for swap-outs), and -- where it is faster than the best
 placed plan so far -- its arena. Where the arena overshoots the budget (fragmentation), the
-candidate is planned again against a target lowered by the overshoot, at most FIT_ROUNDS
-times; where a lowered target no longer fits, once more halfway back.
+candidate is planned again against a lower target, at most FIT_ROUNDS times: lowered by the
+overshoot, but by at least MIN_LOWERING of the budget (a plan made a few hundred bytes lower
+fragments as the one before it); where a lowered target no longer fits, once more halfway
+back.
 
 The search is anytime: cheap plans first, so that a fitting plan exists early, then better
 ones while time is left; the best placed plan is kept throughout.
@@ -49,6 +51,8 @@ from memsched.units import format_bytes
 # overshooting waits its turn).
 FIT_ROUNDS = 3
 FIRST_ROUNDS = 2
+# The least a target is lowered after an overshoot, as a share of the budget (about 0.2%).
+MIN_LOWERING = 1 / 512
 # Relaxations of the joint candidates (x the target) and the two the climb starts from
 # (predicted on v100-16gb: BERT-base batch 660 best at 1.5x, ResNet-50 batch 975 at 1.75x).
 RELAXATION_GRID = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0)
@@ -237,7 +241,7 @@ class Search:
             self._keep(Best(0.0, self.placed, -1))
             return True
         self.smallest_arena = arena
-        self.first_target = self.budget - (arena - self.budget)
+        self.first_target = self.budget - self._lowering(arena)
         return False
 
     def _keep(self, best: Best) -> None:
@@ -251,10 +255,15 @@ class Search:
         return self.targets.get(candidate, self.first_target)
 
     def _overshot(self, candidate: Candidate, target: int, arena: int) -> None:
-        """Plan `candidate` next against a target lowered by its arena's overshoot."""
+        """Plan `candidate` next against a target lowered by its arena's overshoot (`_lowering`)."""
         self.smallest_arena = arena if self.smallest_arena is None else min(self.smallest_arena, arena)
         self.overshot_at[candidate] = target
-        self.targets[candidate] = target - (arena - self.budget)
+        self.targets[candidate] = target - self._lowering(arena)
+
+    def _lowering(self, arena: int) -> int:
+        """How far to lower a target whose plan's arena came out at `arena`: the overshoot, and
+        at least MIN_LOWERING of the budget."""
+        return max(arena - self.budget, int(MIN_LOWERING * self.budget))
 
     def _lower_failed(self, candidate: Candidate, target: int) -> None:
         """A lowered target that does not fit: next time halfway back to the last one that
