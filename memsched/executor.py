@@ -1093,7 +1093,8 @@ class _Runtime:
         self.nvdimm_dir = nvdimm_dir
         self.sessions: list = []
         self.stored = 0                          # bytes of the host tiers' stores
-        self._tmpdir: str | None = None
+        self._tmpdir: str | None = None          # the NVDIMM store's folder, where none was given
+        self._saved_dir: str | None = None       # where ONNX Runtime saves a CUDA segment's graph
         self._mmaps: list = []
         self._cuda = _Cuda() if device == "cuda" else None
         self.host_values: dict[str, np.ndarray] = {}   # tensor -> value its readers read from host memory
@@ -1120,8 +1121,9 @@ class _Runtime:
         self._mmaps.clear()   # the files are unlinked already; the mappings go with the last view
         if self._cuda is not None:
             self._cuda.close()
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        for directory in (self._tmpdir, self._saved_dir):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
         return False
 
     # -- sessions
@@ -1135,9 +1137,9 @@ class _Runtime:
         stream = self._cuda.compute.value if self._cuda is not None else None
         saved = None
         if exact and self._cuda is not None:
-            if self._tmpdir is None:
-                self._tmpdir = tempfile.mkdtemp(prefix="memsched-")
-            saved = f"{self._tmpdir}/segment.onnx"
+            if self._saved_dir is None:
+                self._saved_dir = tempfile.mkdtemp(prefix="memsched-segments-")
+            saved = f"{self._saved_dir}/segment.onnx"
         try:
             session = bound_session(model.SerializeToString(), self.threads, self.device, stream, saved)
         except Exception as exc:  # noqa: BLE001 - ORT raises several types; name the op

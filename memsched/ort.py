@@ -159,11 +159,9 @@ def bound_session(model: bytes, threads: int, device: str, stream: int | None = 
     options = bound_options(threads)
     providers = providers_for(device)
     if device == "cuda":
-        cuda_options = dict(CUDA_OPTIONS)
-        if stream is not None:
-            cuda_options["user_compute_stream"] = str(stream)
         shared_cuda_arena()
-        providers = [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
+        if stream is not None:
+            providers[0][1]["user_compute_stream"] = str(stream)
     if saved is not None:
         options.optimized_model_filepath = saved
     return ort.InferenceSession(model, options, providers=providers)
