@@ -21,10 +21,10 @@ back.
 
 The search is anytime: cheap plans first, so that a fitting plan exists early, then better
 ones while time is left; the best placed plan is kept throughout.
-1. First plans, at the QUICK share of the time limit per pass: recompute alone (where it
-   adds no time, nothing is left to gain), swap alone, the joint candidates at
-   RELAXATION_START, then the climb towards the faster neighbour until the fastest point has
-   both neighbours tried.
+1. First plans, at the QUICK share of the time limit per pass (at most QUICK_SECONDS):
+   recompute alone (where it adds no time, nothing is left to gain), swap alone, the joint
+   candidates at RELAXATION_START, then the climb towards the faster neighbour until the
+   fastest point has both neighbours tried.
 2. Improvement at the first IMPROVE share: the IMPROVE_COUNT fastest candidates so far are
    planned again with that effort.
 3. Exploration: the same climb on drained orders (where the plan needs swap and draining
@@ -60,6 +60,7 @@ RELAXATION_START = (1.5, 2.0)
 # Effort per pass call, as shares of the command's time limit: the first plans, then the
 # improvement rounds, each re-planning the IMPROVE_COUNT fastest candidates.
 QUICK = 0.04
+QUICK_SECONDS = 0.5         # at most, so that a long limit still has a first plan within seconds
 IMPROVE = (0.08, 0.2)
 IMPROVE_COUNT = 2
 # The effort given to placing one attempt, as a share of the time limit, and its bounds.
@@ -131,7 +132,7 @@ class Search:
         candidates at QUICK effort."""
         if (self.budget is None or self.start_peak <= self.budget) and self._place_as_is():
             return
-        effort = QUICK * self.time_limit
+        effort = self.quick()
         if "recompute" in self.strategies and \
                 self.attempt(Candidate("recompute"), effort, FIRST_ROUNDS) is not None and \
                 self.last_planned.notes["recompute"].get("overhead", 1.0) <= 0.0:
@@ -148,7 +149,13 @@ class Search:
         if self.best is None or self.best.record < 0 or not {"recompute", "swap"} <= set(self.strategies):
             return
         if not self._stopping() and drains_anything(self.start):
-            self.climb(True, QUICK * self.time_limit)
+            self.climb(True, self.quick())
+
+    def quick(self) -> float:
+        """The effort of the first plans and of the exploration: QUICK of the time limit, at most
+        QUICK_SECONDS. A longer limit buys the improvement rounds, not a later first plan: its
+        first plans are those of a 12.5 s limit, so its result is no worse than theirs."""
+        return min(QUICK * self.time_limit, QUICK_SECONDS)
 
     def improve(self, share: float) -> None:
         """Phase 2: the IMPROVE_COUNT fastest candidates so far, planned again at `share` of
