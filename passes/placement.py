@@ -127,10 +127,12 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
             greedy, arena = searched, searched_arena
             info["method"] = f"greedy ({name}), local search"
             info["status"] = "optimal" if arena <= bound else "heuristic"
-    time_limit -= time.perf_counter() - started
+    # the solves' deterministic limits are shares of all of `time_limit` (the greedy's and the
+    # local search's wall time moves only their wall limits: `started`), so a loaded machine
+    # places alike
     if arena <= bound:
         return greedy, info
-    if time_limit <= 0:
+    if time.perf_counter() - started >= time_limit:
         info["cpsat"] = "skipped: no time left"
         return greedy, info
     movable = [b for b in items if not _whole_step(b, n_steps)]
@@ -138,12 +140,13 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
         if budget is not None and arena <= budget:
             info["cpsat"] = f"skipped: the arena holds the budget ({len(movable)} buffers)"
             return greedy, info
-        ends, tried, spent = time.perf_counter() + time_limit, [], 0.0
+        tried, spent = [], 0.0
         for count in largest_counts(movable, bound):
-            left = ends - time.perf_counter()
+            left = started + time_limit - time.perf_counter()
             if tried and (left <= 0 or budget is None or arena <= budget):
                 break           # the model with more buffers runs only for a budget still missed
-            offsets, status, seconds = largest_first_offsets(items, n_steps, greedy, left, count, deadline=deadline)
+            offsets, status, seconds = largest_first_offsets(items, n_steps, greedy, time_limit, count,
+                                                             deadline=deadline, started=started)
             tried.append(f"{status} on the {count} largest")
             spent += seconds
             found = _arena_aligned(items, offsets, ALIGNMENT) if offsets is not None else None
@@ -153,7 +156,8 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
                 greedy, arena = offsets, found
         info.update(cpsat=f"{', then '.join(tried)} of {len(movable)} buffers", cpsat_seconds=round(spent, 3))
         return greedy, info
-    offsets, status, proven, seconds = cpsat_offsets(items, n_steps, greedy, bound, time_limit, deadline=deadline)
+    offsets, status, proven, seconds = cpsat_offsets(items, n_steps, greedy, bound, time_limit, deadline=deadline,
+                                                     started=started)
     info.update(cpsat=status, cpsat_seconds=round(seconds, 3))
     if offsets is not None and _arena_aligned(items, offsets, ALIGNMENT) < arena:
         info["method"] = "cp-sat NoOverlap2D"
@@ -179,17 +183,19 @@ def largest_counts(movable: list[Buffer], bound: int) -> list[int]:
 
 
 def largest_first_offsets(items: list[Buffer], n_steps: int, hint: dict, time_limit: float,
-                          count: int | None = None, alignment: int = ALIGNMENT, deadline: Deadline | None = None):
+                          count: int | None = None, alignment: int = ALIGNMENT, deadline: Deadline | None = None,
+                          started: float | None = None):
     """The whole-step buffers and the `count` (MAX_CPSAT_BUFFERS) largest others placed by
     `cpsat_offsets` (hinted with `hint`, bounded below by their own aligned peak), then the
-    rest by best fit around them, largest first. Returns (offsets or None, status, seconds)."""
+    rest by best fit around them, largest first. Returns (offsets or None, status, seconds).
+    `started`: when `time_limit` began (solver.solve)."""
     count = MAX_CPSAT_BUFFERS if count is None else count
     whole = [b for b in items if _whole_step(b, n_steps)]
     movable = sorted((b for b in items if not _whole_step(b, n_steps)), key=GREEDY_ORDERS["size"])
     largest, rest = movable[:count], movable[count:]
     chosen = whole + largest
     offsets, status, _, seconds = cpsat_offsets(chosen, n_steps, hint, aligned_peak(chosen, n_steps, alignment),
-                                                time_limit, alignment, deadline)
+                                                time_limit, alignment, deadline, started)
     if offsets is None:
         return None, status, seconds
     base = max((offsets[b[0]] + align(b[3], alignment) for b in whole), default=0)
@@ -312,8 +318,10 @@ def _best_fit(los: np.ndarray, his: np.ndarray, size: int, base: int) -> int:
 
 
 def cpsat_offsets(items: list[Buffer], n_steps: int, hint: dict, lower_bound: int,
-                  time_limit: float, alignment: int = ALIGNMENT, deadline: Deadline | None = None):
-    """NoOverlap2D over (lifetime x address) in units of `alignment`, minimising the arena.
+                  time_limit: float, alignment: int = ALIGNMENT, deadline: Deadline | None = None,
+                  started: float | None = None):
+    """NoOverlap2D over (lifetime x address) in units of `alignment`, minimising the arena
+    (`started`: when `time_limit` began, solver.solve).
 
     Whole-step buffers keep their hinted place at the bottom (optimal, see the module doc).
     Returns (offsets or None, solver status, proven arena bound in bytes or None, seconds).
@@ -335,7 +343,7 @@ def cpsat_offsets(items: list[Buffer], n_steps: int, hint: dict, lower_bound: in
         model.AddHint(y, (hint[key] - base) // alignment)
     model.AddNoOverlap2D(xs, ys)
     model.Minimize(top)
-    result = solve(model, time_limit, deadline=deadline)
+    result = solve(model, time_limit, started=started, deadline=deadline)
     proven = base + int(result.bound) * alignment if result.bound is not None else None
     if not result.has_solution:
         return None, result.status, proven, result.seconds
