@@ -611,3 +611,15 @@ def test_conv_weight_gradient_by_sample_where_it_is_smaller(shape, weight, by_sa
     else:
         transposed = {train.tensors[op.inputs[0]].shape for op in backward if op.op_type == "Transpose"}
         assert tuple(shape) in transposed
+
+
+@pytest.mark.parametrize("optimizer, taken", [("sgd", "fc1.weight.grad"), ("sgd", "fc2.bias.updated"),
+                                              ("adam", "fc1.weight.exp_avg")])
+def test_a_model_using_a_name_the_step_needs_is_refused(optimizer, taken):
+    """A tensor of the model named as the step names a gradient, an optimizer state or an
+    updated weight would be overwritten: one clear error instead."""
+    model = mlp()
+    model.graph.node[1].output[0] = taken          # the Relu's output
+    model.graph.node[2].input[0] = taken
+    with pytest.raises(UserError, match=f"already has tensors named '{taken}'"):
+        build_training_step(lower(model), optimizer=optimizer)

@@ -58,7 +58,10 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     _check_control_flow(graph, live, needed)
     em = Emitter(graph, opset, fusions)
     _check_supported(em, needed)
-    _check_free_names(graph, loss, optimizer, params)
+    taken = taken_names(graph, optimizer, params)
+    if taken:
+        raise UserError(f"the model already has tensors named {', '.join(repr(n) for n in taken[:5])}, "
+                        f"which the training step needs for its own outputs")
 
     _emit_forward(em, graph, needed)
     em.phase = "loss"
@@ -246,15 +249,14 @@ def _check_supported(em: Emitter, needed: list[Op]) -> None:
     raise UserError(message)
 
 
-def _check_free_names(graph: Graph, loss: str, optimizer: str, params: list[str]) -> None:
+def taken_names(graph: Graph, optimizer: str, params: list[str]) -> list[str]:
+    """The names the step gives `params`' gradients, optimizer states and updated values that
+    `graph` already uses (the step and the GAN step refuse such a model)."""
     planned = [name for p in params for name in update_outputs(optimizer, p)]
     planned += [f"{p}.{s}" for p in params for s in STATES[optimizer]]
     if optimizer != "none":
         planned += [f"{p}.grad" for p in params]
-    taken = [n for n in planned if n in graph.tensors]
-    if taken:
-        raise UserError(f"the model already has tensors named {', '.join(repr(n) for n in taken[:5])}, "
-                        f"which the training step needs for its own outputs")
+    return [n for n in planned if n in graph.tensors]
 
 
 def _last_contribution(graph, needed, params, requiring) -> dict[int, list[str]]:

@@ -36,11 +36,11 @@ from memsched.ir import Graph, Op, Tensor
 
 from passes.training.builder import (_assemble, _check_control_flow, _check_options, _check_supported, _emit_backward,
                       _emit_forward, _reaching_output, _requiring_grad, _trainable, _training_opset,
-                      emit_updates, needed_ops)
+                      emit_updates, needed_ops, taken_names)
 from passes.training.emitter import Emitter
 from passes.training.fuse import fuse_patterns
 from passes.training.loss import bce_with_logits
-from passes.training.optimizer import STATES, update_outputs
+from passes.training.optimizer import update_outputs
 from passes.training.registry import FLOAT_TYPES
 from passes.training.simplify import drop_no_ops
 
@@ -135,9 +135,7 @@ def _check_pair(g: Graph, d: Graph) -> None:
 def _check_free_names(graph: Graph, optimizer: str, params: list[str], who: str) -> None:
     """The names the step gives a model's gradients, optimizer states and updated weights are
     free in it (the step prefixes them all alike; its inputs and losses have no prefix)."""
-    planned = [f"{p}.grad" for p in params] + [f"{p}.{s}" for p in params for s in STATES[optimizer]]
-    planned += [name for p in params for name in update_outputs(optimizer, p)]
-    taken = [n for n in planned if n in graph.tensors]
+    taken = taken_names(graph, optimizer, params)
     if taken:
         raise UserError(f"the {who} already has tensors named {', '.join(repr(n) for n in taken[:5])}, "
                         f"which the GAN step needs for its own")
