@@ -297,8 +297,7 @@ def compare_outputs(actual: dict[str, np.ndarray], expected: dict[str, np.ndarra
     for name, want in expected.items():
         got = actual[name]
         same_bits = got.shape == want.shape and got.dtype == want.dtype and got.tobytes() == want.tobytes()
-        finite = np.abs(want.astype(np.float64)[np.isfinite(want)]) if want.size else np.zeros(0)
-        scale = max(1.0, float(finite.max())) if finite.size else 1.0
+        scale = 1.0 if same_bits else _scale(want)
         if same_bits:
             diff = 0.0
         elif got.shape != want.shape:
@@ -311,6 +310,12 @@ def compare_outputs(actual: dict[str, np.ndarray], expected: dict[str, np.ndarra
                 diff = math.inf
         result[name] = {"max_abs_diff": diff, "bit_identical": same_bits, "scale": scale}
     return result
+
+
+def _scale(value: np.ndarray) -> float:
+    """max(1, the largest finite magnitude of `value`)."""
+    finite = np.abs(value.astype(np.float64)[np.isfinite(value)])
+    return max(1.0, float(finite.max())) if finite.size else 1.0
 
 
 def _check_summary(per_step: list[dict[str, dict]], exact: bool) -> dict:
@@ -521,11 +526,9 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime", hooks: "_Hooks"
             items.extend(parts)
         else:
             items.append(item)
-    constants = [item.run for item in items if isinstance(item, _Const)] + [
-        a for a in program.actions if isinstance(a, _Run) and a.op.op_type in CONSTANT_OPS
-        and a.op.outputs[0] in unwritten]
-    for run in constants:
-        run.provider = providers_for(rt.device)[0] if rt.device == "cpu" else "CUDAExecutionProvider"
+    for run in program.actions:          # a Constant is written, or read from the host: no session runs it
+        if isinstance(run, _Run) and run.op.op_type in CONSTANT_OPS:
+            run.provider = providers_for(rt.device)[0] if rt.device == "cpu" else "CUDAExecutionProvider"
     program.items = _with_poison(items, program, profile, region)
     return program
 
@@ -625,9 +628,9 @@ def _items(actions: list, graph: Graph, split_at_waits: bool, order: str, hooks:
     current: _Segment | None = None
     guard = _OrderGuard(order)
     for i, action in enumerate(actions):
-        if isinstance(action, _Run) and action.op.op_type in CONSTANT_OPS and action.op.outputs[0] in unwritten:
-            continue
         if isinstance(action, _Run) and action.op.op_type in CONSTANT_OPS:
+            if action.op.outputs[0] in unwritten:
+                continue
             const = _Const(action, i, action.writes[0][1], constant_value(action.op, graph), list(action.waits))
             if current is not None and not action.waits and guard.hoist(action):
                 const.hoisted = True              # written before the segment: no run of it touches the bytes

@@ -157,14 +157,11 @@ def bound_session(model: bytes, threads: int, device: str, stream: int | None = 
     import onnxruntime as ort
 
     options = bound_options(threads)
-    providers = providers_for(device)
     if device == "cuda":
         shared_cuda_arena()
-        if stream is not None:
-            providers[0][1]["user_compute_stream"] = str(stream)
     if saved is not None:
         options.optimized_model_filepath = saved
-    return ort.InferenceSession(model, options, providers=providers)
+    return ort.InferenceSession(model, options, providers=providers_for(device, stream))
 
 
 cuda_arena_state: str | None = None     # None until a CUDA session is made: "shared", or why not
@@ -300,13 +297,15 @@ CUDA_OPTIONS = {"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC", "arena_ex
                 "cudnn_conv_use_max_workspace": "0"}
 
 
-def providers_for(device: str) -> list:
+def providers_for(device: str, stream: int | None = None) -> list:
     """The provider list of the executor's sessions on `device` (CUDA falls back to the CPU
     node by node, as ONNX Runtime assigns them); for CUDA, NVIDIA's wheels' libraries are
-    loaded first (memsched.cuda.preload)."""
+    loaded first (memsched.cuda.preload), and `stream` is the address of the CUDA stream the
+    kernels run on (ONNX Runtime's `user_compute_stream`; its own where None)."""
     if device == "cuda":
         preload()
-        return [("CUDAExecutionProvider", dict(CUDA_OPTIONS)), "CPUExecutionProvider"]
+        options = {**CUDA_OPTIONS, **({"user_compute_stream": str(stream)} if stream is not None else {})}
+        return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
 
 

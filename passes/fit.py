@@ -153,8 +153,8 @@ class Search:
 
     def quick(self) -> float:
         """The effort of the first plans and of the exploration: QUICK of the time limit, at most
-        QUICK_SECONDS. A longer limit buys the improvement rounds, not a later first plan: its
-        first plans are those of a 12.5 s limit, so its result is no worse than theirs."""
+        QUICK_SECONDS. A longer limit buys the improvement rounds, not a later first plan: from
+        12.5 s on, every limit's first plans take the same effort."""
         return min(QUICK * self.time_limit, QUICK_SECONDS)
 
     def improve(self, share: float) -> None:
