@@ -82,22 +82,17 @@ def worker(kind: str, plan_path: str, steps: int) -> dict:
         return {"provider": result.provider, "sessions": result.sessions,
                 "step_time_s": statistics.median(result.step_times[1:]), "arena_bytes": result.arena_bytes,
                 "device_memory_inside": (result.process or {}).get("device")}
-    import onnxruntime as ort
+    from onnx import helper
 
+    from memsched.measure import Timer
     from memsched.ort import make_session
 
     session = make_session(plan.graph.to_onnx(), "cuda", threads=1)
-    binding = session.io_binding()
-    for name, value in feeds.items():
-        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0))
-    for output in session.get_outputs():
-        binding.bind_output(output.name, "cuda", 0)
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
-        session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
-        times.append(time.perf_counter() - start)
+    graph = plan.graph
+    outputs = [(name, graph.tensors[name].shape, helper.tensor_dtype_to_np_dtype(graph.tensors[name].dtype))
+               for name in graph.outputs]
+    timer = Timer.bind(session, feeds, outputs, "cuda")       # inputs copied to the device once
+    times = [timer.run() for _ in range(steps + 1)]
     return {"provider": session.get_providers()[0], "step_time_s": statistics.median(times[1:])}
 
 
@@ -310,16 +305,9 @@ def main(argv=None) -> int:
         for entry in entries:
             report["models"].append(run_case(entry, directory, args.steps, Path(scratch)))
             report["summary"] = summarise(report["models"])
-            if args.out:
-                emit_quietly(report, args.out)
+            if args.out:                      # the report so far: a run cut short still leaves it
+                emit(report, args.out, echo=False)
     return emit(report, args.out)
-
-
-def emit_quietly(report: dict, path: str) -> None:
-    """The report so far, to `path` alone (a run cut short still leaves it)."""
-    from memsched.onnx_utils import write_text_atomic
-
-    write_text_atomic(path, json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

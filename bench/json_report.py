@@ -11,10 +11,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from memsched.onnx_utils import write_text_atomic  # noqa: E402
 
 
-def emit(report: dict, path: str | None = None) -> int:
-    """Print `report`, write it to `path` if given; the bench's exit status (0)."""
+def emit(report: dict, path: str | None = None, echo: bool = True) -> int:
+    """Print `report` (unless not `echo`), write it to `path` if given; the bench's exit status (0)."""
     text = json.dumps(report, indent=2)
-    print(text)
+    if echo:
+        print(text)
     if path:
         write_text_atomic(path, text + "\n")
     return 0
