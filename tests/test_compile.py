@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import tempfile
 
 import numpy as np
 import pytest
@@ -122,7 +121,7 @@ def test_html_report_renders_with_its_plots(mlp_path, tmp_path):
     shot = tmp_path / "shot.png"
     subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                     "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={tempfile.mkdtemp()}", f"--screenshot={shot}", "--window-size=1200,1600",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,1600",
                     page.as_uri()], capture_output=True, timeout=120)
     import matplotlib.image
 
