@@ -239,3 +239,19 @@ def test_a_strided_pointwise_weight_gradient_reads_the_strided_samples():
     assert step.tensors[sliced[0].outputs[0]].shape == (2, 3, 4, 4)
     dw = [op for op in step.ops if op.op_type == "Conv" and op.phase == "backward"]
     assert len(dw) == 1 and step.tensors[dw[0].outputs[0]].shape[-2:] == (1, 1)     # the kernel's size, no more
+
+
+def test_a_stride_1_conv_input_gradient_is_a_conv_where_the_column_buffer_outweighs_the_weight():
+    """ONNX Runtime's CPU ConvTranspose multiplies into a (C_in/group) x prod(kernel) x |dY| column
+    buffer that no plan sees: a stride-1 Conv's dX is a Conv by the flipped, channel-swapped
+    weight instead; a strided Conv and one whose weight is larger than that buffer keep it."""
+    def backward_types(inputs, attrs):
+        step = build_training_step(lower(one_op_model("Conv", inputs, attrs)), loss="output")
+        return [op.op_type for op in step.ops if op.phase == "backward"]
+
+    volume = backward_types([f32(1, 6, 8, 8, 8), f32(4, 6, 3, 3, 3)], {"pads": [1] * 6})
+    assert "ConvTranspose" not in volume and volume.count("Conv") == 2      # dX and dW
+    grouped = backward_types([f32(2, 4, 6, 6), f32(6, 2, 3, 3)], {"group": 2, "pads": [1, 1, 1, 1]})
+    assert "ConvTranspose" not in grouped
+    assert "ConvTranspose" in backward_types([f32(1, 6, 8, 8), f32(4, 6, 3, 3)], {"strides": [2, 2]})
+    assert "ConvTranspose" in backward_types([f32(1, 64, 2, 2), f32(64, 64, 3, 3)], {"pads": [1, 1, 1, 1]})

@@ -85,18 +85,21 @@ def test_the_split_training_step_gives_back_the_step_as_given():
     given = build(forward)
     split = split_training_step(forward, given, build)
     assert json.loads(split.metadata[SPLIT_KEY])["convs"] == ["head"]
-    assert "c" not in split.tensors and "head/part1/grad/ConvTranspose" in split.op_by_name
+    # each part's input gradient: a Conv by its weight part transposed (1x1, stride 1)
+    dx = split.op_by_name["head/part1/grad/Conv"]
+    swap = split.producer[dx.inputs[1]]
+    assert "c" not in split.tensors and swap.op_type == "Transpose"
     # the backward reads weight parts split off again, not the forward's (held across the step)
-    assert split.op_by_name["head/part1/grad/ConvTranspose"].inputs[1] == "head.weight/part1/backward"
+    assert swap.inputs[0] == "head.weight/part1/backward"
     assert split.op_by_name["head/SplitWeight/backward"].phase == "backward"
     # each part is a layer of the weight for the dW/dX rule: its weight gradient dW, its input gradient dX
     roles = json.loads(split.metadata[GRAD_ROLES_KEY])
-    assert roles["head/part1/grad/Conv"] == {"role": "dW", "layer": "head/part1", "param": "head.weight"}
-    assert roles["head/part1/grad/ConvTranspose"] == {"role": "dX", "layer": "head/part1", "param": "head.weight"}
+    assert roles["head/part1/grad/Conv_1"] == {"role": "dW", "layer": "head/part1", "param": "head.weight"}
+    assert roles["head/part1/grad/Conv"] == roles[swap.name] == \
+        {"role": "dX", "layer": "head/part1", "param": "head.weight"}
     groups = [g for g in layer_groups(split) if g.dx and "head/part" in g.dx[0].name]
     # the weight's group per part, and the bias's with the part that adds it
-    assert sorted(g.dx[0].name for g in groups) == ["head/part0/grad/ConvTranspose"] * 2 + \
-        ["head/part1/grad/ConvTranspose"]
+    assert sorted(g.dx[-1].name for g in groups) == ["head/part0/grad/Conv"] * 2 + ["head/part1/grad/Conv"]
     assert all(g.x_bytes > g.w_bytes for g in groups)      # conv-like: dW first
     back = unsplit_graph(split)
     assert [(op.name, op.op_type, op.inputs, op.outputs, op.attributes, op.phase) for op in back.ops] == \
@@ -121,15 +124,15 @@ def test_reuse_picks_the_split_step_and_the_concat_gradient_never_exists():
                                         "concat-split, dw-dx-rule": 1972}
     # on the step as given the peak is where the concat's gradient dc (512 B) stands beside
     # both its slices (192 + 320): 1,024 B of gradients; split, each part's input gradient comes
-    # from its own ConvTranspose and dc never exists: 248 B less
+    # from its own Conv and dc never exists: 248 B less
     alone = reuse_pass(base)
     before, after = analyze_plan(alone), validate(plan)
     assert (before.peak_bytes, after.peak_bytes) == (2204, 1956)
     assert alone.schedule[before.peak_step].target == "concat/grad/Slice_1"
     assert before.kinds_at(before.peak_step)["gradient"] == 512 + 192 + 320
     live = {r.tensor: r.nbytes for r in after.live_at(after.peak_step) if r.kind == "gradient"}
-    assert live["head/part0/grad/ConvTranspose_output_0"] == 192
-    assert live["head/part1/grad/ConvTranspose_output_0"] == 320
+    assert live["head/part0/grad/Conv_output_0"] == 192
+    assert live["head/part1/grad/Conv_output_0"] == 320
     assert max(live.values()) == 320
     assert not any(op.op_type == "Concat" and op.phase == "forward" for op in plan.graph.ops)
 

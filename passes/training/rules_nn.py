@@ -3,7 +3,9 @@ Softmax/LogSoftmax.
 
 The input gradient (dX) and each parameter gradient (dW, dB) of a layer come from separate
 groups of ops, so the planner may run them apart. Conv dX is a ConvTranspose with the same
-geometry and the output_padding that restores X's size; Conv dW is a Conv whose input is X
+geometry and the output_padding that restores X's size, or at stride 1 a Conv by the flipped,
+channel-swapped weight where ONNX Runtime's ConvTranspose column buffer would be larger than
+the weight's copies (`_input_grad`); Conv dW is a Conv whose input is X
 with batch and channels swapped and whose kernel is dY, with the stride and dilation roles
 swapped, then sliced to the kernel size (groups and depthwise through a reshape) -- or,
 where batch x the weight is smaller than X and dY, a Conv of one more axis grouped by sample
@@ -125,14 +127,42 @@ def conv(em, op, dys, wants):
     group = op.attributes.get("group", 1)
     grads = [None] * len(op.inputs)
     if wants[0]:
-        out_pad = _output_padding(em.shape(x)[2:], em.shape(dy)[2:], kernel, geo)
-        grads[0] = em.op("ConvTranspose", [dy, w], group=group, kernel_shape=kernel, output_padding=out_pad,
-                         **geo)
+        grads[0] = _input_grad(em, x, w, dy, group, geo, kernel)
     if wants[1]:
         grads[1] = _weight_grad(em, *_pointwise_samples(em, x, dy, group, geo, kernel), kernel)
     if len(wants) > 2 and wants[2]:
         grads[2] = _bias_grad(em, dy)
     return grads
+
+
+def _input_grad(em, x, w, dy, group, geo, kernel):
+    """dX of a Conv: a ConvTranspose of dY by W with the Conv's geometry or, at stride 1 where
+    that is cheaper, a Conv of dY by W flipped over its spatial axes with its channel axes
+    swapped per group, padded by d * (k - 1) - p. Why: ONNX Runtime's CPU ConvTranspose
+    multiplies into a column buffer of (C_in/group) x prod(kernel) x |dY's spatial| elements
+    and folds it back (col2im), memory the plan does not see (72 MB for a 3-D U-Net's 3x3x3
+    dX at 24^3 with 48 channels, beside a 10 MB arena); its Conv (MLAS) works in small tiles.
+    The Conv form holds a weight-sized copy or two instead (the flip, then the swap), so it is
+    taken where the column buffer is larger than those."""
+    n = len(kernel)
+    d, p = geo["dilations"], geo["pads"]
+    pads = [d[i % n] * (kernel[i % n] - 1) - p[i] for i in range(2 * n)]
+    column = (em.shape(x)[1] // group) * int(np.prod(kernel)) * int(np.prod(em.shape(dy)[2:]))
+    copies = 2 if any(k > 1 for k in kernel) else 1       # the flip, then the channel swap
+    if any(s != 1 for s in geo["strides"]) or min(pads) < 0 or column <= copies * int(np.prod(em.shape(w))):
+        out_pad = _output_padding(em.shape(x)[2:], em.shape(dy)[2:], kernel, geo)
+        return em.op("ConvTranspose", [dy, w], group=group, kernel_shape=kernel, output_padding=out_pad, **geo)
+    c_out, c_in_group = em.shape(w)[:2]
+    spatial = list(range(2, 2 + n))
+    if any(k > 1 for k in kernel):
+        w = em.op("Slice", [w, em.ints([-1] * n), em.ints([np.iinfo(np.int64).min] * n), em.ints(spatial),
+                            em.ints([-1] * n)])
+    if group == 1:
+        w = em.transpose(w, [1, 0] + spatial)
+    else:
+        w = em.regroup(w, [group, c_out // group, c_in_group] + kernel, [0, 2, 1] + [a + 1 for a in spatial],
+                       [group * c_in_group, c_out // group] + kernel)
+    return em.op("Conv", [dy, w], group=group, kernel_shape=kernel, dilations=d, pads=pads)
 
 
 def _pointwise_samples(em, x, dy, group, geo, kernel):
