@@ -2,7 +2,8 @@
 
 Why its own executor: a plan's memory figures are only believable when a real run keeps
 to them. The schedule's op runs are cut into segments, each a stretch of consecutive op
-runs up to the next swap (on CUDA also up to an op that waits for a copy), and each segment
+runs (on CUDA up to the next swap and up to an op that waits for a copy; on the CPU a swap
+copy is an Identity node of the segment, bound from the arena to its store), and each segment
 runs as one ONNX Runtime session through IOBinding: every tensor its ops read from outside is
 a session input and every tensor they write is a session output, bound at its planned offset
 in one preallocated arena (a numpy buffer on CPU, one device allocation on CUDA). ONNX
@@ -515,7 +516,10 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime", hooks: "_Hooks"
     inserts = any(t.dtype in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) for t in graph.tensors.values())
     order = _OrderGuard.ANY if inserts else _OrderGuard.ORDERED
     unwritten = _unwritten(plan, rt.host_values)
-    for item in _items(program.actions, graph, rt.device == "cuda", order, hooks, unwritten):
+    # on the CPU a swap copy is a node of the session around it (in the order given, which
+    # ORDERED keeps), so swaps do not end sessions; elsewhere a copy is a step of its own
+    copy_base = rt.base if rt.device == "cpu" and order == _OrderGuard.ORDERED else None
+    for item in _items(program.actions, graph, rt.device == "cuda", order, hooks, unwritten, copy_base):
         if isinstance(item, _Segment) and not rt.build(item, graph, exact=order == _OrderGuard.ORDERED):
             # ONNX Runtime's record of the nodes it assigned differs from the segment's: the
             # segment is cut where any order would be wrong
@@ -618,16 +622,19 @@ def _unwritten(plan: Plan, host_values: dict) -> frozenset[str]:
 
 
 def _items(actions: list, graph: Graph, split_at_waits: bool, order: str, hooks: "_Hooks",
-           unwritten: frozenset[str] = frozenset()) -> list:
+           unwritten: frozenset[str] = frozenset(), copy_base: int | None = None) -> list:
     """The program as it runs: segments of consecutive op runs, cut at every copy (and on CUDA
     at every run that waits for one, so a copy overlaps the runs before it), before and after
     each run that has `hooks`, and wherever the `_OrderGuard` (in mode `order`) refuses a run,
     and the copies; Constant ops (CONSTANT_OPS) become writes of their value, except those in
-    `unwritten` (read from host arrays only), which need none."""
+    `unwritten` (read from host arrays only), which need none. With `copy_base` (the arena's
+    address, on the CPU) a copy is a run of the segment instead (`_copy_run`)."""
     items: list = []
     current: _Segment | None = None
     guard = _OrderGuard(order)
     for i, action in enumerate(actions):
+        if isinstance(action, _Copy) and copy_base is not None:
+            action = _copy_run(action, copy_base)
         if isinstance(action, _Run) and action.op.op_type in CONSTANT_OPS:
             if action.op.outputs[0] in unwritten:
                 continue
@@ -652,6 +659,19 @@ def _items(actions: list, graph: Graph, split_at_waits: bool, order: str, hooks:
             items.append(action)
             current = None
     return items
+
+
+def _copy_run(copy: _Copy, base: int) -> _Run:
+    """A swap copy as the run of an Identity node from the tensor's bytes to its store's, or
+    back; the store's place is given as an offset from the arena's address `base`, so the
+    session binds it as it binds the arena. ONNX Runtime's CPU Identity copies its input's
+    bytes into its output's where the two are bound apart."""
+    tensor = copy.key[0]
+    store = copy.store.ctypes.data - base
+    arena, host = (copy.lo, copy.hi), (store, store + copy.hi - copy.lo)
+    source, target = (arena, host) if copy.kind == "swap_out" else (host, arena)
+    op = Op(f"{copy.kind}/{tensor}", "Identity", [tensor], [tensor])
+    return _Run(op, [(tensor, *source)], [(copy.key, *target, None)], list(copy.waits))
 
 
 def _with_poison(items: list, program: _Program, profile: MemoryProfile, region) -> list:

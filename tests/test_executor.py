@@ -494,3 +494,30 @@ def test_cli_run_json_reports_process_memory(cli, emitted):
         assert process["rss_growth_bytes"] > 0 and process["setup_growth_bytes"] >= 0
     text = cli("run", emitted["mlp-reuse"], "--threads", "1")
     assert text.returncode == 0 and "process memory growth (RSS)" in text.stdout
+
+
+def test_swap_copies_run_inside_the_session_around_them_on_the_cpu():
+    """On the CPU a swap copy is an Identity node of the session that runs the ops around it,
+    so a plan that swaps runs in as few sessions as one that does not; the arena bytes a
+    swapped-out tensor leaves are written by another tensor before it comes back, so a copy
+    that ran out of place would fail the bit-identical check."""
+    from memsched.memory import analyze_plan, buffer_roots
+
+    plan = with_swaps(PLANS["mlp-reuse"], every=1)
+    profile = analyze_plan(plan)
+    roots = buffer_roots(profile)
+    schedule = plan.schedule
+    overwritten = []
+    for i, step in enumerate(schedule):
+        if step.kind != "swap_out":
+            continue
+        back = next(j for j in range(i + 1, len(schedule)) if schedule[j].kind == "swap_in"
+                    and schedule[j].target == step.target)
+        out = next(r for r in profile.residencies if r.tensor == step.target and r.start <= i <= r.end)
+        lo = plan.offsets[roots[out.key]]
+        overwritten += [r.tensor for r in profile.residencies if i < r.start < back and r.nbytes
+                        and plan.offsets[roots[r.key]] < lo + out.nbytes and lo < plan.offsets[roots[r.key]] + r.nbytes]
+    assert overwritten, "no swapped-out tensor's bytes are reused before it comes back"
+    result = run_plan(plan, check=True, steps=2, threads=1)
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+    assert result.sessions == run_plan(PLANS["mlp-reuse"], threads=1).sessions == 1
