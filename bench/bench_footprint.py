@@ -10,7 +10,8 @@ throwaway one-node session run once; it maps ~7 MiB of the library's code, which
 Runtime user pays before its first step), the plan read and the inputs made (for a plain
 session also its model serialized, as a user holds it before building a session; the plan
 is kept, as memsched's run keeps it), and the C heap's free pages given back to the OS
-(`release_free_heap`). Growth is then the peak RSS
+(memsched.measure.release_free_heap: serializing the plain session's model frees as much as
+its weights again, which its session would otherwise grow into unseen). Growth is then the peak RSS
 (memsched.measure.ProcessMemory) during the session builds and `--steps` + 1 steps, less RSS
 at that start: the memory the step needs. For memsched that is `run_plan`: its arena, its
 sessions, kernels' scratch, its own tables; for a plain session: its weights, its arena,
@@ -89,21 +90,6 @@ def plain_steps(session, feeds: dict, steps: int) -> list[float]:
     return times
 
 
-def release_free_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc malloc_trim) right before measuring.
-
-    Why: what a process freed before the start stays resident and is reused without growing
-    RSS. Serializing the plain session's model frees as much as its weights again (the model
-    proto that `to_onnx` builds), so without this its session would grow into that memory
-    unseen and look smaller than it is; memsched's process frees far less there."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):       # not glibc: nothing to release this way
-        pass
-
-
 def file_resident() -> int:
     """Resident file-backed pages (RssFile): mostly shared libraries' code, in bytes."""
     with open("/proc/self/status") as status:
@@ -122,7 +108,7 @@ def worker(kind: str, plan_path: str, threads: int | None, steps: int) -> dict:
 
     from memsched.emit import read_plan
     from memsched.executor import prepare_inputs, run_plan
-    from memsched.measure import ProcessMemory
+    from memsched.measure import ProcessMemory, release_free_heap
     from memsched.ort import warm_environment
 
     warm_environment()

@@ -52,7 +52,7 @@ from onnx import helper, numpy_helper
 from .errors import ScheduleError, UserError
 from .ir import Graph, Op, _make_node, tensor_value
 from .cuda import device_memory, load_cudart
-from .measure import ProcessMemory
+from .measure import ProcessMemory, release_free_heap
 from .memory import MemoryProfile, Residency, buffer_groups, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
 from .ops import CONSTANT_OPS, HOISTED_OPS, draws_random
@@ -941,8 +941,10 @@ def _rehearse(program: _Program, profile: MemoryProfile) -> tuple[np.ndarray, in
 def _load(program: _Program, rt: "_Runtime", graph: Graph, feeds: dict, first: bool, poison: bool) -> None:
     """Put this step's inputs where the plan starts them, and the statics no update brings:
     every static on the first step (read from the graph one at a time, so no second copy of
-    the parameters is kept), constants again on later steps (a freed one's bytes are reused).
-    With `poison`, every other byte of the arena is NaN bytes first."""
+    the parameters is kept; each passes through a transient copy, the bytes of its
+    TensorProto, which the C heap keeps resident once freed until it gives its free pages
+    back, after the first load), constants again on later steps (a freed one's bytes are
+    reused). With `poison`, every other byte of the arena is NaN bytes first."""
     keep = [] if first else [target[1:] for _, target, _ in program.updates if target and target[0] == "arena"]
     if poison:
         for lo, hi in _subtract([(0, rt.arena_bytes)], _union(keep)):
@@ -958,6 +960,8 @@ def _load(program: _Program, rt: "_Runtime", graph: Graph, feeds: dict, first: b
         if name not in updated:
             value = np.ascontiguousarray(tensor_value(graph.tensors[name], graph.base_dir))
             store[:] = value.reshape(-1).view(np.uint8)
+    if first:
+        release_free_heap()
 
 
 def _advance(program: _Program, rt: "_Runtime") -> None:

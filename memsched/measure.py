@@ -511,6 +511,22 @@ def _cpu_name() -> str:
 
 
 # ---- the process's real memory ---------------------------------------------------------------
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim).
+
+    Why: a freed block stays resident and is reused without growing RSS. Large blocks are
+    mapped and unmapped one by one at first, but glibc raises its mapping threshold to the
+    size of each one freed, so later blocks of that size come from the heap and stay there
+    once freed: a model's weights, each read through a transient copy, would leave as much
+    resident again. Elsewhere than glibc nothing happens."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):       # not glibc: nothing to release this way
+        pass
+
+
 class ProcessMemory:
     """The process's resident memory over a stretch of work, as the OS counts it: RSS when the
     stretch starts and the peak RSS reached until `peak` is read (Linux: VmRSS and VmHWM of
