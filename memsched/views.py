@@ -295,7 +295,8 @@ def print_run(summary: dict) -> None:
     if summary["fallback"]:
         provider += f" [yellow](asked for {_e(summary['requested_device'])}: {_e(summary['fallback'])})[/yellow]"
     out.print(f"ran [bold]{summary['steps']}[/bold] step(s) of {_e(summary['plan'])} on {provider}: "
-              f"{summary['ops']} op runs per step, {summary['sessions']} ONNX Runtime sessions")
+              f"{summary['ops']} op runs per step, {summary['sessions']} ONNX Runtime "
+              f"session{'' if summary['sessions'] == 1 else 's'}")
     table = Table(title_justify="left")
     for col in ("", "measured", "planned"):
         table.add_column(col, justify="right" if col else "left")
