@@ -32,7 +32,8 @@ twice without `recompute`, a free before a use) raises ScheduleError naming the 
 """
 from __future__ import annotations
 
-import dataclasses
+import bisect
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,7 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
     n = len(schedule)
     tensors = graph.tensors
     held_to_end = set(graph.outputs)
+    ends = held_to_end | set(graph.inputs)      # no output may take these tensors' storage
     open_: dict[str, dict] = {}          # tensor -> the open residency being built
     closed: list[dict] = []
     counts: dict[str, int] = {}
@@ -148,7 +150,7 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
                 start(name, i)
                 source = aliases.get(name)
                 if source is not None:
-                    _check_alias(graph, op, name, source)
+                    _check_alias(graph, op, name, source, ends)
                     open_[name]["shares_with"] = (source, counts[source] - 1)
                     alias_events.append(((name, counts[name] - 1), (source, counts[source] - 1), i,
                                          op.op_type in VIEW_OPS))
@@ -192,15 +194,17 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
     held = {(r["tensor"], r["index"]) for r in closed if r["closed_by"] == "end of step"}
     _check_writers_own_buffers(groups, alias_events, held)
     first = _counted_from(groups)
-    residencies = [dataclasses.replace(r, counted_from=first[r.key]) for r in raw]
+    residencies = [Residency(r.tensor, r.index, r.start, r.end, r.nbytes, r.kind, r.shares_with, first[r.key])
+                   for r in raw]
 
     live, by_kind = _timeline(residencies, n)
     names = [str(s) for s in schedule]
     return MemoryProfile(residencies, live, by_kind, names)
 
 
-def _check_alias(graph: Graph, op, output: str, source: str) -> None:
-    """The static half of rule 4; `analyze` checks that the source dies at the op."""
+def _check_alias(graph: Graph, op, output: str, source: str, ends: set[str]) -> None:
+    """The static half of rule 4 (`ends`: the graph's inputs and outputs); `analyze` checks
+    that the source dies at the op."""
     if source not in op.present_inputs:
         raise ScheduleError(f"'{output}' may not alias '{source}': it is not an input of op '{op.name}'")
     if graph.tensors[output].nbytes != graph.tensors[source].nbytes:
@@ -211,7 +215,7 @@ def _check_alias(graph: Graph, op, output: str, source: str) -> None:
         what, over = ("a Gemm update", "C, the parameter or state it updates") if op.op_type == "Gemm" \
             else (op.op_type, "its first input")
         raise ScheduleError(f"'{output}' may not alias '{source}': {what} writes in place only over {over}")
-    if source in graph.outputs or source in graph.inputs:
+    if source in ends:
         raise ScheduleError(f"'{output}' may not alias '{source}': it is a graph input or output")
 
 
@@ -331,14 +335,25 @@ def check_placement(profile: MemoryProfile, offsets: dict[tuple[str, int], int])
             raise ScheduleError(f"tensor '{key[0]}' has a negative arena offset")
         items.append((first, last, offset, offset + nbytes, key))
     items.sort()
-    active: list[tuple[int, int, int, tuple]] = []
+    # a sweep over the steps: the live buffers' byte ranges, disjoint, sorted by their start
+    # (a new range overlaps one of them only if it overlaps its neighbours there), and a heap
+    # of their last steps to drop them once the sweep is past
+    starts: list[int] = []
+    live: list[tuple[int, int, tuple]] = []      # (lo, hi, key), in the order of `starts`
+    ending: list[tuple[int, int]] = []           # (last step, lo)
     arena = 0
     for first, last, lo, hi, key in items:
-        active = [a for a in active if a[0] >= first]
-        for a_last, a_lo, a_hi, a_key in active:
+        while ending and ending[0][0] < first:
+            _, gone = heapq.heappop(ending)
+            at = bisect.bisect_left(starts, gone)
+            del starts[at], live[at]
+        at = bisect.bisect_left(starts, lo)
+        for a_lo, a_hi, a_key in live[max(at - 1, 0):at + 1]:
             if lo < a_hi and a_lo < hi:
                 raise ScheduleError(f"tensors '{key[0]}' and '{a_key[0]}' are live together at step "
                                     f"{first} and overlap in the arena ([{lo},{hi}) vs [{a_lo},{a_hi}))")
-        active.append((last, lo, hi, key))
+        starts.insert(at, lo)
+        live.insert(at, (lo, hi, key))
+        heapq.heappush(ending, (last, lo))
         arena = max(arena, hi)
     return arena

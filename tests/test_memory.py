@@ -165,6 +165,29 @@ def test_placement_check_catches_overlap():
         check_placement(prof, bad)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(0, 40), st.integers(0, 24)),
+                min_size=1, max_size=14))
+def test_placement_check_agrees_with_every_pair(spans):
+    """The sweep (live ranges kept sorted, only a new range's neighbours compared) finds an
+    overlap exactly where some pair of buffers live at a common step overlaps in bytes."""
+    from memsched.memory import MemoryProfile, Residency
+
+    residencies = [Residency(f"t{i}", 0, first, first + length, nbytes, "activation", None, first)
+                   for i, (first, length, _, nbytes) in enumerate(spans)]
+    offsets = {r.key: lo for r, (_, _, lo, _) in zip(residencies, spans)}
+    profile = MemoryProfile(residencies, np.zeros(1, dtype=np.int64), {}, [])
+    clash = any(a.nbytes and b.nbytes and a.start <= b.end and b.start <= a.end
+                and offsets[a.key] < offsets[b.key] + b.nbytes and offsets[b.key] < offsets[a.key] + a.nbytes
+                for i, a in enumerate(residencies) for b in residencies[i + 1:])
+    if clash:
+        with pytest.raises(ScheduleError, match="overlap"):
+            check_placement(profile, offsets)
+    else:
+        assert check_placement(profile, offsets) == max((offsets[r.key] + r.nbytes for r in residencies
+                                                          if r.nbytes), default=0)
+
+
 @st.composite
 def random_dags(draw):
     """A random DAG of unary/binary ops over random-size tensors, in a valid stored order."""
