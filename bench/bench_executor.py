@@ -89,10 +89,11 @@ def bench_plan(plan, steps: int, threads: int) -> dict:
     }
 
 
-def small_training_step(name: str):
-    """The SGD training step (cross-entropy) of bundled model `name` at its size in SIZES."""
-    return build_training_step(frontend.lower(models.build(name, **SIZES[name])), loss="cross_entropy",
-                               optimizer="sgd")
+def small_training_step(name: str, size: dict | None = None):
+    """The SGD training step (cross-entropy) of bundled model `name` at `size` (default: its
+    size in SIZES)."""
+    return build_training_step(frontend.lower(models.build(name, **(SIZES[name] if size is None else size))),
+                               loss="cross_entropy", optimizer="sgd")
 
 
 def bench_model(name: str, steps: int, threads: int, time_limit: float) -> dict:

@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_executor import SIZES  # noqa: E402
+from bench_executor import SIZES, small_training_step  # noqa: E402
 from json_report import emit  # noqa: E402
 
 PLANS = [("order,reuse", None), ("order,reuse,recompute,swap", "60%")]
@@ -156,15 +156,12 @@ CASES["resnet18-224"] = ("resnet18", dict(batch=32, size=224, classes=1000),
 
 def compile_case(label: str, hardware: str, directory: Path, time_limit: float) -> dict:
     """Compile every plan of case `label` for `hardware` into `directory`: the manifest's entry."""
-    import models
-    from memsched import frontend
     from memsched.emit import write_plan
     from memsched.errors import MemschedError
     from passes.pipeline import compile as compile_plan
-    from passes.training import build_training_step
 
     model, size, plans = CASES[label]
-    graph = build_training_step(frontend.lower(models.build(model, **size)), loss="cross_entropy", optimizer="sgd")
+    graph = small_training_step(model, size)
     entry = {"model": label, "size": size, "ops": len(graph.ops), "hardware": hardware, "plans": []}
     for index, (strategies, budget) in enumerate(plans):
         row = {"strategies": strategies, "budget": budget}

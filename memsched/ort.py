@@ -71,6 +71,10 @@ def session_options(threads: int, optimization: str = OPTIMIZATION):
     return options
 
 
+# The arenas every bound session shares for kernels' scratch, on the CPU and on CUDA: no cap,
+# grown by exactly what a kernel asks for (arena_extend_strategy 1: kSameAsRequested).
+SHARED_ARENA = {"max_mem": 0, "arena_extend_strategy": 1, "initial_chunk_size_bytes": 1 << 20,
+                "max_dead_bytes_per_chunk": 1 << 20}
 _scratch_registered = False
 
 
@@ -94,8 +98,7 @@ def shared_scratch_arena() -> None:
         return
     import onnxruntime as ort
 
-    config = ort.OrtArenaCfg({"max_mem": 0, "arena_extend_strategy": 1,   # 1: kSameAsRequested
-                              "initial_chunk_size_bytes": 1 << 20, "max_dead_bytes_per_chunk": 1 << 20})
+    config = ort.OrtArenaCfg(SHARED_ARENA)
     info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     ort.create_and_register_allocator(info, config)
     _scratch_registered = True
@@ -181,8 +184,7 @@ def shared_cuda_arena() -> None:
         return
     import onnxruntime as ort
 
-    config = ort.OrtArenaCfg({"max_mem": 0, "arena_extend_strategy": 1,
-                              "initial_chunk_size_bytes": 1 << 20, "max_dead_bytes_per_chunk": 1 << 20})
+    config = ort.OrtArenaCfg(SHARED_ARENA)
     info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     try:
         ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, {"device_id": "0"}, config)
