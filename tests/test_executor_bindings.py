@@ -124,18 +124,30 @@ def test_copy_waits_hold_when_copies_land_as_late_as_cuda_allows(monkeypatch):
         for event in sorted(pending):
             land(rt, event)
 
+    issued = []
+
+    def later(kind):
+        def copy(rt, lo, hi, store, event):
+            pending[event] = (kind, lo, hi, store)
+            issued.append(event)
+        return copy
+
     synchronize = executor._Runtime.synchronize
-    monkeypatch.setattr(executor._Runtime, "copy_out", lambda rt, lo, hi, store, e: pending.__setitem__(
-        e, ("out", lo, hi, store)))
-    monkeypatch.setattr(executor._Runtime, "copy_in", lambda rt, lo, hi, store, e: pending.__setitem__(
-        e, ("in", lo, hi, store)))
+    monkeypatch.setattr(executor._Runtime, "copy_out", later("out"))
+    monkeypatch.setattr(executor._Runtime, "copy_in", later("in"))
     monkeypatch.setattr(executor._Runtime, "wait", wait)
     monkeypatch.setattr(executor._Runtime, "wait_all", wait_all)
     monkeypatch.setattr(executor._Runtime, "synchronize", lambda rt: (wait_all(rt), synchronize(rt)))
     items = executor._items
-    monkeypatch.setattr(executor, "_items", lambda actions, graph, split, *rest: items(actions, graph, True, *rest))
+
+    def as_on_cuda(actions, graph, split, order, hooks, unwritten=frozenset(), copy_base=None):
+        return items(actions, graph, True, order, hooks, unwritten)        # copies as steps of their own
+
+    monkeypatch.setattr(executor, "_items", as_on_cuda)
     for graph in (mlp_train_graph(), cnn_graph()):
         plan = strategy_plans(graph)["swap"]
         assert any(step.kind == "swap_in" for step in plan.schedule)
+        issued.clear()
         result = executor.run_plan(plan, steps=2, check=True)
         assert result.check["passed"] and result.check["bit_identical"] and not pending
+        assert issued, "no copy ran as a step of its own"
