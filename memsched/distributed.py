@@ -128,34 +128,30 @@ class _Comm:
         graph = plan.graph
         statistics = set(batch_statistics(graph)) if sync_batchnorm else set()
         self.synchronised = len(statistics)
-        averaged = {}           # step -> the batch statistics its op makes (compute or recompute)
-        for i, step in enumerate(plan.schedule):
-            if step.kind in ("compute", "recompute"):
-                made = [t for t in graph.op_by_name[step.target].present_outputs if t in statistics]
-                if made:
-                    averaged[i] = made
         self.buckets = gradient_buckets(plan, plan_options(graph)["bucket_bytes"])
         closing = {b.step: k for k, b in enumerate(self.buckets)}
         bucketed = {g for b in self.buckets for g in b.grads}
         self.scratch = {g: (graph.tensors[g].numel, helper.tensor_dtype_to_np_dtype(graph.tensors[g].dtype))
                         for g in bucketed}      # size and type of each gradient, for `measure`
+        averaged = {}           # step -> the batch statistics its op makes (compute or recompute)
         makers = {}             # step -> the bucketed gradients its op makes
-        for i, step in enumerate(plan.schedule):
-            if step.kind == "compute":
-                made = [t for t in graph.op_by_name[step.target].present_outputs if t in bucketed]
-                if made:
-                    makers[i] = made
-        needs = readers(plan, self.buckets)
         first_read: dict[str, int] = {}          # parameter or buffer -> the step of its first reader
+        last = 0                # the step of the last op
         for i, step in enumerate(plan.schedule):
-            if step.kind in ("compute", "recompute"):
-                for t in graph.op_by_name[step.target].present_inputs:
-                    if graph.tensors[t].kind in ("parameter", "buffer"):
-                        first_read.setdefault(t, i)
+            if step.kind not in ("compute", "recompute"):
+                continue
+            op, last = graph.op_by_name[step.target], i
+            if made := [t for t in op.present_outputs if t in statistics]:
+                averaged[i] = made
+            if step.kind == "compute" and (grads := [t for t in op.present_outputs if t in bucketed]):
+                makers[i] = grads
+            for t in op.present_inputs:
+                if graph.tensors[t].kind in ("parameter", "buffer"):
+                    first_read.setdefault(t, i)
+        needs = readers(plan, self.buckets)
         broadcast: dict[int, list[str]] = {}
         for t, i in first_read.items():
             broadcast.setdefault(i, []).append(t)
-        last = max(i for i, s in enumerate(plan.schedule) if s.kind in ("compute", "recompute"))
         self.views: dict[str, np.ndarray] = {}
         self.works: dict[int, list] = {}         # bucket -> its all-reduces' work handles
         self.closed: list[int] = []              # closed, not yet started (without overlap)

@@ -34,14 +34,14 @@ from memsched.data_parallel import data_parallel as data_parallel_estimate
 from memsched.deadline import Deadline
 from memsched.memory import MemoryProfile, validate
 from memsched.report import input_pipeline, tensor_decisions
-from memsched.schedule import Plan, order_schedule
+from memsched.schedule import Plan
 from memsched.simulate import Simulation, simulate
 from memsched.units import format_bytes, parse_bytes, parse_percent
 
 from passes.rewrites.batch_split import batch_split_step, given_graph
 from passes.rewrites.concat_split import reuse_variants
 from passes.fit import DRAINED, IMPROVE, Search
-from passes.reuse import FUSED_KEY, baseline_aliases, choose_aliases, compute_order
+from passes.reuse import FUSED_KEY, baseline_aliases
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")
 PLACEMENT_FREE = ("order", "reuse")      # the strategies without a budget: no added time
@@ -168,11 +168,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     def search(step: Plan, step_variants: dict[str, Graph], label: str, fallback: bool = False) -> Search:
         """The fit search of `step` after reuse and order, its first plans made (none past the
         deadline where another search holds a plan: `fallback`)."""
-        # data parallel all-reduces every gradient: no update fused into its dW Gemm
-        passes = _passes(fuse_updates=not data_parallel, variants=step_variants)
-        if data_parallel:
-            passes = {**passes, **{name: lambda p, limit, dl, f=passes[name]: updates_last(f(p, limit, dl))
-                                   for name in ("reuse", "order")}}
+        passes = _passes(data_parallel=data_parallel, variants=step_variants)
         start, peak = dataclasses.replace(step, budget=None), validate(step).peak_bytes
         for name in ("reuse", "order"):
             if name in strategies:
@@ -290,42 +286,28 @@ def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], mo
     return CompileResult(graph, baseline, baseline_profile, baseline_sim, plan, profile, sim, report)
 
 
-def updates_last(plan: Plan) -> Plan:
-    """`plan` with its update ops moved after every other op (in their order), as a
-    data-parallel step runs them: each update waits for its gradients' all-reduce, which
-    starts only once the gradients' bucket is complete. In-place aliases are chosen again for
-    the new order (the earlier ones preferred). A schedule with recompute or swap steps is kept."""
-    order = compute_order(plan.schedule)
-    if order is None:
-        return plan
-    phase = {name: plan.graph.op_by_name[name].phase for name in order}
-    moved = [n for n in order if phase[n] != "update"] + [n for n in order if phase[n] == "update"]
-    if moved == order:
-        return plan
-    schedule = order_schedule(moved)
-    return dataclasses.replace(plan, schedule=schedule, offsets=None,
-                               aliases=choose_aliases(plan.graph, schedule, plan.aliases),
-                               notes={**plan.notes, "data_parallel": {"updates_moved_last": True}})
-
-
 def strategies_of(plan: Plan) -> tuple[str, ...]:
     """The strategies a plan was made with, from the notes its passes left."""
     return tuple(s for s in STRATEGIES if s in plan.notes)
 
 
-def _passes(fuse_updates: bool = True, variants: dict[str, Graph] | None = None) -> dict[str, Callable]:
+def _passes(data_parallel: bool = False, variants: dict[str, Graph] | None = None) -> dict[str, Callable]:
     """Strategy name -> pass as `f(plan, seconds, deadline)`; imported on use so loading the
     pipeline stays cheap.
-    `fuse_updates`: whether reuse may fuse SGD and momentum updates into their dW Gemms;
+    `data_parallel`: the step all-reduces every gradient, so reuse fuses no update into its
+    dW Gemm, and reuse and order leave the updates last (passes.reuse.updates_last);
     `variants`: rewritten training steps reuse may pick instead (passes.rewrites.concat_split)."""
     from passes.order import order_pass
     from passes.placement import place_pass
     from passes.recompute.planner import recompute_pass
-    from passes.reuse import reuse_pass
+    from passes.reuse import reuse_pass, updates_last
     from passes.swap.planner import swap_pass
 
-    return {"order": lambda plan, limit, deadline: order_pass(plan, limit, deadline=deadline),
-            "reuse": lambda plan, limit, deadline: reuse_pass(plan, fuse_updates, variants),
+    def last(plan: Plan) -> Plan:
+        return updates_last(plan) if data_parallel else plan
+
+    return {"order": lambda plan, limit, deadline: last(order_pass(plan, limit, deadline=deadline)),
+            "reuse": lambda plan, limit, deadline: last(reuse_pass(plan, not data_parallel, variants)),
             "recompute": lambda plan, limit, deadline: recompute_pass(plan, limit, deadline=deadline),
             DRAINED: lambda plan, limit, deadline: recompute_pass(plan, limit, drained=True, deadline=deadline),
             "swap": lambda plan, limit, deadline: swap_pass(plan, limit, deadline=deadline),

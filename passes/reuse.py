@@ -714,3 +714,21 @@ def _dwdx_notes(graph: Graph, order: list[str]) -> dict:
             else:
                 dx_first += 1
     return {"layers_dw_first": dw_first, "layers_dx_first": dx_first}
+
+
+def updates_last(plan: Plan) -> Plan:
+    """`plan` with its update ops moved after every other op (in their order), as a
+    data-parallel step runs them: each update waits for its gradients' all-reduce, which
+    starts only once the gradients' bucket is complete. In-place aliases are chosen again for
+    the new order (the earlier ones preferred). A schedule with recompute or swap steps is kept."""
+    order = compute_order(plan.schedule)
+    if order is None:
+        return plan
+    phase = {name: plan.graph.op_by_name[name].phase for name in order}
+    moved = [n for n in order if phase[n] != "update"] + [n for n in order if phase[n] == "update"]
+    if moved == order:
+        return plan
+    schedule = order_schedule(moved)
+    return dataclasses.replace(plan, schedule=schedule, offsets=None,
+                               aliases=choose_aliases(plan.graph, schedule, plan.aliases),
+                               notes={**plan.notes, "data_parallel": {"updates_moved_last": True}})
