@@ -170,11 +170,12 @@ def timing_worker(plan_path: str, threads: int, steps: int, rounds: int, min_sec
     warm_environment()
     plan = read_plan(plan_path)
     feeds = prepare_inputs(plan.graph)
-    model = plan.graph.to_onnx().SerializeToString()
+    proto = plan.graph.to_onnx()
+    model = proto.SerializeToString()
     plain = {(kind, t): plain_session(model, kind, t)
              for kind, t in (("ort_same", threads), ("ort_same_threads", threads), ("ort_defaults", None),
                              ("ort_same_threads_no_prepack", threads), ("ort_same_threads_no_folding", threads))}
-    trainable, state = trainable_model(plan.graph)
+    trainable, state = trainable_model(proto, plan.graph)
     plain[("ort_trainable_threads", threads)] = plain_session(trainable, "ort_same_threads", threads)
     probe = run_plan(plan, steps=2, threads=threads, inputs=feeds).step_times[1]
     steps = max(steps, math.ceil(min_seconds / max(probe, 1e-6)))
@@ -188,15 +189,15 @@ def timing_worker(plan_path: str, threads: int, steps: int, rounds: int, min_sec
     return {**{key: statistics.median(values) for key, values in times.items()}, "steps_per_round": steps}
 
 
-def trainable_model(graph) -> tuple[bytes, dict]:
+def trainable_model(model, graph) -> tuple[bytes, dict]:
     """The step as a training loop must run it on plain ONNX Runtime: the parameters, buffers
     and optimizer state fed as inputs every step (their `.updated` outputs fed back), not
     baked in as initializers, which ONNX Runtime may prepack and re-lay out once and which no
-    step can change. Returns the serialized model and the state to feed."""
+    step can change. `model` is the graph's ONNX model, turned so in place. Returns the
+    serialized model and the state to feed."""
     import onnx
     from onnx import numpy_helper
 
-    model = graph.to_onnx()
     state, kept = {}, []
     for init in model.graph.initializer:
         if graph.tensors[init.name].kind in ("parameter", "buffer", "optimizer_state"):
