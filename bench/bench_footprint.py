@@ -52,7 +52,7 @@ configuration's step time is the median of its steps after the first of each rou
 Prints one JSON object (and writes it to -o FILE if given).
 
     python bench/bench_footprint.py [--models resnet18,bert-base] [--steps 3] [--rounds 3] [--threads 1]
-                                    [--min-seconds 0.3] [--time-limit 20]
+                                    [--min-seconds 1] [--time-limit 20]
 """
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of the equal-threads runs (default 1); the default-threads runs "
                              "use every core")
-    parser.add_argument("--min-seconds", type=float, default=0.3,
+    parser.add_argument("--min-seconds", type=float, default=1.0,
                         help="timing: steps per round enough for memsched's step to take this long")
     parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per compile")
     parser.add_argument("-o", "--output", help="also write the JSON here")
