@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,10 +59,11 @@ class Residency:
     kind: str         # the tensor's kind
     shares_with: tuple[str, int] | None = None  # (tensor, index) whose storage it takes
     counted_from: int | None = None   # first step its bytes count (rule 4: a buffer counts once)
+    key: tuple[str, int] = field(init=False, repr=False, compare=False)   # (tensor, index)
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.tensor, self.index)
+    def __post_init__(self):
+        # stored, not a property: the passes ask for it millions of times per compile
+        object.__setattr__(self, "key", (self.tensor, self.index))
 
 
 @dataclass
@@ -87,10 +90,34 @@ class MemoryProfile:
         return [r for r in self.residencies if r.start <= step <= r.end]
 
 
+# graph -> the last PROFILES_KEPT profiles made of it, by (schedule, aliases, on_host): a
+# compile judges the same plan several times over (after its pass, to price it, to place
+# it), and a 10,000-op step takes a quarter of a second to analyze
+PROFILES_KEPT = 4
+_PROFILES: "weakref.WeakKeyDictionary[Graph, OrderedDict[tuple, MemoryProfile]]" = weakref.WeakKeyDictionary()
+
+
 def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = None,
             on_host: frozenset[str] | set[str] = frozenset()) -> MemoryProfile:
-    """Apply the rules above to `schedule`; raise ScheduleError where it is invalid."""
-    aliases = aliases or {}
+    """Apply the rules above to `schedule`; raise ScheduleError where it is invalid. The same
+    schedule, aliases and host tensors of the same graph give the same profile object (its
+    arrays are read-only)."""
+    key = (tuple(schedule), frozenset((aliases or {}).items()), frozenset(on_host))
+    kept = _PROFILES.setdefault(graph, OrderedDict())
+    if key in kept:
+        kept.move_to_end(key)
+        return kept[key]
+    profile = _analyze(graph, schedule, aliases or {}, on_host)
+    for values in (profile.live_bytes, *profile.by_kind.values()):
+        values.flags.writeable = False
+    kept[key] = profile
+    if len(kept) > PROFILES_KEPT:
+        kept.popitem(last=False)
+    return profile
+
+
+def _analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str],
+             on_host: frozenset[str] | set[str]) -> MemoryProfile:
     n = len(schedule)
     tensors = graph.tensors
     held_to_end = set(graph.outputs)
@@ -190,12 +217,13 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
 
     raw = [Residency(r["tensor"], r["index"], r["start"], r["end"], tensors[r["tensor"]].nbytes,
                      tensors[r["tensor"]].kind, r["shares_with"]) for r in closed]
+    made = {r.key: r for r in raw}
     groups = _groups(raw)
     held = {(r["tensor"], r["index"]) for r in closed if r["closed_by"] == "end of step"}
     _check_writers_own_buffers(groups, alias_events, held)
-    first = _counted_from(groups)
-    residencies = [Residency(r.tensor, r.index, r.start, r.end, r.nbytes, r.kind, r.shares_with, first[r.key])
-                   for r in raw]
+    for key, step in _counted_from(groups).items():     # set once, before anyone else holds them
+        object.__setattr__(made[key], "counted_from", step)
+    residencies = raw
 
     live, by_kind = _timeline(residencies, n)
     names = [str(s) for s in schedule]
@@ -226,8 +254,8 @@ def _groups(residencies: list[Residency]) -> dict[tuple[str, int], list[Residenc
     groups: dict[tuple[str, int], list[Residency]] = {}
     for r in residencies:
         key = r.key
-        while by_key[key].shares_with is not None:
-            key = by_key[key].shares_with
+        while (shared := by_key[key].shares_with) is not None:
+            key = shared
         groups.setdefault(key, []).append(r)
     return groups
 
@@ -253,6 +281,8 @@ def _check_writers_own_buffers(groups: dict[tuple[str, int], list[Residency]], a
     if not writers:
         return
     for members in groups.values():
+        if len(members) == 1:        # nothing else in its buffer to be overwritten
+            continue
         for r in members:
             if r.key not in writers or r.start != writers[r.key][1]:
                 continue
