@@ -52,6 +52,7 @@ import hashlib
 import json
 import math
 import re
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -492,11 +493,23 @@ def model_pricing(graph: Graph, hw: Hardware) -> dict:
     return {"source": "roofline", "hardware": hw.name, "calibrated": bool(hw.op_class_overhead), "ops": counts}
 
 
+# graph -> id(hardware) -> (that hardware, op name -> roofline seconds): the passes and the
+# simulator price every op of a 10,000-op step dozens of times per compile
+_ROOFLINE_TIMES: "weakref.WeakKeyDictionary[Graph, dict[int, tuple[Hardware, dict[str, float]]]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def op_time(op: Op, graph: Graph, source: "Hardware | CostTable") -> float:
-    """Seconds `op` takes: measured if `source` is a CostTable, else the roofline on `source`."""
+    """Seconds `op` takes: measured if `source` is a CostTable, else the roofline on `source`
+    (cached per graph and hardware: a graph's ops and shapes do not change once built)."""
     if isinstance(source, CostTable):
         return source.time(op, graph)
-    return roofline_time(op, graph, source)
+    per_graph = _ROOFLINE_TIMES.setdefault(graph, {})
+    times = per_graph.setdefault(id(source), (source, {}))[1]
+    seconds = times.get(op.name)
+    if seconds is None:
+        seconds = times[op.name] = roofline_time(op, graph, source)
+    return seconds
 
 
 # ---- signatures --------------------------------------------------------------------------

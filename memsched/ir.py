@@ -10,6 +10,7 @@ through ONNX in `metadata_props` under the keys `memsched.kinds` and `memsched.p
 from __future__ import annotations
 
 import json
+import functools
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -32,6 +33,12 @@ _KINDS_KEY = "memsched.kinds"
 _PHASES_KEY = "memsched.phases"
 
 
+@functools.cache
+def _itemsize(dtype: int) -> int:
+    """Bytes per element of an ONNX element type (asked for ~100 times per op by the passes)."""
+    return np.dtype(helper.tensor_dtype_to_np_dtype(dtype)).itemsize
+
+
 @dataclass
 class Tensor:
     """A value in the graph. `data` holds an initializer's contents (possibly external)."""
@@ -51,7 +58,7 @@ class Tensor:
     def itemsize(self) -> int:
         if self.dtype == TensorProto.STRING or self.dtype == TensorProto.UNDEFINED:
             raise ValueError(f"tensor '{self.name}' has no fixed item size")
-        return np.dtype(helper.tensor_dtype_to_np_dtype(self.dtype)).itemsize
+        return _itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
