@@ -42,6 +42,9 @@ def test_conv_flops_and_bytes_by_hand():
     assert roofline_time(op, g, HW) == max(28160 / 1e9, 3712 / 1e6) + 5e-6    # memory bound here
     fast_memory = dataclasses.replace(HW, memory_bandwidth=1e9)
     assert roofline_time(op, g, fast_memory) == 28160 / 1e9 + 5e-6           # compute bound
+    # op_time keeps a graph's times per hardware profile: each profile gets its own
+    assert [op_time(op, g, hw) for hw in (HW, fast_memory, HW)] == \
+        [roofline_time(op, g, HW), roofline_time(op, g, fast_memory), roofline_time(op, g, HW)]
 
 
 def test_batched_matmul_flops_and_bytes_by_hand():

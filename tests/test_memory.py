@@ -39,6 +39,22 @@ def test_default_schedule_exact_bytes_per_step():
     assert prof.kinds_at(2) == {"activation": 120, "output": 20, "parameter": 400}
 
 
+def test_the_same_plan_of_the_same_graph_is_analysed_once():
+    """A compile judges one plan several times: the profile is kept, by schedule, aliases and
+    host tensors, and cannot be changed by whoever holds it."""
+    g = chain_graph()
+    schedule = default_schedule(g)
+    first = analyze(g, schedule)
+    assert analyze(g, list(schedule)) is first                    # an equal schedule, not the same list
+    with pytest.raises(ValueError):
+        first.live_bytes[0] = 0
+    swapped = analyze(g, [compute("a"), swap_out("p"), swap_in("p"), compute("b"), compute("c")])
+    assert swapped is not first and swapped.live_bytes.tolist() != first.live_bytes.tolist()
+    hosted = [compute("a"), swap_in("w"), compute("b"), compute("c")]
+    assert analyze(g, hosted, on_host={"w"}).live_bytes[0] == first.live_bytes[0] - 400   # w starts on the host
+    assert analyze(chain_graph(), schedule) is not first           # another graph, its own profiles
+
+
 def test_swap_and_recompute_residencies():
     g = chain_graph()
     sched = [compute("a"), swap_out("p"), swap_in("p"), compute("b"), compute("c")]
