@@ -10,10 +10,9 @@ through ONNX in `metadata_props` under the keys `memsched.kinds` and `memsched.p
 from __future__ import annotations
 
 import json
-import functools
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any, Iterable
 
 import networkx as nx
@@ -33,7 +32,7 @@ _KINDS_KEY = "memsched.kinds"
 _PHASES_KEY = "memsched.phases"
 
 
-@functools.cache
+@cache
 def _itemsize(dtype: int) -> int:
     """Bytes per element of an ONNX element type (asked for ~100 times per op by the passes)."""
     return np.dtype(helper.tensor_dtype_to_np_dtype(dtype)).itemsize
