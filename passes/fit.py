@@ -304,9 +304,11 @@ class Search:
         the time ran out first."""
         budget = self.budget
         if self.smallest_arena is not None and self.lowest <= budget:
+            hint = "; the time limit cut the search short: a longer --time-limit may place it" \
+                if self.deadline.cut else ""
             return BudgetError(f"the plan's live bytes fit the budget of {format_bytes(budget)} but its arena does "
                                f"not: the smallest arena over it is {format_bytes(self.smallest_arena)} "
-                               f"({self.smallest_arena:,} B)", self.smallest_arena)
+                               f"({self.smallest_arena:,} B){hint}", self.smallest_arena)
         missing = [s for s in ("recompute", "swap") if s not in strategies]
         hint = f"; add {' or '.join(missing)} to --strategies to go lower" if missing else ""
         if self.deadline.cut and not self.tried:

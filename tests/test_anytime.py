@@ -87,6 +87,22 @@ def test_an_expired_deadline_still_gives_the_first_plan():
     assert len(result.plan.notes["fit"]["tried"]) <= fit.FIT_ROUNDS
 
 
+def test_an_arena_over_the_budget_says_when_the_time_limit_cut_the_search():
+    """Exit 3 for an arena that misses the budget names the smallest arena reached, and says
+    when the deadline cut the search short (a longer limit may place it), not otherwise."""
+    def failure(cut: bool) -> str:
+        deadline = unlimited()
+        deadline.cut = cut
+        search = fit.Search(None, 1000, 1000, ("order", "reuse", "swap"), {}, None, 10, deadline)
+        search.lowest, search.smallest_arena = 990, 1100
+        error = search.failure(search.strategies)
+        assert error.smallest_feasible_bytes == 1100
+        return str(error)
+
+    assert "the smallest arena over it is" in failure(False) and "--time-limit" not in failure(False)
+    assert failure(True).endswith("a longer --time-limit may place it")
+
+
 class Terminal:
     """`memsched compile ARGS` with its stderr on a pseudo-terminal (so the progress line shows),
     read continuously by a thread so the process never blocks on a full terminal."""
