@@ -17,8 +17,9 @@ TensorFlow Lite's arena planner and OLLA:
   LOCAL_SEARCH_TRIES moves (LOCAL_SEARCH_PATIENCE in a row without a gain) and no more than
   the time limit buys at LOCAL_SEARCH_RATE (a count, so a plan places alike under load). On a
   short limit that is all of it: ResNet-18 b32's swap plans (588 buffers) at 0.5 s make 127
-  moves in about 0.9 s, and CP-SAT is skipped for want of time. On a 354-op encoder's plan the best greedy was 5.6% above the peak and CP-SAT,
-  started from it, 3.1% after 10 s; started from the search's answer, 0.5-1.5% (two runs).
+  moves in about 0.9 s, and CP-SAT is skipped for want of time. On a 354-op encoder's plan
+  the best greedy was 5.6% above the peak and CP-SAT, started from it, 3.1% after 10 s;
+  started from the search's answer, 0.5-1.5% (two runs).
 - `cpsat_offsets`: CP-SAT with NoOverlap2D over (lifetime x address), warm-started with the
   result so far and bounded by it, used when that arena is above the lower bound. Beyond
   MAX_CPSAT_BUFFERS movable buffers (`largest_first_offsets`), the model takes only the
