@@ -33,7 +33,7 @@ acceptance figure is the whole RSS growth.
   baked in as initializers (`ort_same_threads`) ONNX Runtime does once, at load, work that a
   step updating those weights must do every step: it prepacks them (ConvTranspose and Gemm
   re-lay out their weight), folds the ops that read only them (a Conv's flipped weight for
-  its input gradient) and re-lays out convolution filters for its blocked NCHWc kernels.
+  its input gradient) and, for its blocked NCHWc kernels, re-lays out convolution filters.
   Such a session repeats the first step, never the second; its time is reported
   (`time_vs_ort_same_threads`) beside what it saves:
 - `ort_same_threads_no_prepack` and `ort_same_threads_no_folding` (time only): the same
