@@ -87,27 +87,26 @@ TARGETS = {"memory_vs_ort_defaults": 0.6, "time_vs_ort_trainable_threads": 1.1, 
 KINDS = ("memsched", "ort_same", "ort_same_threads", "ort_defaults")
 
 
-def plain_options(kind: str, threads: int | None):
+def plain_session(model: bytes, kind: str, threads: int | None):
+    """One plain ONNX Runtime session of `model` as configuration `kind` makes it (module
+    docstring): the executor's options, or ONNX Runtime's defaults with `threads` and, for the
+    two variants, prepacking or constant folding off."""
     import onnxruntime as ort
 
     from memsched.ort import session_options
 
+    disabled = None
     if kind == "ort_same":
-        return session_options(threads or 0)
-    options = ort.SessionOptions()
-    if kind.startswith("ort_same_threads"):
-        options.intra_op_num_threads = threads or 0
-    if kind == "ort_same_threads_no_prepack":
-        options.add_session_config_entry("session.disable_prepacking", "1")
-    return options
-
-
-def plain_session(model: bytes, kind: str, threads: int | None):
-    import onnxruntime as ort
-
-    disabled = ["ConstantFolding"] if kind == "ort_same_threads_no_folding" else None
-    return ort.InferenceSession(model, plain_options(kind, threads), providers=["CPUExecutionProvider"],
-                                disabled_optimizers=disabled)
+        options = session_options(threads or 0)
+    else:
+        options = ort.SessionOptions()
+        if kind.startswith("ort_same_threads"):
+            options.intra_op_num_threads = threads or 0
+        if kind == "ort_same_threads_no_prepack":
+            options.add_session_config_entry("session.disable_prepacking", "1")
+        if kind == "ort_same_threads_no_folding":
+            disabled = ["ConstantFolding"]
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled)
 
 
 def plain_steps(session, feeds: dict, steps: int) -> list[float]:
