@@ -217,12 +217,12 @@ def _analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str],
 
     raw = [Residency(r["tensor"], r["index"], r["start"], r["end"], tensors[r["tensor"]].nbytes,
                      tensors[r["tensor"]].kind, r["shares_with"]) for r in closed]
-    made = {r.key: r for r in raw}
     groups = _groups(raw)
     held = {(r["tensor"], r["index"]) for r in closed if r["closed_by"] == "end of step"}
     _check_writers_own_buffers(groups, alias_events, held)
-    for key, step in _counted_from(groups).items():     # set once, before anyone else holds them
-        object.__setattr__(made[key], "counted_from", step)
+    first = _counted_from(groups)
+    for r in raw:                   # set once, before anyone else holds them
+        object.__setattr__(r, "counted_from", first[r.key])
     residencies = raw
 
     live, by_kind = _timeline(residencies, n)
