@@ -37,6 +37,8 @@ def f32(*shape):
 DOUBLE_CASES = {
     "Relu": ("Relu", [r(3, 4)], {}),
     "LeakyRelu": ("LeakyRelu", [r(3, 4)], {"alpha": 0.1}),
+    "LeakyRelu-flat": ("LeakyRelu", [r(3, 4)], {"alpha": 0.0}),
+    "LeakyRelu-steep": ("LeakyRelu", [r(3, 4)], {"alpha": 1.5}),
     "Sigmoid": ("Sigmoid", [r(3, 4)], {}),
     "Tanh": ("Tanh", [r(3, 4)], {}),
     "Exp": ("Exp", [r(3, 4)], {}),
@@ -182,6 +184,17 @@ def test_repeated_input_accumulates():
         node = next(n for n in model.graph.node if n.op_type == op_type)
         node.input[1] = node.input[0]
         check_gradients(model)
+
+
+@pytest.mark.parametrize("case", ["Relu", "LeakyRelu", "LeakyRelu-flat", "Clip", "Clip-min-only", "Where-broadcast"])
+def test_mask_gradients_take_no_where(case):
+    """A gradient that passes dy where a condition holds multiplies by the condition as a float
+    tensor: ONNX Runtime's CPU Where asks for twice its output in scratch the plan cannot see.
+    The condition itself stays a bool tensor (a branch decision numerics pins)."""
+    op_type, inputs, attrs = DOUBLE_CASES[case]
+    step = build_training_step(lower(one_op_model(op_type, inputs, attrs)), loss="output", optimizer="sgd")
+    backward = [op.op_type for op in step.ops if op.phase == "backward"]
+    assert "Where" not in backward and "Cast" in backward
 
 
 def test_training_dropout_scales_by_the_kept_mask():

@@ -24,18 +24,35 @@ def identity(em, op, dys, wants):
     return [dys[0]]
 
 
+def _masked(em, dy, condition):
+    """dy where `condition` holds, 0 elsewhere, as dy * float(condition) rather than a Where.
+
+    Why not Where: ONNX Runtime's CPU Where computes each branch into a temporary of the
+    output's size and then merges the two, so it asks for twice its output in scratch, memory
+    the plan cannot see and the kernels' scratch arena keeps. The float mask is a tensor of
+    the graph, which the plan places and frees. The
+    products are exact (dy * 1, dy * 0); only a non-finite dy where the mask is 0 gives NaN
+    where Where gives 0. The condition stays a bool tensor of its own: the float64 check pins
+    such branch decisions to the float32 run's (memsched.numerics.decisions)."""
+    return em.op("Mul", [dy, em.op("Cast", [condition], to=em.dtype(dy))])
+
+
 @rule("Relu")
 def relu(em, op, dys, wants):
     y = _y(op)
-    zero = em.scalar(0, y)
-    return [em.op("Where", [em.op("Greater", [y, zero]), dys[0], zero])]
+    return [_masked(em, dys[0], em.op("Greater", [y, em.scalar(0, y)]))]
 
 
 @rule("LeakyRelu")
 def leaky_relu(em, op, dys, wants):
+    """dy * (1 where x > 0, alpha elsewhere), torch's rule. For 0 <= alpha <= 1 that slope is
+    Max(float(x > 0), alpha), exactly, with no Where (`_masked`)."""
     y, dy = _y(op), dys[0]
-    alpha = em.scalar(op.attributes.get("alpha", 0.01), y)
+    alpha_value = op.attributes.get("alpha", 0.01)
+    alpha = em.scalar(alpha_value, y)
     positive = em.op("Greater", [_x(op), em.scalar(0, y)])
+    if 0 <= alpha_value <= 1:
+        return [em.op("Mul", [dy, em.op("Max", [em.op("Cast", [positive], to=em.dtype(y)), alpha])])]
     return [em.op("Where", [positive, dy, em.op("Mul", [dy, alpha])])]
 
 
@@ -154,7 +171,7 @@ def clip(em, op, dys, wants):
             inside = test if inside is None else em.op("And", [inside, test])
     if inside is None:
         return [dys[0]]
-    return [em.op("Where", [inside, dys[0], em.scalar(0, x)])]
+    return [_masked(em, dys[0], inside)]
 
 
 @rule("Floor", "Ceil", "Round", "Sign", inputs=())
@@ -303,10 +320,9 @@ def pow_(em, op, dys, wants):
 @rule("Where", inputs=(1, 2))
 def where(em, op, dys, wants):
     cond = op.inputs[0]
-    zero = em.scalar(0, op.outputs[0])
     grads = [None, None, None]
     if wants[1]:
-        grads[1] = em.sum_to(em.op("Where", [cond, dys[0], zero]), em.shape(op.inputs[1]))
+        grads[1] = em.sum_to(_masked(em, dys[0], cond), em.shape(op.inputs[1]))
     if wants[2]:
-        grads[2] = em.sum_to(em.op("Where", [cond, zero, dys[0]]), em.shape(op.inputs[2]))
+        grads[2] = em.sum_to(_masked(em, dys[0], em.op("Not", [cond])), em.shape(op.inputs[2]))
     return grads
