@@ -30,6 +30,8 @@ ones while time is left; the best placed plan is kept throughout.
 3. Exploration: the same climb on drained orders (where the plan needs swap and draining
    changes the recompute pass's orders).
 4. Improvement at each further IMPROVE share.
+5. Rescue, where no attempt's arena held the budget but time is left: the attempt nearest it
+   placed again with RESCUE of the time limit.
 Every phase is a fixed sequence given the attempts' results, and the passes keep
 deterministic limits inside, so the same input gives the same plan unless the deadline (or
 a Ctrl-C, `Deadline.stop`) cut the search, which `cut` reports.
@@ -66,6 +68,9 @@ IMPROVE_COUNT = 2
 # The effort given to placing one attempt, as a share of the time limit, and its bounds.
 PLACE = 0.03
 PLACE_SECONDS = (0.5, 10.0)
+# Where no attempt's arena held the budget, the one nearest it is placed once more with this
+# share of the time limit: enough for CP-SAT, which PLACE leaves no time on a short limit.
+RESCUE = 0.25
 DRAINED = "recompute (drained orders too)"
 
 
@@ -125,6 +130,7 @@ class Search:
         self.last_planned: Plan | None = None    # the last attempt's plan that fit its target
         self.history: list[dict] = []            # each new best: seconds into the command, its step time
         self.unplaced: set[Candidate] = set()    # candidates whose last attempt's arena overshot
+        self.nearest: tuple[int, Plan, int] | None = None   # the smallest arena over the budget: (arena, plan, record)
 
     # ---- the phases ----
     def first_plans(self) -> None:
@@ -167,6 +173,22 @@ class Search:
                 return
             self.attempt(candidate, share * self.time_limit)
 
+    def rescue(self) -> None:
+        """Phase 5, where no plan was kept and time is left: the attempt whose arena came
+        nearest the budget (its live bytes fit) placed once more with RESCUE of the time limit.
+        The attempts' placements (PLACE) are mostly the greedy and its local search; with
+        more time CP-SAT packs the arena, often down to its live bytes."""
+        if self.best is not None or self.nearest is None or self.deadline.expired or self.deadline.stopped:
+            return
+        _, plan, record = self.nearest
+        seconds = RESCUE * self.time_limit
+        self.say(f"{self.label}placing {self.tried[record]['candidate']} again ({seconds:.1f} s)")
+        arena = self._place(plan, record, seconds)
+        if arena <= self.budget:
+            self._keep(Best(self.tried[record]["step_time_s"], self.placed, record))
+        else:
+            self.smallest_arena = min(self.smallest_arena, arena)
+
     def climb(self, drained: bool, effort: float) -> None:
         """Hill-climb the joint candidates' step time over the relaxations that lie under the
         start's peak (`climb_relaxations`)."""
@@ -208,6 +230,8 @@ class Search:
                 self._keep(Best(step_time, self.placed, record))
                 break
             self.unplaced.add(candidate)
+            if self.nearest is None or arena < self.nearest[0]:
+                self.nearest = (arena, plan, record)
             self._overshot(candidate, target, arena)
         return fastest
 
@@ -231,9 +255,11 @@ class Search:
         self.last_planned = plan
         return plan, len(self.tried) - 1
 
-    def _place(self, plan: Plan, record: int | None) -> int:
-        """Place `plan` (kept as self.placed); its arena, noted in its record."""
-        seconds = min(max(PLACE * self.time_limit, PLACE_SECONDS[0]), PLACE_SECONDS[1])
+    def _place(self, plan: Plan, record: int | None, seconds: float | None = None) -> int:
+        """Place `plan` (kept as self.placed) in `seconds` (PLACE of the time limit, within
+        PLACE_SECONDS); its arena, noted in its record."""
+        if seconds is None:
+            seconds = min(max(PLACE * self.time_limit, PLACE_SECONDS[0]), PLACE_SECONDS[1])
         self.placed, _ = self.run("placement", lambda p: self.passes["placement"](
             dataclasses.replace(p, budget=self.budget), seconds, self.deadline), plan)
         arena = self.placed.notes["placement"]["arena_bytes"]

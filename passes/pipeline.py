@@ -197,6 +197,8 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
             for found in ranked if level == 0 else ():
                 if not deadline.expired:
                     found.explore()
+        for found in searches.values():
+            found.rescue()
     try:
         plan = _faster(searches, split[1] if split is not None else None, strategies, hw, costs)
     except BudgetError:

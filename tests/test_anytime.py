@@ -103,6 +103,41 @@ def test_an_arena_over_the_budget_says_when_the_time_limit_cut_the_search():
     assert failure(True).endswith("a longer --time-limit may place it")
 
 
+def test_the_rescue_places_the_nearest_attempt_again_with_more_time():
+    """Where every attempt's arena overshot the budget, the one nearest it is placed once more
+    with RESCUE of the time limit and kept where that placement holds the budget; a search
+    that kept a plan, or whose time is up, places nothing again."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Placed:
+        budget: int | None = None
+        notes: dict = dataclasses.field(default_factory=dict)
+
+    efforts = []
+
+    def placement(plan, seconds, deadline):
+        efforts.append(seconds)
+        return dataclasses.replace(plan, notes={"placement": {"arena_bytes": 990 if seconds >= 2.5 else 1100}})
+
+    def search(deadline) -> fit.Search:
+        found = fit.Search(None, 1000, 1000, ("order", "reuse", "swap"), {"placement": placement},
+                           lambda name, apply, plan: (apply(plan), 0), 10, deadline)
+        found.tried = [{"candidate": "swap", "target_bytes": 1000, "step_time_s": 1.5, "fits": True}]
+        found.nearest, found.smallest_arena, found.lowest = (1100, Placed(), 0), 1100, 980
+        return found
+
+    rescued = search(unlimited())
+    rescued.rescue()
+    assert efforts == [fit.RESCUE * 10] and rescued.best.step_time == 1.5
+    assert rescued.result(rescued.strategies).notes["placement"]["arena_bytes"] == 990
+    rescued.rescue()                                  # a plan is kept: nothing placed again
+    expired = Deadline(0)
+    late = search(expired)
+    late.rescue()
+    assert efforts == [fit.RESCUE * 10] and late.best is None
+
+
 class Terminal:
     """`memsched compile ARGS` with its stderr on a pseudo-terminal (so the progress line shows),
     read continuously by a thread so the process never blocks on a full terminal."""
