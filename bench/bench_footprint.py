@@ -3,7 +3,8 @@
 For each model (its SGD training step at a small size, bench_executor.SIZES) two plans are
 compiled for the `cpu` profile: order,reuse, and every strategy at 60% of the baseline peak.
 
-Memory: each plan's step runs in fresh subprocesses, one per configuration, and every process
+Memory: each plan's step runs in fresh subprocesses, --memory-runs per configuration (the run
+of median growth counts: growth varies by a few pages from process to process), and every process
 gets to the same starting point before it is measured: Python, numpy, ONNX Runtime and
 memsched imported, ONNX Runtime's environment made (memsched.ort.warm_environment: one
 throwaway one-node session run once; it maps ~7 MiB of the library's code, which any ONNX
@@ -53,7 +54,7 @@ compared as ratios measured in that process.
 Prints one JSON object (and writes it to -o FILE if given).
 
     python bench/bench_footprint.py [--models resnet18,bert-base] [--steps 3] [--rounds 5] [--threads 1]
-                                    [--min-seconds 1] [--time-limit 20]
+                                    [--min-seconds 1] [--time-limit 20] [--memory-runs 3]
 """
 from __future__ import annotations
 
@@ -228,14 +229,22 @@ def run_worker(kind: str, plan_path: Path, threads: int | None, steps: int, roun
 
 
 # ---- the driver --------------------------------------------------------------------------
-def bench_plan(plan_path: Path, arena: int, steps: int, threads: int, rounds: int, min_seconds: float) -> dict:
-    runs = {
-        "memsched": run_worker("memsched", plan_path, threads, steps),
-        "memsched_default_threads": run_worker("memsched", plan_path, None, steps),
-        "ort_same": run_worker("ort_same", plan_path, threads, steps),
-        "ort_same_threads": run_worker("ort_same_threads", plan_path, threads, steps),
-        "ort_defaults": run_worker("ort_defaults", plan_path, None, steps),
-    }
+def median_run(kind: str, plan_path: Path, threads: int | None, steps: int, repeats: int) -> dict:
+    """The memory worker run `repeats` times in fresh processes; the run of median growth, with
+    every run's growth beside it (`rss_growth_runs_bytes`). One process's growth varies by a
+    few pages of heap and of library code (faulted in 64 KiB at a time) from run to run: the
+    MLP's step by 3,313,664-3,391,488 B, ONNX Runtime's by 5,435,392-5,574,656 B."""
+    runs = sorted((run_worker(kind, plan_path, threads, steps) for _ in range(repeats)),
+                  key=lambda run: run["rss_growth_bytes"])
+    return {**runs[len(runs) // 2], "rss_growth_runs_bytes": [run["rss_growth_bytes"] for run in runs]}
+
+
+def bench_plan(plan_path: Path, arena: int, steps: int, threads: int, rounds: int, min_seconds: float,
+               memory_runs: int) -> dict:
+    configurations = {"memsched": ("memsched", threads), "memsched_default_threads": ("memsched", None),
+                      "ort_same": ("ort_same", threads), "ort_same_threads": ("ort_same_threads", threads),
+                      "ort_defaults": ("ort_defaults", None)}
+    runs = {key: median_run(kind, plan_path, t, steps, memory_runs) for key, (kind, t) in configurations.items()}
     timing = run_worker("timing", plan_path, threads, steps, rounds, min_seconds)
     times = timing["step_time_s"]
     grown = {key: run["rss_growth_bytes"] for key, run in runs.items()}
@@ -256,7 +265,7 @@ def bench_plan(plan_path: Path, arena: int, steps: int, threads: int, rounds: in
 
 
 def bench_model(name: str, directory: Path, steps: int, threads: int, rounds: int, min_seconds: float,
-                time_limit: float) -> dict:
+                time_limit: float, memory_runs: int) -> dict:
     from memsched.emit import write_plan
     from memsched.errors import MemschedError
     from memsched.memory import analyze_plan, check_placement
@@ -277,7 +286,7 @@ def bench_model(name: str, directory: Path, steps: int, threads: int, rounds: in
         path = write_plan(plan, directory / f"{name}-{len(entry['plans'])}.onnx")
         row["peak_bytes"] = analyze_plan(plan).peak_bytes
         row.update(bench_plan(path, check_placement(analyze_plan(plan), plan.offsets), steps, threads, rounds,
-                              min_seconds))
+                              min_seconds, memory_runs))
         entry["plans"].append(row)
         print(f"{name} {strategies} {budget or ''}: " + ", ".join(f"{k} {v:.3f}" for k, v in row["ratios"].items()),
               file=sys.stderr, flush=True)
@@ -295,6 +304,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-seconds", type=float, default=1.0,
                         help="timing: steps per round enough for memsched's step to take this long")
     parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per compile")
+    parser.add_argument("--memory-runs", type=int, default=3,
+                        help="memory: fresh processes per configuration; the run of median growth counts")
     parser.add_argument("-o", "--output", help="also write the JSON here")
     parser.add_argument("--worker", choices=KINDS + ("timing",), help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
@@ -305,8 +316,8 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, args.plan, args.threads, args.steps)))
         return 0
-    if args.steps < 1 or args.rounds < 1:
-        parser.error("--steps and --rounds must be at least 1")
+    if args.steps < 1 or args.rounds < 1 or args.memory_runs < 1:
+        parser.error("--steps, --rounds and --memory-runs must be at least 1")
     threads = 1 if args.threads is None else args.threads
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in SIZES]
@@ -315,7 +326,7 @@ def main(argv=None) -> int:
     load = list(os.getloadavg())      # 1, 5 and 15 minute load averages: how shared the machine was
     with tempfile.TemporaryDirectory(prefix="memsched-footprint-") as directory:
         rows = [bench_model(name, Path(directory), args.steps, threads, args.rounds, args.min_seconds,
-                            args.time_limit)
+                            args.time_limit, args.memory_runs)
                 for name in names]
     done = [p for r in rows for p in r["plans"] if "ratios" in p]
     summary = {"plans": len(done),
@@ -324,6 +335,7 @@ def main(argv=None) -> int:
     report = {"machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
                           "cores": os.cpu_count(), "load_before": load, "load_after": list(os.getloadavg())},
               "threads": threads, "steps": args.steps, "rounds": args.rounds, "min_seconds": args.min_seconds,
+              "memory_runs": args.memory_runs,
               "targets": TARGETS, "summary": summary,
               "models": rows}
     return emit(report, args.output)
