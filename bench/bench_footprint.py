@@ -232,8 +232,7 @@ def run_worker(kind: str, plan_path: Path, threads: int | None, steps: int, roun
 def median_run(kind: str, plan_path: Path, threads: int | None, steps: int, repeats: int) -> dict:
     """The memory worker run `repeats` times in fresh processes; the run of median growth, with
     every run's growth beside it (`rss_growth_runs_bytes`). One process's growth varies by a
-    few pages of heap and of library code (faulted in 64 KiB at a time) from run to run: the
-    MLP's step by 3,313,664-3,391,488 B, ONNX Runtime's by 5,435,392-5,574,656 B."""
+    few pages of heap and of library code (faulted in 64 KiB at a time) from run to run."""
     runs = sorted((run_worker(kind, plan_path, threads, steps) for _ in range(repeats)),
                   key=lambda run: run["rss_growth_bytes"])
     return {**runs[len(runs) // 2], "rss_growth_runs_bytes": [run["rss_growth_bytes"] for run in runs]}

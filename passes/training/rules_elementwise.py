@@ -30,10 +30,10 @@ def _masked(em, dy, condition):
     Why not Where: ONNX Runtime's CPU Where computes each branch into a temporary of the
     output's size and then merges the two, so it asks for twice its output in scratch, memory
     the plan cannot see and the kernels' scratch arena keeps. The float mask is a tensor of
-    the graph, which the plan places and frees. The
-    products are exact (dy * 1, dy * 0); only a non-finite dy where the mask is 0 gives NaN
-    where Where gives 0. The condition stays a bool tensor of its own: the float64 check pins
-    such branch decisions to the float32 run's (memsched.numerics.decisions)."""
+    the graph, which the plan places and frees. The products are exact (dy * 1, dy * 0); only
+    a non-finite dy where the mask is 0 gives NaN where Where gives 0. The condition stays a
+    bool tensor of its own: the float64 check pins such branch decisions to the float32 run's
+    (memsched.numerics.decisions)."""
     return em.op("Mul", [dy, em.op("Cast", [condition], to=em.dtype(dy))])
 
 
