@@ -119,15 +119,6 @@ def plain_steps(session, feeds: dict, steps: int) -> list[float]:
     return times
 
 
-def file_resident() -> int:
-    """Resident file-backed pages (RssFile): mostly shared libraries' code, in bytes."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssFile:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def worker(kind: str, plan_path: str, threads: int | None, steps: int) -> dict:
     """Memory: run `steps` + 1 steps of the plan's step in this process, measured from the
     common starting point (module docstring). `file_growth_bytes`: how much of the growth is
@@ -143,19 +134,19 @@ def worker(kind: str, plan_path: str, threads: int | None, steps: int) -> dict:
     feeds = prepare_inputs(plan.graph)
     if kind == "memsched":
         release_free_heap()
-        files, memory = file_resident(), ProcessMemory()
+        memory = ProcessMemory()
         result = run_plan(plan, steps=steps + 1, threads=threads or 0, inputs=feeds)
-        return {"rss_growth_bytes": memory.growth(), "file_growth_bytes": file_resident() - files,
+        return {"rss_growth_bytes": memory.growth(), "file_growth_bytes": memory.file_growth(),
                 "step_time_s": statistics.median(result.step_times[1:]), "run_report": result.process,
                 "sessions": result.sessions, "ops": result.ops}
     model = plan.graph.to_onnx().SerializeToString()
     # the plan stays: freeing it here would hand the plain session heap that memsched's run
     # (which keeps the plan) does not get, and its growth would look smaller than it is
     release_free_heap()
-    files, memory = file_resident(), ProcessMemory()
+    memory = ProcessMemory()
     session = plain_session(model, kind, threads)
     times = plain_steps(session, feeds, steps + 1)
-    return {"rss_growth_bytes": memory.growth(), "file_growth_bytes": file_resident() - files,
+    return {"rss_growth_bytes": memory.growth(), "file_growth_bytes": memory.file_growth(),
             "step_time_s": statistics.median(times[1:])}
 
 

@@ -168,6 +168,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
             times.append(moved + time.perf_counter() - start)
             if k == steps - 1:
                 growth = memory.growth()       # the outputs are in the arena; copying them out is the caller's
+                file_growth = memory.file_growth()
                 if device_memory_use is not None:
                     device_memory_use.sample()
             if check or k == steps - 1:
@@ -195,13 +196,14 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
                 **{key: _check_summary(other_diffs[key], exact=False) if key in others else None
                    for key in ("given", "against")}}
                if check else None),
-        process={**_process_memory(memory, setup_growth, growth, allocated, stored, actual_device, check),
+        process={**_process_memory(memory, setup_growth, growth, file_growth, allocated, stored, actual_device,
+                                   check),
                  "device": device_memory_use.summary(allocated) if device_memory_use is not None else None},
         threads=threads)
 
 
-def _process_memory(memory: ProcessMemory, setup_growth: int | None, growth: int | None, arena: int,
-                    stored: int, device: str, check: bool) -> dict:
+def _process_memory(memory: ProcessMemory, setup_growth: int | None, growth: int | None,
+                    file_growth: int | None, arena: int, stored: int, device: str, check: bool) -> dict:
     """The process's real memory during the run, next to what the plan accounts for.
 
     `rss_growth_bytes`: peak RSS from the start of `run_plan` (ONNX Runtime loaded and its
@@ -210,8 +212,10 @@ def _process_memory(memory: ProcessMemory, setup_growth: int | None, growth: int
     kernels' scratch, the executor's own objects; with `check`, the reference sessions and
     their runs too) less RSS at the start; `setup_growth_bytes`: the same once the sessions
     are built, before the first step. `overhead_bytes`: the growth less the arena (on CPU)
-    and the host stores: what running costs beyond the plan's bytes. On CUDA the arena is
-    device memory, outside RSS."""
+    and the host stores: what running costs beyond the plan's bytes. `file_growth_bytes`: the
+    part of the resident set that is file-backed pages paged in meanwhile (RssFile), mostly
+    ONNX Runtime's and numpy's code for kernels run for the first time, which any process
+    running them pays. On CUDA the arena is device memory, outside RSS."""
     host_arena = arena if device == "cpu" else 0
     available = memory.available and growth is not None
     return {
@@ -223,6 +227,7 @@ def _process_memory(memory: ProcessMemory, setup_growth: int | None, growth: int
         "host_arena_bytes": host_arena,
         "store_bytes": stored,
         "overhead_bytes": growth - host_arena - stored if available else None,
+        "file_growth_bytes": file_growth if available else None,
         "includes_check": check,
     }
 

@@ -534,7 +534,9 @@ class ProcessMemory:
     an earlier, higher peak of the process does not count). Elsewhere, or where the peak
     cannot be reset, `available` is False and every figure is None.
 
-    Growth (peak - start) is what the work added: memory it allocated and touched, freed or not."""
+    Growth (peak - start) is what the work added: memory it allocated and touched, freed or not.
+    Part of it is file-backed (`file_growth`): mostly shared libraries' code paged in as the
+    work runs their functions for the first time, which any process running them pays."""
 
     STATUS = "/proc/self/status"
     CLEAR_REFS = "/proc/self/clear_refs"
@@ -542,6 +544,7 @@ class ProcessMemory:
     def __init__(self):
         self.available = self._reset_peak() and self._status("VmRSS") is not None
         self.start = self._status("VmRSS") if self.available else None
+        self.file_start = self._status("RssFile") if self.available else None
 
     @classmethod
     def _reset_peak(cls) -> bool:
@@ -574,3 +577,9 @@ class ProcessMemory:
         """Peak RSS since the start less RSS at the start, in bytes."""
         peak = self.peak()
         return None if peak is None or self.start is None else max(peak - self.start, 0)
+
+    def file_growth(self) -> int | None:
+        """Resident file-backed pages (RssFile) now less at the start, in bytes; None where the
+        kernel does not report them."""
+        now = self._status("RssFile") if self.file_start is not None else None
+        return None if now is None else now - self.file_start

@@ -314,6 +314,8 @@ def print_run(summary: dict) -> None:
                   f"({process['rss_growth_bytes']:,} B) = arena {format_bytes(process['host_arena_bytes'])} + stores "
                   f"{format_bytes(process['store_bytes'])} + executor overhead "
                   f"{format_bytes(process['overhead_bytes'])}"
+                  + (f", {format_bytes(process['file_growth_bytes'])} of it library code paged in"
+                     if process.get("file_growth_bytes") else "")
                   + (" (with the check's reference run)" if process["includes_check"] else ""))
     elif process:
         out.print("process memory growth (RSS): unavailable here")

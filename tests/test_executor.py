@@ -454,6 +454,7 @@ def test_a_training_step_runs_in_few_sessions_and_reports_real_memory():
     if process["rss_source"] != "unavailable":     # in a long-lived process freed pages may be reused: >= 0
         assert process["rss_growth_bytes"] >= 0 and process["setup_growth_bytes"] >= 0
         assert process["overhead_bytes"] == process["rss_growth_bytes"] - process["arena_bytes"]
+        assert process["file_growth_bytes"] is None or isinstance(process["file_growth_bytes"], int)
 
 
 def test_outputs_of_the_last_step_are_read_only_views_of_the_arena():
