@@ -1267,6 +1267,9 @@ class _Runtime:
             self.write(place[1], source if not isinstance(source, tuple) else source[1])
         elif self._cuda is None:
             self.arena[place[1]:place[2]] = self.arena[source[1]:source[2]]
+        elif place[1] < source[2] and source[1] < place[2]:
+            # cudaMemcpy's result is undefined where the two ranges overlap: go through the host
+            self.write(place[1], self.read(source[1], source[2]))
         else:
             self._cuda.copy(self.base + place[1], self.base + source[1], source[2] - source[1], _Cuda.D2D)
 
