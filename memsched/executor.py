@@ -117,7 +117,13 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     that step's op runs (given its inputs) or just after (given its outputs), each as a
     {tensor: numpy view of its bytes in the arena}: a caller's way to act on tensors in place
     between ops (memsched.distributed all-reduces gradients so). Those steps' ops start and end
-    sessions of their own; what the callables take is inside the step time."""
+    sessions of their own; what the callables take is inside the step time.
+
+    On CUDA a checked run keeps float32 kernels off TF32 tensor cores, in its sessions and in
+    the reference's: cuDNN picks its algorithms per session, and two TF32 algorithms of one
+    convolution differ by up to 7e-4 of the weights they update (ResNet-50's small step on an
+    H200), which would hide the plan's own errors; without TF32 the two runs differ by 1e-7
+    to 6e-6 there."""
     warm_environment()     # before memory is measured: the library's code is any ORT user's
     memory = ProcessMemory()
     if steps < 1:
@@ -141,17 +147,17 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         raise UserError("step hooks (data-parallel all-reduces) run on the CPU only")
 
     device_memory_use = _DeviceMemory() if actual_device == "cuda" else None
-    with _Runtime(actual_device, planned_arena, threads, nvdimm_dir) as rt:
+    with _Runtime(actual_device, planned_arena, threads, nvdimm_dir, tf32=not check) as rt:
         rt.host_values = host_constants(graph, feeds, actual_device)
         program = _compile(plan, profile, rt, hooks)
         live, high_water = _rehearse(program, profile)
         setup_growth = memory.growth()
         if device_memory_use is not None:
             device_memory_use.sample()
-        reference = _Reference(graph, actual_device, threads) if check else None
+        reference = _Reference(graph, actual_device, threads, tf32=False) if check else None
         ref_statics = _statics(graph) if check else {}
         others = {key: g for key, g in (("given", given), ("against", against)) if check and g is not None}
-        other_runs = {key: _Reference(g, actual_device, threads) for key, g in others.items()}
+        other_runs = {key: _Reference(g, actual_device, threads, tf32=False) for key, g in others.items()}
         other_statics = {key: _statics(g) for key, g in others.items()}
         other_diffs: dict[str, list] = {key: [] for key in others}
         times, diffs = [], []
@@ -1120,8 +1126,9 @@ def segment_model(segment: _Segment, graph: Graph) -> tuple[onnx.ModelProto, lis
 class _Runtime:
     """The arena, the tier stores and the session cache for one run on one device."""
 
-    def __init__(self, device: str, arena_bytes: int, threads: int, nvdimm_dir: str | None):
+    def __init__(self, device: str, arena_bytes: int, threads: int, nvdimm_dir: str | None, tf32: bool = True):
         self.device = device
+        self.tf32 = tf32                         # float32 kernels on CUDA may use TF32 tensor cores
         self.arena_bytes = arena_bytes
         self.threads = threads
         self.nvdimm_dir = nvdimm_dir
@@ -1175,7 +1182,7 @@ class _Runtime:
                 self._saved_dir = tempfile.mkdtemp(prefix="memsched-segments-")
             saved = f"{self._saved_dir}/segment.onnx"
         try:
-            session = bound_session(model.SerializeToString(), self.threads, self.device, stream, saved)
+            session = bound_session(model.SerializeToString(), self.threads, self.device, stream, saved, self.tf32)
         except Exception as exc:  # noqa: BLE001 - ORT raises several types; name the op
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             found = re.search(r"\bn(\d+)\b", message)
@@ -1390,9 +1397,9 @@ class _Cuda:
 class _Reference:
     """The unscheduled graph in one plain ONNX Runtime session, initializers fed as inputs."""
 
-    def __init__(self, graph: Graph, device: str, threads: int):
+    def __init__(self, graph: Graph, device: str, threads: int, tf32: bool):
         self.outputs = list(graph.outputs)
-        self.session = reference_session(reference_model(graph).SerializeToString(), threads, device)
+        self.session = reference_session(reference_model(graph).SerializeToString(), threads, device, tf32)
 
     def run(self, feeds: dict, statics: dict) -> dict[str, np.ndarray]:
         values = self.session.run(self.outputs, {**feeds, **statics})

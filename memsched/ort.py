@@ -18,7 +18,7 @@ import re
 
 import onnx
 
-from .cuda import preload
+from .cuda import preload, small_cublas_workspace
 from .errors import UserError
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -153,12 +153,13 @@ def warm_environment() -> None:
     _warm = True
 
 
-def bound_session(model: bytes, threads: int, device: str, stream: int | None = None, saved: str | None = None):
+def bound_session(model: bytes, threads: int, device: str, stream: int | None = None, saved: str | None = None,
+                  tf32: bool = True):
     """A session for a model whose every tensor the caller binds (`bound_options`). On CUDA,
     `stream`: the address of the CUDA stream its kernels run on (every session of a run
     shares it), and kernels' workspace comes from one CUDA arena shared by all sessions
     (`shared_cuda_arena`). `saved`: a path ONNX Runtime writes the graph to as it will run
-    it, its own added nodes included."""
+    it, its own added nodes included. `tf32`: as `providers_for`."""
     import onnxruntime as ort
 
     options = bound_options(threads)
@@ -166,7 +167,7 @@ def bound_session(model: bytes, threads: int, device: str, stream: int | None = 
         shared_cuda_arena()
     if saved is not None:
         options.optimized_model_filepath = saved
-    return ort.InferenceSession(model, options, providers=providers_for(device, stream))
+    return ort.InferenceSession(model, options, providers=providers_for(device, stream, tf32))
 
 
 cuda_arena_state: str | None = None     # None until a CUDA session is made: "shared", or why not
@@ -193,12 +194,13 @@ def shared_cuda_arena() -> None:
         cuda_arena_state = f"not shared: {_error_line(exc)}"
 
 
-def reference_session(model: bytes, threads: int, device: str):
+def reference_session(model: bytes, threads: int, device: str, tf32: bool = True):
     """The plain session the executor's run is checked against: the executor's optimisation
-    level and thread count (`session_options`), ONNX Runtime's own memory arena and planner."""
+    level, thread count (`session_options`) and kernels' precision (`tf32`), ONNX Runtime's
+    own memory arena and planner."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(model, session_options(threads), providers=providers_for(device))
+    return ort.InferenceSession(model, session_options(threads), providers=providers_for(device, tf32=tf32))
 
 
 def resolve_device(device: str) -> tuple[str, str | None]:
@@ -301,14 +303,19 @@ CUDA_OPTIONS = {"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC", "arena_ex
                 "cudnn_conv_use_max_workspace": "0"}
 
 
-def providers_for(device: str, stream: int | None = None) -> list:
+def providers_for(device: str, stream: int | None = None, tf32: bool = True) -> list:
     """The provider list of the executor's sessions on `device` (CUDA falls back to the CPU
-    node by node, as ONNX Runtime assigns them); for CUDA, NVIDIA's wheels' libraries are
-    loaded first (memsched.cuda.preload), and `stream` is the address of the CUDA stream the
-    kernels run on (ONNX Runtime's `user_compute_stream`; its own where None)."""
+    node by node, as ONNX Runtime assigns them). For CUDA, the cuBLAS workspace is made small
+    (memsched.cuda.small_cublas_workspace) and NVIDIA's wheels' libraries are loaded
+    (memsched.cuda.preload) before the first session; `stream` is the address of the CUDA
+    stream the kernels run on (ONNX Runtime's `user_compute_stream`; its own where None);
+    `tf32` False keeps float32 matrix products and convolutions off TF32 tensor cores."""
     if device == "cuda":
+        small_cublas_workspace()
         preload()
         options = {**CUDA_OPTIONS, **({"user_compute_stream": str(stream)} if stream is not None else {})}
+        if not tf32:
+            options["use_tf32"] = "0"
         return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
 

@@ -1,5 +1,6 @@
 """memsched doctor, the CUDA library finder and bench/gpu_check.py, on a machine without a GPU."""
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -107,3 +108,28 @@ def test_cuda_sessions_bound_the_providers_own_memory():
     assert options["arena_extend_strategy"] == "kSameAsRequested"
     assert options["cudnn_conv_use_max_workspace"] == "0"
     assert providers_for("cpu") == ["CPUExecutionProvider"]
+
+
+def test_cuda_sessions_take_a_small_cublas_workspace_unless_the_user_set_one(monkeypatch):
+    """Each CUDA session keeps cuBLAS handles of its own: their workspace is made small before
+    the first session (153 MB -> 19 MB a session on an H200), and a user's setting wins."""
+    from memsched.ort import providers_for
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    providers_for("cuda")
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == cuda.CUBLAS_WORKSPACE == ":16:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    providers_for("cuda")
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    providers_for("cpu")
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_checked_cuda_runs_keep_float32_kernels_off_tf32():
+    """A checked run compares the plan, not two TF32 algorithms: its sessions and the
+    reference's are made with use_tf32 off; an unchecked run keeps ONNX Runtime's default."""
+    from memsched.ort import providers_for
+
+    (_, checked), _ = providers_for("cuda", tf32=False)
+    (_, plain), _ = providers_for("cuda")
+    assert checked["use_tf32"] == "0" and "use_tf32" not in plain

@@ -4,6 +4,7 @@ nodes ONNX Runtime added to a segment, and the scaled tolerance of a check on CU
 from __future__ import annotations
 
 import ctypes
+import inspect
 
 import numpy as np
 import onnx
@@ -185,3 +186,24 @@ def test_a_move_between_overlapping_arena_ranges_on_cuda_goes_through_the_host()
         rt.put(("arena", 48, 64), ("arena", 0, 16))            # apart: one device copy
         assert rt.arena[48:].tolist() == list(range(16, 32))
         assert rt._cuda.kinds[-1] == executor._Cuda.D2D
+
+
+def test_a_checked_run_asks_every_session_and_the_reference_for_float32_kernels(monkeypatch):
+    seen = []
+
+    def recording(make):
+        def wrapped(*args, **kwargs):
+            bound = inspect.signature(make).bind(*args, **kwargs)
+            bound.apply_defaults()
+            seen.append(bound.arguments["tf32"])
+            return make(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(executor, "bound_session", recording(ort.bound_session))
+    monkeypatch.setattr(executor, "reference_session", recording(ort.reference_session))
+    plan = order_plan(mlp_train_graph())
+    executor.run_plan(plan, steps=1, check=True)
+    assert len(seen) >= 2 and not any(seen)
+    seen.clear()
+    executor.run_plan(plan, steps=1)
+    assert seen and all(seen)
