@@ -12,6 +12,11 @@ and each plan runs in fresh subprocesses:
   poisoning): step time (median after one warm-up) and device memory;
 - `ort`: one plain ONNX Runtime CUDA session of the same step, inputs bound on the device.
 
+With each check, `reference_repeat`: how far the plain reference's outputs move between two
+runs, with TF32 kernels and without (a checked run turns TF32 off). Once per run,
+`session_cost`: the device memory each further session takes, as the executor makes it (a
+small cuBLAS workspace), with cuBLAS's default workspace and with a 32 MiB one.
+
 Each worker's device memory is read from outside by the parent, through NVML's per-process
 figure (nvmlDeviceGetComputeRunningProcesses), polled while the worker runs: its peak is the
 process's real device footprint (plan arena, ONNX Runtime's own workspace and the CUDA context
@@ -38,6 +43,7 @@ import argparse
 import ctypes
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -55,6 +61,9 @@ from json_report import emit  # noqa: E402
 
 PLANS = [("order,reuse", None), ("order,reuse,recompute,swap", "60%")]
 PRESETS = {"H100": "h100-80gb", "H200": "h200", "A100": "a100-80gb", "V100": "v100-32gb"}
+# what a further session costs: label -> (worker, environment)
+SESSION_COST = {"memsched": ("sessions", {}), "cublas_default": ("sessions-cublas-default", {}),
+                "cublas_4MiBx8": ("sessions", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})}
 NOT_MEASURED = {
     "swap_hidden_fraction": "not measured: the executor does not time its copies with CUDA events",
     "calibrated_profile": "not measured: `hardware calibrate` measures the CPU only; plans use the GPU's preset",
@@ -63,6 +72,8 @@ NOT_MEASURED = {
 
 # ---- the workers: one configuration in a fresh process --------------------------------------
 def worker(kind: str, plan_path: str, steps: int) -> dict:
+    if kind.startswith("sessions"):
+        return session_cost(cublas_default=kind == "sessions-cublas-default")
     from memsched.emit import read_plan
     from memsched.executor import prepare_inputs, run_plan
 
@@ -76,7 +87,7 @@ def worker(kind: str, plan_path: str, steps: int) -> dict:
         return {"provider": result.provider, "fallback": result.fallback, "sessions": result.sessions,
                 "providers": result.providers, "cuda_arena": ort_plumbing.cuda_arena_state,
                 **{k: result.check[k] for k in ("passed", "exact", "max_abs_diff", "max_scaled_diff")},
-                "worst_outputs": dict(worst)}
+                "worst_outputs": dict(worst), "reference_repeat": reference_repeat(plan.graph, feeds)}
     if kind == "memsched":
         result = run_plan(plan, steps=steps + 1, device="cuda", threads=1, inputs=feeds)
         return {"provider": result.provider, "sessions": result.sessions,
@@ -94,6 +105,76 @@ def worker(kind: str, plan_path: str, steps: int) -> dict:
     timer = Timer.bind(session, feeds, outputs, "cuda")       # inputs copied to the device once
     times = [timer.run() for _ in range(steps + 1)]
     return {"provider": session.get_providers()[0], "step_time_s": statistics.median(times[1:])}
+
+
+def reference_repeat(graph, feeds: dict) -> dict:
+    """How far the plain reference session's outputs move between two runs of one step on the
+    same inputs, as the check scales them (max |a - b| / max(1, max |a|)), with TF32 kernels
+    (ONNX Runtime's default) and without (as a checked run makes them): the floor any CUDA
+    check stands on."""
+    import onnxruntime as ort
+
+    from memsched.executor import _statics, compare_outputs, reference_model
+    from memsched.ort import providers_for, session_options
+
+    model = reference_model(graph).SerializeToString()
+    inputs = {**feeds, **_statics(graph)}
+    result = {}
+    for label, tf32 in (("tf32", True), ("float32", False)):
+        session = ort.InferenceSession(model, session_options(1), providers=providers_for("cuda", tf32=tf32))
+        names = [o.name for o in session.get_outputs()]
+        first, second = (dict(zip(names, session.run(names, inputs))) for _ in range(2))
+        diffs = compare_outputs(second, first)
+        worst = max(diffs.items(), key=lambda item: item[1]["max_abs_diff"] / item[1]["scale"])
+        result[label] = {"max_scaled_diff": worst[1]["max_abs_diff"] / worst[1]["scale"], "worst_output": worst[0],
+                         "bit_identical": all(d["bit_identical"] for d in diffs.values())}
+    return result
+
+
+def session_cost(cublas_default: bool = False, count: int = 4) -> dict:
+    """The device memory each further executor session takes: `count` bound CUDA sessions of
+    one small Conv -> MatMul model (so that each makes its cuDNN and cuBLAS handles), made and
+    run one after another in this process, free device memory read after each
+    (cudaMemGetInfo). `cublas_default`: with cuBLAS's own workspace, not the small one the
+    executor sets (memsched.cuda.small_cublas_workspace)."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from memsched import ort as plumbing
+    from memsched.cuda import device_memory, load_cudart
+    from memsched.ort import bound_session
+
+    if cublas_default:
+        plumbing.small_cublas_workspace = lambda: os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Reshape", ["c", "shape"], ["r"]),
+             helper.make_node("MatMul", ["r", "m"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "session_cost",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16, 32, 32]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, [16, 16, 3, 3]),
+         helper.make_tensor_value_info("m", TensorProto.FLOAT, [1024, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 256])],
+        [helper.make_tensor("shape", TensorProto.INT64, [2], [64, 1024])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 16, 32, 32), np.float32),
+             "w": rng.standard_normal((16, 16, 3, 3), np.float32),
+             "m": rng.standard_normal((1024, 256), np.float32)}
+    cudart = load_cudart()
+    free = [device_memory(cudart)[0]]
+    sessions = []
+    for _ in range(count):
+        sessions.append(bound_session(model.SerializeToString(), 1, "cuda"))
+        sessions[-1].run(None, feeds)
+        cudart.cudaDeviceSynchronize()
+        free.append(device_memory(cudart)[0])
+    steps = [a - b for a, b in zip(free, free[1:])]
+    return {"sessions": count, "first_session_bytes": steps[0], "further_session_bytes": steps[1:],
+            "provider": sessions[-1].get_providers()[0],
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
 
 
 class DeviceMemoryPoll:
@@ -130,9 +211,10 @@ class DeviceMemoryPoll:
         return self.peak
 
 
-def run_worker(kind: str, plan_path: Path, steps: int, timeout: float = 240.0) -> dict:
+def run_worker(kind: str, plan_path: Path | None, steps: int, timeout: float = 240.0, env: dict | None = None) -> dict:
     command = [sys.executable, __file__, "--worker", kind, "--plan", str(plan_path), "--steps", str(steps)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     poll = DeviceMemoryPoll(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -266,7 +348,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-to", help="only compile the plans, into this folder (no GPU needed)")
     parser.add_argument("--hardware", help="the profile to compile for (default: the GPU's preset)")
     parser.add_argument("--plans", help="run the plans `--compile-to` wrote in this folder")
-    parser.add_argument("--worker", choices=("check", "memsched", "ort"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("check", "memsched", "ort", "sessions", "sessions-cublas-default"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -290,6 +373,9 @@ def main(argv=None) -> int:
     gpu = doctor["gpus"][0]["name"] if doctor["gpus"] else "unknown GPU"
     report = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "python": platform.python_version(),
               "doctor": doctor, "not_measured": NOT_MEASURED, "models": []}
+    # what each further session costs: as the executor makes it, with cuBLAS's default workspace, with 32 MiB
+    report["session_cost"] = {label: run_worker(kind, None, 0, env=env) for label, (kind, env) in SESSION_COST.items()}
+    print(f"session cost: {report['session_cost']}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="memsched-gpu-check-") as scratch:
         if args.plans:
             directory = Path(args.plans)
