@@ -30,8 +30,9 @@ ones while time is left; the best placed plan is kept throughout.
 3. Exploration: the same climb on drained orders (where the plan needs swap and draining
    changes the recompute pass's orders).
 4. Improvement at each further IMPROVE share.
-5. Rescue, where no attempt's arena held the budget but time is left: the attempt nearest it
-   placed again with RESCUE of the time limit.
+5. Rescue, where no arena held the budget but time is left: the plan nearest it (an
+   attempt, or the start itself where its live bytes fit) placed again with RESCUE of the
+   time limit.
 Every phase is a fixed sequence given the attempts' results, and the passes keep
 deterministic limits inside, so the same input gives the same plan unless the deadline (or
 a Ctrl-C, `Deadline.stop`) cut the search, which `cut` reports.
@@ -130,7 +131,8 @@ class Search:
         self.last_planned: Plan | None = None    # the last attempt's plan that fit its target
         self.history: list[dict] = []            # each new best: seconds into the command, its step time
         self.unplaced: set[Candidate] = set()    # candidates whose last attempt's arena overshot
-        self.nearest: tuple[int, Plan, int] | None = None   # the smallest arena over the budget: (arena, plan, record)
+        # the smallest arena over the budget whose live bytes fit: (arena, plan, record; -1: the start)
+        self.nearest: tuple[int, Plan, int] | None = None
 
     # ---- the phases ----
     def first_plans(self) -> None:
@@ -174,18 +176,21 @@ class Search:
             self.attempt(candidate, share * self.time_limit)
 
     def rescue(self) -> None:
-        """Phase 5, where no plan was kept and time is left: the attempt whose arena came
-        nearest the budget (its live bytes fit) placed once more with RESCUE of the time limit.
+        """Phase 5, where no plan was kept and time is left: the plan whose arena came nearest
+        the budget (its live bytes fit: an attempt, or the start as it is) placed once more with
+        RESCUE of the time limit.
         The attempts' placements (PLACE) are mostly the greedy and its local search; with
         more time CP-SAT packs the arena, often down to its live bytes."""
         if self.best is not None or self.nearest is None or self.deadline.expired or self.deadline.stopped:
             return
         _, plan, record = self.nearest
         seconds = RESCUE * self.time_limit
-        self.say(f"{self.label}placing {self.tried[record]['candidate']} again ({seconds:.1f} s)")
-        arena = self._place(plan, record, seconds)
+        name, step_time = (self.tried[record]["candidate"], self.tried[record]["step_time_s"]) if record >= 0 \
+            else ("the plan as it is", 0.0)
+        self.say(f"{self.label}placing {name} again ({seconds:.1f} s)")
+        arena = self._place(plan, record if record >= 0 else None, seconds)
         if arena <= self.budget:
-            self._keep(Best(self.tried[record]["step_time_s"], self.placed, record))
+            self._keep(Best(step_time, self.placed, record))
         else:
             self.smallest_arena = min(self.smallest_arena, arena)
 
@@ -274,6 +279,7 @@ class Search:
             self._keep(Best(0.0, self.placed, -1))
             return True
         self.smallest_arena = arena
+        self.nearest = (arena, self.start, -1)      # its live bytes fit: the rescue may place it
         self.first_target = self.budget - self._lowering(arena)
         return False
 

@@ -210,3 +210,28 @@ def test_a_second_ctrl_c_aborts_with_nothing_written(small_model, tmp_path):
     terminal.finish(timeout=120)
     assert terminal.process.returncode == 130, terminal.text[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_rescue_places_the_start_again_where_its_live_bytes_fit():
+    """With order and reuse alone, a start whose live bytes fit the budget but whose first
+    arena overshoots is placed once more with RESCUE of the time limit, and kept as it is."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Placed:
+        budget: int | None = None
+        notes: dict = dataclasses.field(default_factory=dict)
+
+    efforts = []
+
+    def placement(plan, seconds, deadline):
+        efforts.append(seconds)
+        return dataclasses.replace(plan, notes={"placement": {"arena_bytes": 990 if seconds >= 2.5 else 1100}})
+
+    search = fit.Search(Placed(), 980, 1000, ("order", "reuse"), {"placement": placement},
+                        lambda name, apply, plan: (apply(plan), 0), 10, unlimited())
+    search.first_plans()
+    assert search.best is None and efforts[-1] < fit.RESCUE * 10
+    search.rescue()
+    assert efforts[-1] == fit.RESCUE * 10 and search.best.step_time == 0.0 and search.best.record == -1
+    assert search.result(search.strategies).notes["placement"]["arena_bytes"] == 990
