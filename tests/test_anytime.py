@@ -2,6 +2,7 @@
 and Ctrl-C keeping the best plan found so far."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pty
@@ -103,28 +104,33 @@ def test_an_arena_over_the_budget_says_when_the_time_limit_cut_the_search():
     assert failure(True).endswith("a longer --time-limit may place it")
 
 
+@dataclasses.dataclass
+class _Placed:
+    """Just enough of a Plan for the fit search's rescue: a budget and notes."""
+    budget: int | None = None
+    notes: dict = dataclasses.field(default_factory=dict)
+
+
+def _placement(efforts: list):
+    """A placement pass whose arena holds a budget of 1,000 B only with RESCUE of a 10 s time
+    limit (990 B; 1,100 B with less); the seconds of each call go to `efforts`."""
+    def placement(plan, seconds, deadline):
+        efforts.append(seconds)
+        return dataclasses.replace(plan, notes={"placement": {"arena_bytes": 990 if seconds >= 2.5 else 1100}})
+    return placement
+
+
 def test_the_rescue_places_the_nearest_attempt_again_with_more_time():
     """Where every attempt's arena overshot the budget, the one nearest it is placed once more
     with RESCUE of the time limit and kept where that placement holds the budget; a search
     that kept a plan, or whose time is up, places nothing again."""
-    import dataclasses
-
-    @dataclasses.dataclass
-    class Placed:
-        budget: int | None = None
-        notes: dict = dataclasses.field(default_factory=dict)
-
     efforts = []
 
-    def placement(plan, seconds, deadline):
-        efforts.append(seconds)
-        return dataclasses.replace(plan, notes={"placement": {"arena_bytes": 990 if seconds >= 2.5 else 1100}})
-
     def search(deadline) -> fit.Search:
-        found = fit.Search(None, 1000, 1000, ("order", "reuse", "swap"), {"placement": placement},
+        found = fit.Search(None, 1000, 1000, ("order", "reuse", "swap"), {"placement": _placement(efforts)},
                            lambda name, apply, plan: (apply(plan), 0), 10, deadline)
         found.tried = [{"candidate": "swap", "target_bytes": 1000, "step_time_s": 1.5, "fits": True}]
-        found.nearest, found.smallest_arena, found.lowest = (1100, Placed(), 0), 1100, 980
+        found.nearest, found.smallest_arena, found.lowest = (1100, _Placed(), 0), 1100, 980
         return found
 
     rescued = search(unlimited())
@@ -215,20 +221,8 @@ def test_a_second_ctrl_c_aborts_with_nothing_written(small_model, tmp_path):
 def test_the_rescue_places_the_start_again_where_its_live_bytes_fit():
     """With order and reuse alone, a start whose live bytes fit the budget but whose first
     arena overshoots is placed once more with RESCUE of the time limit, and kept as it is."""
-    import dataclasses
-
-    @dataclasses.dataclass
-    class Placed:
-        budget: int | None = None
-        notes: dict = dataclasses.field(default_factory=dict)
-
     efforts = []
-
-    def placement(plan, seconds, deadline):
-        efforts.append(seconds)
-        return dataclasses.replace(plan, notes={"placement": {"arena_bytes": 990 if seconds >= 2.5 else 1100}})
-
-    search = fit.Search(Placed(), 980, 1000, ("order", "reuse"), {"placement": placement},
+    search = fit.Search(_Placed(), 980, 1000, ("order", "reuse"), {"placement": _placement(efforts)},
                         lambda name, apply, plan: (apply(plan), 0), 10, unlimited())
     search.first_plans()
     assert search.best is None and efforts[-1] < fit.RESCUE * 10
