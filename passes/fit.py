@@ -314,7 +314,7 @@ class Search:
     # ---- results ----
     def _best_so_far(self) -> str:
         if self.best is None:
-            return ""
+            return "; past the time limit, going on to a first plan" if self.deadline.expired else ""
         arena = self.best.plan.notes.get("placement", {}).get("arena_bytes")
         return f"; best so far {self.tried[self.best.record]['candidate'] if self.best.record >= 0 else 'as is'}" \
                f", arena {format_bytes(arena)}"

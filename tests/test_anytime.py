@@ -16,6 +16,7 @@ import pytest
 
 import models
 from memsched.deadline import Deadline, unlimited
+from memsched.errors import BudgetError
 from memsched.frontend import lower
 from memsched.onnx_utils import save_model_atomic
 from passes import fit
@@ -229,3 +230,19 @@ def test_the_rescue_places_the_start_again_where_its_live_bytes_fit():
     search.rescue()
     assert efforts[-1] == fit.RESCUE * 10 and search.best.step_time == 0.0 and search.best.record == -1
     assert search.result(search.strategies).notes["placement"]["arena_bytes"] == 990
+
+
+def test_an_attempt_past_the_time_limit_says_why_the_search_goes_on():
+    """With no plan kept when the time is up, the passes still give their quick answers until
+    one fits: each attempt's progress line says so, so a late answer is not a silent overrun."""
+    said = []
+
+    def swap(plan, seconds, deadline):
+        raise BudgetError("not this time", 1100)
+
+    for deadline, late in ((Deadline(0.0), True), (unlimited(), False)):
+        said.clear()
+        search = fit.Search(_Placed(), 1200, 1000, ("order", "reuse", "swap"), {"swap": swap},
+                            lambda name, apply, plan: (apply(plan), 900), 10, deadline, say=said.append)
+        search.attempt(fit.Candidate("swap"), 0.0, 1)
+        assert len(said) == 1 and said[0].endswith("past the time limit, going on to a first plan") == late
