@@ -140,7 +140,8 @@ import onnx, cli
 def slow(model, path, *args, **kwargs):
     open(path, "wb").write(b"x" * 1000)
     print("writing", flush=True)
-    time.sleep(60)
+    for _ in range(1200):     # a write runs Python between its chunks: a signal that another
+        time.sleep(0.05)      # thread received is handled there, as it is here between sleeps
 onnx.save_model = slow
 sys.exit(cli.main(["models", "export", "mlp", "-o", {out!r}]))
 """
