@@ -222,6 +222,10 @@ def print_compile(report: dict) -> None:
         cut = ", cut by the time limit" if fit.get("cut") else ""
         out.print(f"fit ({len(fit['tried'])} attempts{cut}; each candidate's fastest, predicted before placement): "
                   + "; ".join(said(t) for t in _fastest_each(fit["tried"])))
+    first, limit = report.get("solver", {}).get("first_fit_s"), report.get("time_limit_s")
+    if first is not None and limit is not None and first > limit:
+        out.print(f"[yellow]the first plan that fits came {first:.1f} s into the command, past the "
+                  f"{limit:g} s time limit: a step this large needs a longer --time-limit[/yellow]")
     for what, path in report.get("written", {}).items():
         out.print(f"wrote {_e(what)}: {_e(path)}")
     out.print(f"[bold]{_e(report['verdict'])}[/bold]")

@@ -174,5 +174,10 @@ def test_a_compiled_plan_fits_its_budget_with_its_arena(capsys):
     report["passes"]["fit"]["tried"].append({"candidate": "swap (test)", "fits": True, "step_time_s": step,
                                              "arena_bytes": 10**12, "chosen": False})
     views.print_compile(report)
-    assert "swap (test): +5.0% (arena over the budget)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "swap (test): +5.0% (arena over the budget)" in out and "past the" not in out
+    # a first plan later than the time limit is said so, with the way out
+    report["solver"]["first_fit_s"], report["time_limit_s"] = 12.5, 10.0
+    views.print_compile(report)
+    assert "came 12.5 s into the command, past the 10 s time limit" in " ".join(capsys.readouterr().out.split())
     assert result.report["solver"]["lower_bound_bytes"] is None  # order's bound does not hold after recompute/swap
