@@ -39,9 +39,9 @@ def lower(model: onnx.ModelProto, dims: dict[str, int] | None = None, base_dir: 
     _check_domains(model)
     _check_captures(model)
     _bind_dims(model, dict(dims or {}))
-    model = _infer_shapes(model, base_dir)
+    view = _infer_shapes(model, base_dir)
     try:  # after inference: outputs declared without shapes are fine once inferred
-        onnx.checker.check_model(_checkable(model))
+        onnx.checker.check_model(view)
     except onnx.checker.ValidationError as exc:
         raise UserError(f"not a valid ONNX model: {_first_line(exc)}") from None
     graph = Graph.from_onnx(model, base_dir=base_dir)
@@ -152,20 +152,60 @@ def _initializers_not_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` with data-less initializers turned into typed inputs. External ones: the checker
-    would look for their files relative to the working directory (`_check_external_data` has
-    checked them); header-only ones (shape-only graphs built for planning) have no data at all."""
-    dataless = [i for i in model.graph.initializer if _dataless(i)]
-    if not dataless:
+# A floating-point initializer larger than this is a weight: its values never decide a shape.
+WEIGHT_BYTES = 1024
+
+
+def _shape_view(model: onnx.ModelProto) -> onnx.ModelProto:
+    """What shape inference and the checker are given: `model` without the values of its
+    weights (floating-point initializers over WEIGHT_BYTES), nor of data-less initializers,
+    each turned into a typed graph input. Both serialize the model they are given: a GPT-2
+    of 1.8 GB with its weights took them 23 s and 11 GB of memory. Data-less ones: the
+    checker would look for external files relative to the working directory
+    (`_check_external_data` has checked them), and header-only ones (shape-only graphs built
+    for planning) have no data at all. Integer initializers (shapes, axes) stay for data
+    propagation. The model itself where nothing is left out."""
+    graph = model.graph
+    left_out = [i for i in graph.initializer if _dataless(i) or _weight(i)]
+    if not left_out:
         return model
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    kept = [i for i in copy.graph.initializer if not _dataless(i)]
-    del copy.graph.initializer[:]
-    copy.graph.initializer.extend(kept)
-    copy.graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in dataless)
-    return copy
+    for init in left_out:
+        _check_weight_size(init)
+    names = {i.name for i in left_out}
+    view = onnx.ModelProto(ir_version=model.ir_version)
+    view.opset_import.extend(model.opset_import)
+    view.functions.extend(model.functions)
+    view.graph.name = graph.name
+    view.graph.node.extend(graph.node)
+    view.graph.input.extend(graph.input)
+    view.graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in left_out)
+    view.graph.output.extend(graph.output)
+    view.graph.value_info.extend(graph.value_info)
+    view.graph.initializer.extend(i for i in graph.initializer if i.name not in names)
+    view.graph.sparse_initializer.extend(graph.sparse_initializer)
+    return view
+
+
+def _check_weight_size(init: TensorProto) -> None:
+    """UserError where an initializer holds another number of values than its dims say (a
+    damaged file); the checker, which no longer sees a weight's values, checks this for the
+    others."""
+    if _dataless(init):
+        return
+    expected = int(np.prod(init.dims, dtype=np.int64))
+    if init.raw_data:
+        held = len(init.raw_data) // helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+    else:
+        held = max(len(init.float_data), len(init.double_data), len(init.int32_data))
+    if held != expected:
+        raise UserError(f"not a valid ONNX model: initializer '{init.name}' declares shape "
+                        f"{'x'.join(map(str, init.dims)) or 'scalar'} ({expected:,} values) but holds "
+                        f"{held:,}; the file is damaged, re-export the model")
+
+
+def _weight(init: TensorProto) -> bool:
+    floating = init.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
+    return floating and init.ByteSize() > WEIGHT_BYTES
 
 
 def _dataless(init: TensorProto) -> bool:
@@ -278,15 +318,25 @@ def _bind_dims(model: onnx.ModelProto, dims: dict[str, int]) -> None:
 
 
 def _infer_shapes(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelProto:
+    """Shape `model` in place: ONNX inference on its `_shape_view`, whose inferred value
+    infos, outputs and nodes (their subgraphs' value infos) it takes; a probe run for what
+    that leaves unknown. Returns the shaped view, for the checker."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=False,
-                                                     data_prop=True)
+        view = onnx.shape_inference.infer_shapes(_shape_view(model), check_type=True, strict_mode=False,
+                                                 data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         raise UserError(f"shape inference failed: {_first_line(exc)}") from None
-    unknown = _unknown_tensors(inferred)
+    graph = model.graph
+    for field in ("value_info", "output", "node"):
+        del getattr(graph, field)[:]
+        getattr(graph, field).extend(getattr(view.graph, field))
+    unknown = _unknown_tensors(model)
     if unknown:
-        _probe_shapes(inferred, unknown, base_dir)
-    return inferred
+        _probe_shapes(model, unknown, base_dir)
+        for field in ("value_info", "output"):
+            del getattr(view.graph, field)[:]
+            getattr(view.graph, field).extend(getattr(graph, field))
+    return view
 
 
 def _unknown_tensors(model: onnx.ModelProto) -> list[str]:

@@ -24,7 +24,7 @@ def ort_run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return session.run(None, feeds)
 
 
-@pytest.mark.parametrize("build", [mlp_model, reshape_model])
+@pytest.mark.parametrize("build", [mlp_model, reshape_model, lambda: mlp_model(width=512)])
 def test_round_trip_is_lossless(tmp_path, build):
     path = save_model_atomic(build(), tmp_path / "m.onnx")
     graph = frontend.load(path)
@@ -38,6 +38,29 @@ def test_round_trip_is_lossless(tmp_path, build):
         [(o.name, o.op_type, o.inputs, o.outputs, o.attributes) for o in graph.ops]
     assert {n: (x.shape, x.dtype, x.kind) for n, x in again.tensors.items()} == \
         {n: (x.shape, x.dtype, x.kind) for n, x in graph.tensors.items()}
+
+
+def test_shape_inference_and_the_checker_see_no_weight_values():
+    """Both serialize what they are given: weights go to them as typed inputs, integer
+    initializers (shapes for data propagation) and small ones stay."""
+    model = mlp_model(width=512)
+    view = frontend._shape_view(model)
+    assert [i.name for i in view.graph.initializer] == []
+    assert {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in view.graph.input} == \
+        {"x": [2, 4], "W1": [4, 512], "W2": [512, 3]}
+    small = mlp_model()                # weights of 64 and 48 bytes: nothing to leave out
+    assert frontend._shape_view(small) is small
+
+
+def test_a_weight_holding_fewer_values_than_its_shape_is_one_line(tmp_path):
+    model = mlp_model(width=512)
+    weight = model.graph.initializer[0]
+    weight.raw_data = weight.raw_data[: len(weight.raw_data) // 2]
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(UserError, match=r"initializer 'W1' declares shape 4x512 \(2,048 values\) but holds "
+                                        r"1,024; the file is damaged"):
+        frontend.load(path)
 
 
 def test_kinds_and_phases_survive_the_round_trip(tmp_path):
