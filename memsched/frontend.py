@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 
 from .errors import UserError
 from .ir import Graph, op_summary
-from .onnx_utils import MEMSCHED_DOMAIN, TWO_GB
+from .onnx_utils import MEMSCHED_DOMAIN, TWO_GB, checkable_view, is_weight
 
 SUPPORTED_DOMAINS = ("", "ai.onnx", MEMSCHED_DOMAIN)
 
@@ -39,6 +39,8 @@ def lower(model: onnx.ModelProto, dims: dict[str, int] | None = None, base_dir: 
     _check_domains(model)
     _check_captures(model)
     _bind_dims(model, dict(dims or {}))
+    for init in model.graph.initializer:
+        _check_weight_size(init)
     view = _infer_shapes(model, base_dir)
     try:  # after inference: outputs declared without shapes are fine once inferred
         onnx.checker.check_model(view)
@@ -152,67 +154,21 @@ def _initializers_not_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-# A floating-point initializer larger than this is a weight: its values never decide a shape.
-WEIGHT_BYTES = 1024
-
-
-def _shape_view(model: onnx.ModelProto) -> onnx.ModelProto:
-    """What shape inference and the checker are given: `model` without the values of its
-    weights (floating-point initializers over WEIGHT_BYTES), nor of data-less initializers,
-    each turned into a typed graph input. Both serialize the model they are given: a GPT-2
-    of 1.8 GB with its weights took them 23 s and 11 GB of memory. Data-less ones: the
-    checker would look for external files relative to the working directory
-    (`_check_external_data` has checked them), and header-only ones (shape-only graphs built
-    for planning) have no data at all. Integer initializers (shapes, axes) stay for data
-    propagation. The model itself where nothing is left out."""
-    graph = model.graph
-    left_out = [i for i in graph.initializer if _dataless(i) or _weight(i)]
-    if not left_out:
-        return model
-    for init in left_out:
-        _check_weight_size(init)
-    names = {i.name for i in left_out}
-    view = onnx.ModelProto(ir_version=model.ir_version)
-    view.opset_import.extend(model.opset_import)
-    view.functions.extend(model.functions)
-    view.graph.name = graph.name
-    view.graph.node.extend(graph.node)
-    view.graph.input.extend(graph.input)
-    view.graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in left_out)
-    view.graph.output.extend(graph.output)
-    view.graph.value_info.extend(graph.value_info)
-    view.graph.initializer.extend(i for i in graph.initializer if i.name not in names)
-    view.graph.sparse_initializer.extend(graph.sparse_initializer)
-    return view
-
-
 def _check_weight_size(init: TensorProto) -> None:
-    """UserError where an initializer holds another number of values than its dims say (a
-    damaged file); the checker, which no longer sees a weight's values, checks this for the
-    others."""
-    if _dataless(init):
+    """UserError where a weight holds another number of values than its dims say (a damaged
+    file): the checker sees no weight's values (`onnx_utils.checkable_view`)."""
+    if not is_weight(init) or init.data_location == TensorProto.EXTERNAL:
         return
     expected = int(np.prod(init.dims, dtype=np.int64))
-    if init.raw_data:
-        held = len(init.raw_data) // helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+    stored = len(init.raw_data)              # a copy of the bytes: read once
+    if stored:
+        held = stored // helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
     else:
         held = max(len(init.float_data), len(init.double_data), len(init.int32_data))
-    if held != expected:
+    if held and held != expected:            # none: a header only (shape-only graphs built for planning)
         raise UserError(f"not a valid ONNX model: initializer '{init.name}' declares shape "
                         f"{'x'.join(map(str, init.dims)) or 'scalar'} ({expected:,} values) but holds "
                         f"{held:,}; the file is damaged, re-export the model")
-
-
-def _weight(init: TensorProto) -> bool:
-    floating = init.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
-    return floating and init.ByteSize() > WEIGHT_BYTES
-
-
-def _dataless(init: TensorProto) -> bool:
-    if init.data_location == TensorProto.EXTERNAL:
-        return True
-    return not init.raw_data and not any(len(getattr(init, f)) for f in (
-        "float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data"))
 
 
 def _inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -318,11 +274,11 @@ def _bind_dims(model: onnx.ModelProto, dims: dict[str, int]) -> None:
 
 
 def _infer_shapes(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelProto:
-    """Shape `model` in place: ONNX inference on its `_shape_view`, whose inferred value
-    infos, outputs and nodes (their subgraphs' value infos) it takes; a probe run for what
-    that leaves unknown. Returns the shaped view, for the checker."""
+    """Shape `model` in place: ONNX inference on its `onnx_utils.checkable_view` (no weight's
+    values), whose inferred value infos, outputs and nodes (their subgraphs' value infos) it
+    takes; a probe run for what that leaves unknown. Returns the shaped view, for the checker."""
     try:
-        view = onnx.shape_inference.infer_shapes(_shape_view(model), check_type=True, strict_mode=False,
+        view = onnx.shape_inference.infer_shapes(checkable_view(model), check_type=True, strict_mode=False,
                                                  data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         raise UserError(f"shape inference failed: {_first_line(exc)}") from None

@@ -247,12 +247,18 @@ class Graph:
         boundary = set(self.inputs) | set(self.outputs)
         value_info = [_value_info(t) for t in self.tensors.values()
                       if not t.is_static and t.name not in boundary and t.shape is not None]
-        graph = helper.make_graph(nodes, self.name, inputs, outputs, initializers,
-                                  doc_string=self.doc_string or None, value_info=value_info)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v)
-                                                        for d, v in self.opset_imports.items()],
-                                  producer_name="memsched")
-        model.ir_version = self.ir_version
+        # built in place: make_graph copies every initializer and make_model copies them again
+        model = onnx.ModelProto(ir_version=self.ir_version, producer_name="memsched")
+        model.opset_import.extend(helper.make_opsetid(d, v) for d, v in self.opset_imports.items())
+        graph = model.graph
+        graph.name = self.name
+        if self.doc_string:
+            graph.doc_string = self.doc_string
+        graph.node.extend(nodes)
+        graph.input.extend(inputs)
+        graph.output.extend(outputs)
+        graph.initializer.extend(initializers)
+        graph.value_info.extend(value_info)
         metadata = dict(self.metadata)
         reference = Graph.from_onnx(_without_data(model))
         kinds = {n: t.kind for n, t in self.tensors.items()

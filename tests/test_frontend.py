@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from memsched import frontend
 from memsched.errors import UserError
 from memsched.ir import Graph
-from memsched.onnx_utils import make_model, save_model_atomic
+from memsched.onnx_utils import checkable_view, make_model, save_model_atomic
 
 from .conftest import run_cli
 from .graphs import mlp_model, reshape_model
@@ -44,12 +44,12 @@ def test_shape_inference_and_the_checker_see_no_weight_values():
     """Both serialize what they are given: weights go to them as typed inputs, integer
     initializers (shapes for data propagation) and small ones stay."""
     model = mlp_model(width=512)
-    view = frontend._shape_view(model)
+    view = checkable_view(model)
     assert [i.name for i in view.graph.initializer] == []
     assert {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in view.graph.input} == \
         {"x": [2, 4], "W1": [4, 512], "W2": [512, 3]}
     small = mlp_model()                # weights of 64 and 48 bytes: nothing to leave out
-    assert frontend._shape_view(small) is small
+    assert checkable_view(small) is small
 
 
 def test_a_weight_holding_fewer_values_than_its_shape_is_one_line(tmp_path):
