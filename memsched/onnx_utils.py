@@ -158,19 +158,22 @@ def _external_files(path: Path) -> list[str]:
 
 
 def _past_two_gb(model: onnx.ModelProto) -> bool:
-    """Whether `model` may serialize to 2 GB or more, counted without encoding its weights
+    """Whether `model` may serialize to 2 GB or more (`serialized_bound`, within 16 MiB)."""
+    try:
+        return serialized_bound(model) >= TWO_GB - 16 * 2**20
+    except Exception:  # noqa: BLE001 - protobuf refuses to size messages past 2 GB on some builds
+        return True
+
+
+def serialized_bound(model: onnx.ModelProto) -> int:
+    """At least the bytes `model` serializes to, counted without encoding its weights
     (ByteSize encodes what it counts: 5 s for a 1.8 GB GPT-2): every tensor's stored bytes
     (10 a typed value, the most a varint takes) plus the size of the rest, the model's
-    `checkable_view`, within 16 MiB. Tensors the view keeps count twice: it errs towards
-    external data."""
+    `checkable_view`. Tensors the view keeps count twice."""
     typed = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data")
     stored = sum(len(t.raw_data) + 10 * sum(len(getattr(t, f)) for f in typed)
                  for t in external_data_helper._get_all_tensors(model))
-    try:
-        rest = checkable_view(model).ByteSize()
-    except Exception:  # noqa: BLE001 - protobuf refuses to size messages past 2 GB on some builds
-        return True
-    return stored + rest >= TWO_GB - 16 * 2**20
+    return stored + checkable_view(model).ByteSize()
 
 
 def _rename_external_location(model_path: str, old: str, new: str) -> None:

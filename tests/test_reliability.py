@@ -511,3 +511,17 @@ def test_split_and_micro_batch_copies_take_their_share_of_the_op_they_were_made_
     assert table.pricing(step)["roofline"]["head/Sum1"] == table.fallback_hardware().name
     with pytest.raises(UserError, match="no time for op 'head'"):           # an op no rewrite made
         CostTable({}).time(given.op_by_name["head"], given)
+
+
+def test_the_size_bound_is_never_below_what_the_model_serializes_to():
+    """save_model_atomic decides external data by `serialized_bound`, counted without encoding
+    the weights: it must never undercount, whatever form the tensors take."""
+    model = mlp_model(width=512)                                   # raw_data weights
+    typed = helper.make_tensor("typed", TensorProto.FLOAT, [64, 64], [-1.5] * 4096)
+    assert typed.float_data and not typed.raw_data
+    model.graph.initializer.append(typed)                          # a weight in float_data
+    model.graph.initializer.append(numpy_helper.from_array(np.arange(4000, dtype=np.int64) * 10**12, "big_ints"))
+    model.graph.node.append(helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(
+        np.ones((32, 32), np.float32), "c_value")))               # a tensor in an attribute
+    assert onnx_utils.serialized_bound(model) >= model.ByteSize()
+    assert not onnx_utils._past_two_gb(model)
