@@ -31,8 +31,9 @@ WEIGHT_BYTES = 1024
 def checkable_view(model: onnx.ModelProto) -> onnx.ModelProto:
     """What ONNX's shape inference and checker are given: `model` without the values of its
     weights (`is_weight`) and of its data-less initializers, each turned into a typed graph
-    input. Both serialize the model they are given: a GPT-2 of 1.8 GB with its weights took
-    them 23 s and 11 GB of memory to load, and 13.6 s more to write. Data-less ones: the
+    input. Both serialize the model they are given: with its weights, a GPT-2 of 1.8 GB took
+    30 s and 9.9 GB of memory to load (3.8 s and 3.8 GB without: `bench/bench_load.py`), and
+    the checker 13.6 s more to write its plan. Data-less ones: the
     checker would look for external files relative to the working directory, and
     header-only ones (shape-only graphs built for planning) have no data at all. Integer
     initializers (shapes, axes) stay, for data propagation. The model itself where nothing
