@@ -103,10 +103,13 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
     try:
         if big:
             tmp_data = temp_path(path, data_name)
+            # onnx refuses a data file that exists, looked up from the working directory: from
+            # the output's folder it would find the empty temporary just made (it appends)
+            unlink_quietly(tmp_data)
             onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
                             location=os.path.basename(tmp_data), size_threshold=1024)
             # external data references the temp name; point it at the final one.
-            if os.path.getsize(tmp_data) == 0:       # every tensor was under the threshold: no data file
+            if not os.path.exists(tmp_data) or os.path.getsize(tmp_data) == 0:   # every tensor under the threshold
                 unlink_quietly(tmp_data)
                 tmp_data = None
             else:

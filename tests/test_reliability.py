@@ -95,8 +95,12 @@ def test_written_files_honour_the_umask(tmp_path, mask, mode):
 
 
 # ---- 5: the external-data save path ------------------------------------------------------------------------
-def test_big_model_path_pairs_each_model_with_its_own_data(tmp_path, monkeypatch):
+@pytest.mark.parametrize("from_its_folder", [False, True])
+def test_big_model_path_pairs_each_model_with_its_own_data(tmp_path, monkeypatch, from_its_folder):
+    """Also run from the output's own folder, where onnx looks for an existing data file."""
     monkeypatch.setattr(onnx_utils, "TWO_GB", 16)      # take the >2 GB path with a small model
+    if from_its_folder:
+        monkeypatch.chdir(tmp_path)
     path = tmp_path / "m.onnx"
     for width in (512, 1024, 8, 2048):        # width 8: every tensor under the threshold, no data file
         onnx_utils.save_model_atomic(mlp_model(width=width), path)
