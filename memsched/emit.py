@@ -54,10 +54,12 @@ DIGEST_VALUES = 32      # elements: tensors up to this size (shapes, axes) enter
 
 
 # ---- writing -----------------------------------------------------------------------------
-def plan_to_onnx(plan: Plan) -> onnx.ModelProto:
-    """The scheduled graph of `plan` as an ONNX model, with the plan in its metadata."""
+def plan_to_onnx(plan: Plan, load_external_data: bool = True) -> onnx.ModelProto:
+    """The scheduled graph of `plan` as an ONNX model, with the plan in its metadata; without
+    `load_external_data`, weights stored outside the model stay there (relative to the
+    graph's base_dir)."""
     scheduled, renamed, clones = _scheduled_graph(plan)
-    model = scheduled.to_onnx()
+    model = scheduled.to_onnx(load_external_data=load_external_data)
     document = {
         "version": FORMAT_VERSION,
         "schedule": [_step_json(s) for s in plan.schedule],
@@ -83,8 +85,9 @@ def plan_to_onnx(plan: Plan) -> onnx.ModelProto:
 
 
 def write_plan(plan: Plan, path: str | os.PathLike) -> Path:
-    """Emit `plan` to `path` atomically (initializers go external past 2 GB)."""
-    return save_model_atomic(plan_to_onnx(plan), path)
+    """Emit `plan` to `path` atomically (initializers go external past 2 GB). Weights the
+    model kept in external files are copied from there into the plan's own data file."""
+    return save_model_atomic(plan_to_onnx(plan, load_external_data=False), path, source_dir=plan.graph.base_dir)
 
 
 def _scheduled_graph(plan: Plan) -> tuple[Graph, dict[str, str], dict[str, str]]:

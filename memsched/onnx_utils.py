@@ -83,7 +83,7 @@ def make_model(graph: onnx.GraphProto, opset: int = OPSET, ir_version: int = IR_
     return model
 
 
-def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
+def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, source_dir: str | None = None) -> Path:
     """Write `model` to `path` via a temp file + rename, so a failure leaves nothing half-written.
 
     Models past 2 GB are written with their initializers in one external-data file beside it,
@@ -91,11 +91,16 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
     two writers to the same path each rename a complete pair and the model that wins the last
     rename points at its own data. The data file of the model that was replaced is removed.
     Temporaries carry `memsched.outputs.TEMP_TAG` so a later write cleans up after a killed one.
+    Tensors whose data is still in another model's files (relative to `source_dir`, which the
+    front end has checked they stay in) have their bytes copied into that data file in
+    chunks, never all in memory.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     check_writable(path)
-    big = _past_two_gb(model)
+    borrowed = source_dir is not None and any(t.data_location == TensorProto.EXTERNAL
+                                              for t in external_data_helper._get_all_tensors(model))
+    big = borrowed or _past_two_gb(model)
     previous = _external_files(path)
     tmp = temp_path(path)
     data_name = f"{path.name}.{secrets.token_hex(4)}.data"
@@ -108,6 +113,8 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
             unlink_quietly(tmp_data)
             onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
                             location=os.path.basename(tmp_data), size_threshold=1024)
+            if borrowed:
+                _copy_borrowed_data(tmp, source_dir, tmp_data)
             # external data references the temp name; point it at the final one.
             if not os.path.exists(tmp_data) or os.path.getsize(tmp_data) == 0:   # every tensor under the threshold
                 unlink_quietly(tmp_data)
@@ -178,6 +185,40 @@ def serialized_bound(model: onnx.ModelProto) -> int:
     stored = sum(len(t.raw_data) + 10 * sum(len(getattr(t, f)) for f in typed)
                  for t in external_data_helper._get_all_tensors(model))
     return stored + checkable_view(model).ByteSize()
+
+
+COPY_CHUNK = 64 * 2**20
+
+
+def _copy_borrowed_data(model_path: str, source_dir: str, data_path: str) -> None:
+    """In the saved model at `model_path`, point every tensor whose data lies in another file
+    (relative to `source_dir`) at `data_path` instead, its bytes appended there COPY_CHUNK at
+    a time."""
+    model = onnx.load(model_path, load_external_data=False)
+    own = os.path.basename(data_path)
+    with open(data_path, "ab") as out:
+        for tensor in external_data_helper._get_all_tensors(model):
+            if tensor.data_location != TensorProto.EXTERNAL:
+                continue
+            info = external_data_helper.ExternalDataInfo(tensor)
+            if info.location == own:
+                continue
+            offset = out.tell()
+            with open(os.path.join(source_dir, info.location), "rb") as source:
+                start = info.offset or 0
+                source.seek(start)
+                left = info.length if info.length is not None else os.fstat(source.fileno()).st_size - start
+                while left > 0:
+                    chunk = source.read(min(COPY_CHUNK, left))
+                    if not chunk:
+                        raise OSError(f"{info.location} ends before tensor '{tensor.name}' does")
+                    out.write(chunk)
+                    left -= len(chunk)
+            del tensor.external_data[:]        # (onnx's set_external_data wants the bytes in memory)
+            for key, value in (("location", own), ("offset", offset), ("length", out.tell() - offset)):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(value)
+    onnx.save_model(model, model_path)
 
 
 def _rename_external_location(model_path: str, old: str, new: str) -> None:

@@ -156,3 +156,30 @@ def test_emitting_an_unknown_op_is_a_schedule_error():
     plan = dataclasses.replace(PLANS["order"], schedule=PLANS["order"].schedule + [ghost])
     with pytest.raises(ScheduleError, match="'ghost'"):
         plan_to_onnx(plan)
+
+
+def test_a_plan_of_a_model_with_external_weights_gets_its_own_data_file(tmp_path, monkeypatch):
+    """The weights are copied from the model's data file into the plan's own, chunk by chunk
+    (never all in memory): the plan runs, and matches a plain run, with the model gone."""
+    import os
+
+    import models
+    from memsched import onnx_utils
+    from memsched.executor import run_plan
+    from passes.pipeline import compile as compile_plan
+
+    monkeypatch.setattr(onnx_utils, "COPY_CHUNK", 1000)        # several chunks per weight
+    source = tmp_path / "model"
+    source.mkdir()
+    onnx.save_model(models.build("mlp"), str(source / "m.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="m.bin", size_threshold=64)
+    plan = compile_plan(str(source / "m.onnx"), train=True, strategies="order,reuse", time_limit=3).plan
+    out = write_plan(plan, tmp_path / "plan" / "s.onnx")
+    names = sorted(os.listdir(out.parent))
+    assert len(names) == 2 and names[0] == "s.onnx" and names[1].startswith("s.onnx.")
+    stored = onnx.load(str(out), load_external_data=False)
+    assert {e.value for t in stored.graph.initializer for e in t.external_data if e.key == "location"} == {names[1]}
+    for name in os.listdir(source):
+        os.remove(source / name)
+    result = run_plan(read_plan(out), steps=2, check=True)
+    assert result.check["passed"] and result.check["bit_identical"]
