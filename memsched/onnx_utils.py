@@ -113,14 +113,12 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, source_di
             unlink_quietly(tmp_data)
             onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
                             location=os.path.basename(tmp_data), size_threshold=1024)
-            if borrowed:
-                _copy_borrowed_data(tmp, source_dir, tmp_data)
-            # external data references the temp name; point it at the final one.
-            if not os.path.exists(tmp_data) or os.path.getsize(tmp_data) == 0:   # every tensor under the threshold
+            written = os.path.exists(tmp_data) and os.path.getsize(tmp_data) > 0
+            if not (written or borrowed):      # every tensor under the threshold: no data file
                 unlink_quietly(tmp_data)
                 tmp_data = None
             else:
-                _rename_external_location(tmp, os.path.basename(tmp_data), data_name)
+                _own_external_data(tmp, tmp_data, data_name, source_dir if borrowed else None)
                 finish_mode(tmp_data)
                 os.replace(tmp_data, path.parent / data_name)
                 tmp_data = path.parent / data_name      # if the model's rename fails, its data goes too
@@ -190,42 +188,43 @@ def serialized_bound(model: onnx.ModelProto) -> int:
 COPY_CHUNK = 64 * 2**20
 
 
-def _copy_borrowed_data(model_path: str, source_dir: str, data_path: str) -> None:
-    """In the saved model at `model_path`, point every tensor whose data lies in another file
-    (relative to `source_dir`) at `data_path` instead, its bytes appended there COPY_CHUNK at
-    a time."""
+def _own_external_data(model_path: str, data_path: str, name: str, source_dir: str | None) -> None:
+    """In the saved model at `model_path`, one pass over its tensors: those whose data onnx
+    wrote to the temporary `data_path` name `name`, its final name, instead; with `source_dir`,
+    those whose data lies in another model's files there have their bytes appended to
+    `data_path`, COPY_CHUNK at a time, and name it too."""
     model = onnx.load(model_path, load_external_data=False)
-    own = os.path.basename(data_path)
+    temporary = os.path.basename(data_path)
     with open(data_path, "ab") as out:
         for tensor in external_data_helper._get_all_tensors(model):
             if tensor.data_location != TensorProto.EXTERNAL:
                 continue
             info = external_data_helper.ExternalDataInfo(tensor)
-            if info.location == own:
+            if info.location == temporary:
+                for entry in tensor.external_data:
+                    if entry.key == "location":
+                        entry.value = name
+                continue
+            if source_dir is None:
                 continue
             offset = out.tell()
-            with open(os.path.join(source_dir, info.location), "rb") as source:
-                start = info.offset or 0
-                source.seek(start)
-                left = info.length if info.length is not None else os.fstat(source.fileno()).st_size - start
-                while left > 0:
-                    chunk = source.read(min(COPY_CHUNK, left))
-                    if not chunk:
-                        raise OSError(f"{info.location} ends before tensor '{tensor.name}' does")
-                    out.write(chunk)
-                    left -= len(chunk)
+            _append_range(out, os.path.join(source_dir, info.location), info.offset or 0, info.length, tensor.name)
             del tensor.external_data[:]        # (onnx's set_external_data wants the bytes in memory)
-            for key, value in (("location", own), ("offset", offset), ("length", out.tell() - offset)):
+            for key, value in (("location", name), ("offset", offset), ("length", out.tell() - offset)):
                 entry = tensor.external_data.add()
                 entry.key, entry.value = key, str(value)
     onnx.save_model(model, model_path)
 
 
-def _rename_external_location(model_path: str, old: str, new: str) -> None:
-    """Rewrite external_data 'location' entries from `old` to `new` in a saved model file."""
-    model = onnx.load(model_path, load_external_data=False)
-    for tensor in external_data_helper._get_all_tensors(model):
-        for entry in tensor.external_data:
-            if entry.key == "location" and entry.value == old:
-                entry.value = new
-    onnx.save_model(model, model_path)
+def _append_range(out, path: str, start: int, length: int | None, tensor: str) -> None:
+    """Append `length` bytes of the file at `path` from `start` (to its end where None) to
+    `out`, COPY_CHUNK at a time."""
+    with open(path, "rb") as source:
+        source.seek(start)
+        left = length if length is not None else os.fstat(source.fileno()).st_size - start
+        while left > 0:
+            chunk = source.read(min(COPY_CHUNK, left))
+            if not chunk:
+                raise OSError(f"{os.path.basename(path)} ends before tensor '{tensor}' does")
+            out.write(chunk)
+            left -= len(chunk)
