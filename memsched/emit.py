@@ -87,7 +87,10 @@ def plan_to_onnx(plan: Plan, load_external_data: bool = True) -> onnx.ModelProto
 def write_plan(plan: Plan, path: str | os.PathLike) -> Path:
     """Emit `plan` to `path` atomically (initializers go external past 2 GB). Weights the
     model kept in external files are copied from there into the plan's own data file."""
-    return save_model_atomic(plan_to_onnx(plan, load_external_data=False), path, source_dir=plan.graph.base_dir)
+    # where the graph names no folder its external data is read from the working directory,
+    # as Graph.to_onnx loads it
+    return save_model_atomic(plan_to_onnx(plan, load_external_data=False), path,
+                             source_dir=plan.graph.base_dir or ".")
 
 
 def _scheduled_graph(plan: Plan) -> tuple[Graph, dict[str, str], dict[str, str]]:

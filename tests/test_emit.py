@@ -158,9 +158,11 @@ def test_emitting_an_unknown_op_is_a_schedule_error():
         plan_to_onnx(plan)
 
 
-def test_a_plan_of_a_model_with_external_weights_gets_its_own_data_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("folder_named", [True, False])
+def test_a_plan_of_a_model_with_external_weights_gets_its_own_data_file(tmp_path, monkeypatch, folder_named):
     """The weights are copied from the model's data file into the plan's own, chunk by chunk
-    (never all in memory): the plan runs, and matches a plain run, with the model gone."""
+    (never all in memory): the plan runs, and matches a plain run, with the model gone. A
+    graph that names no folder reads its data from the working directory."""
     import os
 
     import models
@@ -174,6 +176,9 @@ def test_a_plan_of_a_model_with_external_weights_gets_its_own_data_file(tmp_path
     onnx.save_model(models.build("mlp"), str(source / "m.onnx"), save_as_external_data=True,
                     all_tensors_to_one_file=True, location="m.bin", size_threshold=64)
     plan = compile_plan(str(source / "m.onnx"), train=True, strategies="order,reuse", time_limit=3).plan
+    if not folder_named:
+        plan = dataclasses.replace(plan, graph=plan.graph.replace(base_dir=None))
+        monkeypatch.chdir(source)
     out = write_plan(plan, tmp_path / "plan" / "s.onnx")
     names = sorted(os.listdir(out.parent))
     assert len(names) == 2 and names[0] == "s.onnx" and names[1].startswith("s.onnx.")
