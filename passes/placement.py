@@ -110,7 +110,7 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
     model runs only where the arena is over `budget` (if given): offsets decide when a copy
     in may start (after the copy out of whatever held its addresses), so a tighter packing
     than the budget needs can only add waits. Where its arena still misses `budget`, it runs
-    again over more of the largest (`largest_counts`) in the time left."""
+    again over more of the largest (`largest_counts`), unless the command's deadline has passed."""
     started = time.perf_counter()
     greedy, name = best_greedy(items, n_steps, deadline)
     arena = _arena_aligned(items, greedy, ALIGNMENT)
@@ -131,11 +131,11 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
             info["method"] = f"greedy ({name}), local search"
             info["status"] = "optimal" if arena <= bound else "heuristic"
     # the solves' deterministic limits are shares of all of `time_limit` (the greedy's and the
-    # local search's wall time moves only their wall limits: `started`), so a loaded machine
-    # places alike
+    # local search's wall time moves only their wall limits: `started`), and only the command's
+    # deadline skips them, so a loaded machine places alike
     if arena <= bound:
         return greedy, info
-    if time.perf_counter() - started >= time_limit:
+    if time_limit <= 0 or (deadline is not None and deadline.expired):
         info["cpsat"] = "skipped: no time left"
         return greedy, info
     movable = [b for b in items if not _whole_step(b, n_steps)]
@@ -145,8 +145,7 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
             return greedy, info
         tried, spent = [], 0.0
         for count in largest_counts(movable, bound):
-            left = started + time_limit - time.perf_counter()
-            if tried and (left <= 0 or budget is None or arena <= budget):
+            if tried and (budget is None or arena <= budget or (deadline is not None and deadline.expired)):
                 break           # the model with more buffers runs only for a budget still missed
             offsets, status, seconds = largest_first_offsets(items, n_steps, greedy, time_limit, count,
                                                              deadline=deadline, started=started)
