@@ -16,7 +16,8 @@ Rules, stated once:
 4. In-place: an output may alias an input (share its storage) where both have the same byte
    size and the op allows it. A shape-only view (Reshape, Flatten, Squeeze, Unsqueeze,
    Identity) shares its input's storage whether or not the input is read later, as ONNX
-   Runtime's aliasing kernels do: the two are one buffer, live while either is. Any other
+   Runtime's aliasing kernels do: the two are one buffer, live while either is (a graph
+   input's too, whose storage no other op takes directly). Any other
    op (elementwise ops, a scatter over its data input, optimizer updates -- a fused Gemm
    update only over C, the parameter or state it updates) writes over the input, so that
    input's last use must be this op and no other tensor may still need the storage (a view
@@ -231,8 +232,8 @@ def _analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str],
 
 
 def _check_alias(graph: Graph, op, output: str, source: str, ends: set[str]) -> None:
-    """The static half of rule 4 (`ends`: the graph's inputs and outputs); `analyze` checks
-    that the source dies at the op."""
+    """The static half of rule 4 (`ends`: the graph's inputs, which only a view may share,
+    and its outputs); `analyze` checks that the source dies at the op."""
     if source not in op.present_inputs:
         raise ScheduleError(f"'{output}' may not alias '{source}': it is not an input of op '{op.name}'")
     if graph.tensors[output].nbytes != graph.tensors[source].nbytes:
@@ -243,7 +244,7 @@ def _check_alias(graph: Graph, op, output: str, source: str, ends: set[str]) -> 
         what, over = ("a Gemm update", "C, the parameter or state it updates") if op.op_type == "Gemm" \
             else (op.op_type, "its first input")
         raise ScheduleError(f"'{output}' may not alias '{source}': {what} writes in place only over {over}")
-    if source in ends:
+    if source in graph.outputs or (source in ends and op.op_type not in VIEW_OPS):
         raise ScheduleError(f"'{output}' may not alias '{source}': it is a graph input or output")
 
 

@@ -438,7 +438,9 @@ def _scalar(graph: Graph, name: str) -> float | None:
 def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
     """Inputs of `op` that `output` may overwrite if they die at `op` (the static half of the
     memory model's rule 4, plus: only update ops overwrite parameters and optimizer state --
-    they persist across steps otherwise -- and constants are never overwritten).
+    they persist across steps otherwise -- and constants are never overwritten). A graph
+    input is the source of views alone: the executor writes it into the arena at the start
+    of each step, so a view of it shares those bytes, while no op writes over them.
     Parameters come first: taking their storage saves them for the rest of the step."""
     if op.op_type not in INPLACE_OPS and op.phase != "update":
         return []
@@ -447,12 +449,13 @@ def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
     else:                                     # other in-place ops: their data input (Where: its branches)
         data = op.inputs[1:3] if op.op_type == "Where" else op.inputs[:1]
     nbytes = graph.tensors[output].nbytes
+    view = op.op_type in VIEW_OPS
     if nbytes == 0 or output in graph.inputs:
         return []
     found = []
     for name in dict.fromkeys(t for t in data if t):
         t = graph.tensors[name]
-        if t.nbytes != nbytes or name in graph.inputs or name in graph.outputs:
+        if t.nbytes != nbytes or name in graph.outputs or (name in graph.inputs and not view):
             continue
         if t.is_static and (op.phase != "update" or t.kind == "constant"):
             continue

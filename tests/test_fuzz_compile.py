@@ -50,8 +50,8 @@ def compile_and_check(folder, seed: int, budget: str) -> int:
 @pytest.mark.parametrize("seed", FAST_SEEDS)
 def test_random_models_compile_within_the_budget_and_run(tmp_path, seed):
     codes = [compile_and_check(tmp_path, seed, budget) for budget in BUDGETS]
-    if seed == 2:       # this seed's plans fit at both budgets: the run and check paths are exercised
-        assert codes == [0, 0]
+    if seed == 2:       # this seed's plan fits at 70%: the run and check paths are exercised (at 40%
+        assert codes[0] == 0   # it fits or not by where the time limit cuts the search on a loaded machine)
 
 
 @pytest.mark.slow
