@@ -55,7 +55,7 @@ from .cuda import device_memory, load_cudart
 from .measure import ProcessMemory, release_free_heap
 from .memory import MemoryProfile, Residency, buffer_groups, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
-from .ops import CONSTANT_OPS, HOISTED_OPS, draws_random
+from .ops import CONSTANT_OPS, HOISTED_OPS, VIEW_OPS, draws_random
 from .ort import (bind_addresses, bound_session, device_buffer, node_providers, providers_for, reference_session,
                   resolve_device, warm_environment)
 from .schedule import Plan
@@ -149,6 +149,9 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     device_memory_use = _DeviceMemory() if actual_device == "cuda" else None
     with _Runtime(actual_device, planned_arena, threads, nvdimm_dir, tf32=not check) as rt:
         rt.host_values = host_constants(graph, feeds, actual_device)
+        if not (hooks.before or hooks.after):       # hooks are handed the arena's bytes
+            rt.host_inputs = host_inputs(plan, feeds, actual_device)
+            rt.host_values.update(rt.host_inputs)
         program = _compile(plan, profile, rt, hooks)
         live, high_water = _rehearse(program, profile)
         setup_growth = memory.growth()
@@ -622,6 +625,34 @@ def host_constants(graph: Graph, feeds: dict, device: str = "cpu") -> dict[str, 
     return values
 
 
+def host_inputs(plan: Plan, feeds: dict, device: str = "cpu") -> dict[str, np.ndarray]:
+    """On the CPU, the graph inputs read in place from the caller's arrays instead of copies in
+    the arena, by tensor, with the shape views that share their storage (a Flatten of the
+    batch): the view is bound at its input's address, where ONNX Runtime's view kernels copy
+    nothing. A plain session reads its feeds so; a copy of the batch in the arena would be
+    memory the step does not need. An input stays in the arena where an op writes over its
+    storage (an in-place op over one of its views), where the plan swaps it or a view of it,
+    or where it or a view is a graph output. The plan still places their bytes; those pages
+    of the arena are never touched."""
+    if device != "cpu":
+        return {}
+    graph = plan.graph
+    moved = {s.target for s in plan.schedule if s.kind in ("swap_out", "swap_in")}
+    root = {name: name for name in graph.inputs if name in feeds}
+    for op in graph.ops:                  # graph order: a view's input is rooted before it
+        if op.op_type in VIEW_OPS and op.present_inputs and op.present_inputs[0] in root:
+            root.update({out: root[op.present_inputs[0]] for out in op.present_outputs
+                         if plan.aliases.get(out) == op.present_inputs[0]})
+    written = {root[source] for out, source in plan.aliases.items()
+               if source in root and graph.producer[out].op_type not in VIEW_OPS}
+    kept = {root[t] for t in root if t in moved or t in graph.outputs} | written
+    values = {}
+    for name, base in root.items():
+        if base not in kept:
+            values[name] = feeds[base].reshape(graph.tensors[name].shape)
+    return values
+
+
 def _unwritten(plan: Plan, host_values: dict) -> frozenset[str]:
     """Constant outputs read only by runs, and from host arrays: no write of them is needed
     (not a step output, never swapped)."""
@@ -966,7 +997,8 @@ def _load(program: _Program, rt: "_Runtime", graph: Graph, feeds: dict, first: b
     for key, lo, hi in program.initial:
         name = key[0]
         if name in feeds:
-            rt.write(lo, feeds[name])
+            if name not in rt.host_values:
+                rt.write(lo, feeds[name])
         elif name not in updated:
             rt.write(lo, tensor_value(graph.tensors[name], graph.base_dir))
     for name, store in program.host_initial.items():
@@ -1139,6 +1171,7 @@ class _Runtime:
         self._mmaps: list = []
         self._cuda = _Cuda() if device == "cuda" else None
         self.host_values: dict[str, np.ndarray] = {}   # tensor -> value its readers read from host memory
+        self.host_inputs: dict[str, np.ndarray] = {}   # ... of them, the inputs and views read in place
         if self._cuda is None:
             self._raw = np.empty(max(arena_bytes, 1) + ALIGN, dtype=np.uint8)
             skip = (-self._raw.ctypes.data) % ALIGN
@@ -1196,7 +1229,8 @@ class _Runtime:
             return False
         def at(value: str, tensor: str, lo: int) -> tuple:
             t = graph.tensors[tensor]
-            return value, t.dtype, t.shape, self.base + lo
+            held = self.host_inputs.get(tensor)       # a view of an input read in place
+            return value, t.dtype, t.shape, self.base + lo if held is None else held.ctypes.data
 
         host = {value: self.host_values[tensor] for value, tensor, _ in inputs if tensor in self.host_values}
         binding = bind_addresses(session, self.device, [at(*i) for i in inputs if i[0] not in host],

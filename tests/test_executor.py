@@ -522,3 +522,47 @@ def test_swap_copies_run_inside_the_session_around_them_on_the_cpu():
     result = run_plan(plan, check=True, steps=2, threads=1)
     assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
     assert result.sessions == run_plan(PLANS["mlp-reuse"], threads=1).sessions == 1
+
+
+def _flattened_batch(relu: bool):
+    """x (4, 2, 3) -> Flatten f (a view of x) [-> Relu r, in place over f] -> Gemm y: a plan whose
+    view of the batch shares its storage, and (with `relu`) an op that writes over that storage."""
+    rng = np.random.default_rng(0)
+    w = helper.make_tensor("w", TP.FLOAT, [5, 6], rng.standard_normal(30).astype(np.float32).tolist())
+    nodes = [helper.make_node("Flatten", ["x"], ["f"], name="flatten")]
+    if relu:
+        nodes.append(helper.make_node("Relu", ["f"], ["r"], name="relu"))
+    nodes.append(helper.make_node("Gemm", ["r" if relu else "f", "w"], ["y"], name="fc", transB=1))
+    graph = lower_graph(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [4, 2, 3])],
+                        [helper.make_tensor_value_info("y", TP.FLOAT, [4, 5])], [w], "flattened")
+    aliases = {"f": "x", **({"r": "f"} if relu else {})}
+    return place(Plan(graph, default_schedule(graph), aliases=aliases)), \
+        {"x": rng.standard_normal((4, 2, 3)).astype(np.float32)}
+
+
+def _arena_writes(monkeypatch) -> list[int]:
+    """The arena offsets `_Runtime.write` is called for (the inputs and statics a step loads)."""
+    offsets, write = [], executor._Runtime.write
+    monkeypatch.setattr(executor._Runtime, "write", lambda rt, lo, value: (offsets.append(lo), write(rt, lo, value)))
+    return offsets
+
+
+def test_the_batch_and_its_views_are_read_in_place_on_the_cpu(monkeypatch):
+    plan, feeds = _flattened_batch(relu=False)
+    read = executor.host_inputs(plan, feeds)
+    assert set(read) == {"x", "f"} and read["f"].ctypes.data == feeds["x"].ctypes.data
+    assert executor.host_inputs(plan, feeds, device="cuda") == {}
+    writes = _arena_writes(monkeypatch)
+    result = run_plan(plan, check=True, steps=2, inputs=feeds)     # the arena is NaN but what a step writes
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+    assert plan.offsets[("x", 0)] not in writes
+
+
+def test_a_batch_an_op_writes_over_is_copied_into_the_arena(monkeypatch):
+    plan, feeds = _flattened_batch(relu=True)
+    assert executor.host_inputs(plan, feeds) == {}
+    writes = _arena_writes(monkeypatch)
+    result = run_plan(plan, check=True, steps=2, inputs=feeds)
+    assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
+    assert plan.offsets[("x", 0)] in writes
+    assert feeds["x"].min() < 0       # the caller's batch kept its negative values: Relu ran on the copy
