@@ -121,21 +121,24 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
     if budget is not None and arena <= budget:
         info["search"] = "skipped: the greedy arena holds the budget"
         return greedy, info
+    spent = len(GREEDY_ORDERS) * max(1, len(items)) / LOCAL_SEARCH_RATE   # priced as the moves are
     if arena > bound:
         tries = min(LOCAL_SEARCH_TRIES, int(time_limit * LOCAL_SEARCH_RATE / max(1, len(items))))
         searched, tried = improved_offsets(items, n_steps, GREEDY_ORDERS[name], deadline, tries, goal=budget)
         info["local_search_moves"] = tried
+        spent += tried * max(1, len(items)) / LOCAL_SEARCH_RATE
         searched_arena = _arena_aligned(items, searched, ALIGNMENT)
         if searched_arena < arena:
             greedy, arena = searched, searched_arena
             info["method"] = f"greedy ({name}), local search"
             info["status"] = "optimal" if arena <= bound else "heuristic"
     # the solves' deterministic limits are shares of all of `time_limit` (the greedy's and the
-    # local search's wall time moves only their wall limits: `started`), and only the command's
-    # deadline skips them, so a loaded machine places alike
+    # local search's wall time moves only their wall limits: `started`); they are skipped where
+    # the greedy and the local search spent the time limit as their moves are priced (counted,
+    # not clocked) or the command's deadline has passed, so a loaded machine places alike
     if arena <= bound:
         return greedy, info
-    if time_limit <= 0 or (deadline is not None and deadline.expired):
+    if spent >= time_limit or (deadline is not None and deadline.expired):
         info["cpsat"] = "skipped: no time left"
         return greedy, info
     movable = [b for b in items if not _whole_step(b, n_steps)]
