@@ -983,7 +983,8 @@ def _rehearse(program: _Program, profile: MemoryProfile) -> tuple[np.ndarray, in
 
 # ---- running ----------------------------------------------------------------------------
 def _load(program: _Program, rt: "_Runtime", graph: Graph, feeds: dict, first: bool, poison: bool) -> None:
-    """Put this step's inputs where the plan starts them, and the statics no update brings:
+    """Put this step's inputs where the plan starts them (but those read in place from the
+    caller's arrays, `host_inputs`), and the statics no update brings:
     every static on the first step (read from the graph one at a time, so no second copy of
     the parameters is kept; each passes through a transient copy, the bytes of its
     TensorProto, which the C heap keeps resident once freed until it gives its free pages
@@ -997,7 +998,7 @@ def _load(program: _Program, rt: "_Runtime", graph: Graph, feeds: dict, first: b
     for key, lo, hi in program.initial:
         name = key[0]
         if name in feeds:
-            if name not in rt.host_values:
+            if name not in rt.host_inputs:
                 rt.write(lo, feeds[name])
         elif name not in updated:
             rt.write(lo, tensor_value(graph.tensors[name], graph.base_dir))

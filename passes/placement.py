@@ -121,12 +121,12 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
     if budget is not None and arena <= budget:
         info["search"] = "skipped: the greedy arena holds the budget"
         return greedy, info
-    spent = len(GREEDY_ORDERS) * max(1, len(items)) / LOCAL_SEARCH_RATE   # priced as the moves are
+    priced = len(GREEDY_ORDERS) * max(1, len(items)) / LOCAL_SEARCH_RATE   # seconds, as the moves are priced
     if arena > bound:
         tries = min(LOCAL_SEARCH_TRIES, int(time_limit * LOCAL_SEARCH_RATE / max(1, len(items))))
         searched, tried = improved_offsets(items, n_steps, GREEDY_ORDERS[name], deadline, tries, goal=budget)
         info["local_search_moves"] = tried
-        spent += tried * max(1, len(items)) / LOCAL_SEARCH_RATE
+        priced += tried * max(1, len(items)) / LOCAL_SEARCH_RATE
         searched_arena = _arena_aligned(items, searched, ALIGNMENT)
         if searched_arena < arena:
             greedy, arena = searched, searched_arena
@@ -138,7 +138,7 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
     # not clocked) or the command's deadline has passed, so a loaded machine places alike
     if arena <= bound:
         return greedy, info
-    if spent >= time_limit or (deadline is not None and deadline.expired):
+    if priced >= time_limit or (deadline is not None and deadline.expired):
         info["cpsat"] = "skipped: no time left"
         return greedy, info
     movable = [b for b in items if not _whole_step(b, n_steps)]
