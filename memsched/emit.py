@@ -301,21 +301,19 @@ def graph_digest(model: onnx.ModelProto) -> str:
     (inline, or an external-data file renamed after writing) must not change the digest. The
     graph is copied without its initializers, which join as headers (a copy of a 1.8 GB
     GPT-2's weights took 5 s)."""
-    graph = model.graph
-    copy = onnx.GraphProto()
-    for field, value in graph.ListFields():
+    holder = onnx.ModelProto()
+    copy = holder.graph
+    for field, value in model.graph.ListFields():
         if field.name == "initializer":
             continue
         if hasattr(value, "extend"):
             getattr(copy, field.name).extend(value)
         else:
             setattr(copy, field.name, value)
-    copy.initializer.extend(_digest_header(t) for t in graph.initializer)
-    holder = onnx.ModelProto()
-    holder.graph.CopyFrom(copy)
-    for tensor in _get_all_tensors(holder):
+    for tensor in _get_all_tensors(holder):       # the tensors in attributes (Constant values)
         tensor.CopyFrom(_digest_header(tensor))
-    return hashlib.sha256(holder.graph.SerializeToString(deterministic=True)).hexdigest()
+    copy.initializer.extend(_digest_header(t) for t in model.graph.initializer)
+    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
 
 
 def _digest_header(tensor: TensorProto) -> TensorProto:
