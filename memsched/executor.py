@@ -637,7 +637,7 @@ def host_inputs(plan: Plan, feeds: dict, device: str = "cpu") -> dict[str, np.nd
     if device != "cpu":
         return {}
     graph = plan.graph
-    moved = {s.target for s in plan.schedule if s.kind in ("swap_out", "swap_in")}
+    moved = _swapped(plan)
     root = {name: name for name in graph.inputs if name in feeds}
     for op in graph.ops:                  # graph order: a view's input is rooted before it
         if op.op_type in VIEW_OPS and op.present_inputs and op.present_inputs[0] in root:
@@ -653,11 +653,16 @@ def host_inputs(plan: Plan, feeds: dict, device: str = "cpu") -> dict[str, np.nd
     return values
 
 
+def _swapped(plan: Plan) -> set[str]:
+    """The tensors `plan` swaps out or in somewhere in the step."""
+    return {s.target for s in plan.schedule if s.kind in ("swap_out", "swap_in")}
+
+
 def _unwritten(plan: Plan, host_values: dict) -> frozenset[str]:
     """Constant outputs read only by runs, and from host arrays: no write of them is needed
     (not a step output, never swapped)."""
     graph = plan.graph
-    moved = {s.target for s in plan.schedule if s.kind in ("swap_out", "swap_in")}
+    moved = _swapped(plan)
     producer = graph.producer
     return frozenset(t for t in host_values if t in producer and producer[t].op_type in CONSTANT_OPS
                      and t not in graph.outputs and t not in moved)
