@@ -13,6 +13,8 @@ from memsched.outputs import Terminated, check_outputs, install_sigterm_handler
 
 # the training step's losses (passes.training.loss.LOSSES, named here so parsing imports no pass)
 LOSSES = ["cross_entropy", "mse", "bce_with_logits", "output"]
+# ... and optimizers (passes.training.optimizer.OPTIMIZERS)
+OPTIMIZERS = ["none", "sgd", "momentum", "adam", "adamw"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", action="append", metavar="SET",
                    help="a strategy set to compare, e.g. order,reuse (repeatable; default: none, order,reuse, full)")
     p.add_argument("--loss", default="cross_entropy", choices=LOSSES)
-    p.add_argument("--optimizer", default="sgd", choices=["none", "sgd", "momentum", "adam"])
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
     p.add_argument("--time-limit", type=positive_seconds, default=5.0, metavar="S",
                    help="seconds for the whole compile of each batch (default 5)")
     p.add_argument("--max-batch", type=int, default=1 << 16, help="stop the search here")
@@ -115,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="weight and activation type")
     p.set_defaults(handler=cmd_models_export)
 
+
+    p = models_sub.add_parser("digits", help="write scikit-learn's digits as train.npz and test.npz (for train)")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write them into")
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/test split (default 0)")
+    p.set_defaults(handler=cmd_models_digits)
 
     hw = sub.add_parser("hardware", help="hardware profiles: list, show, calibrate this machine")
     hw_sub = hw.add_subparsers(dest="hardware_command", required=True, metavar="ACTION")
@@ -177,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", choices=LOSSES,
                    help="cross_entropy against int64 'labels', mse or bce_with_logits against 'targets', or the "
                         "model's scalar output (default: cross_entropy; a GAN step takes bce_with_logits)")
-    p.add_argument("--optimizer", choices=["none", "sgd", "momentum", "adam"],
+    p.add_argument("--optimizer", choices=OPTIMIZERS,
                    help="none: gradients are outputs; else the update is part of the step (default: none; "
                         "sgd with --gan)")
     p.add_argument("--lr", type=float, default=0.01, metavar="F", help="learning rate (default: 0.01)")
@@ -201,6 +208,38 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="can plans run on CUDA here: providers, GPU, CUDA libraries, and the fix")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_doctor)
+
+    p = sub.add_parser("train", help="train a model with a compiled plan on real data; write the trained model")
+    p.add_argument("plan", help="a scheduled .onnx of a training step (memsched compile --train -o)")
+    p.add_argument("--data", required=True, metavar="TRAIN.npz",
+                   help="one array per input of the step (the model's inputs and labels/targets), samples first")
+    p.add_argument("--val", metavar="VAL.npz", help="validation data: loss (and accuracy) after every epoch")
+    p.add_argument("--epochs", type=int, default=1, metavar="N", help="epochs to train (default 1)")
+    p.add_argument("--lr", type=float, metavar="LR", help="learning rate (default: the one the plan was compiled with)")
+    p.add_argument("--lr-schedule", metavar="S",
+                   help="constant (default), step:EVERY:GAMMA, cosine[:MIN] or warmup:N,<schedule>; in steps")
+    p.add_argument("--shuffle", action="store_true", help="shuffle the samples every epoch")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffle (default 0)")
+    p.add_argument("--last", choices=("drop", "pad"), default="drop",
+                   help="the last partial batch of an epoch: dropped (default) or filled up with the epoch's first "
+                        "samples; the batch size is the plan's")
+    p.add_argument("--init", metavar="WEIGHTS",
+                   help="start from these weights: an .onnx model or a .safetensors file (names as in the model)")
+    p.add_argument("--save", metavar="MODEL.onnx",
+                   help="write the trained inference model (plain ONNX Runtime runs it)")
+    p.add_argument("--checkpoint", metavar="CKPT.safetensors",
+                   help="write a checkpoint after every epoch and on Ctrl-C (and its loss curve beside it)")
+    p.add_argument("--resume", metavar="CKPT.safetensors", help="continue from a checkpoint")
+    p.add_argument("--plot", metavar="OUT.svg", help="write the loss curve here")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
+    p.add_argument("--allow-fallback", action="store_true",
+                   help="with --device cuda: train on the CPU when CUDA is not usable instead of failing")
+    p.add_argument("--threads", type=int, default=0,
+                   help="ONNX Runtime intra-op threads (default 0: every core)")
+    p.add_argument("--nvdimm-dir", metavar="DIR", help="directory for the NVDIMM tier's store (default: a temp dir)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per step (step, epoch, loss, lr, seconds), then a summary")
+    p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser("run", help="run a scheduled plan with the bundled executor and measure it")
     p.add_argument("plan", help="a scheduled .onnx written by memsched")
@@ -251,8 +290,11 @@ def add_dim_option(p: argparse.ArgumentParser) -> None:
 def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", action="store_true", help="plan the training step (forward, loss, backward, update)")
     p.add_argument("--loss", default="cross_entropy", choices=LOSSES)
-    p.add_argument("--optimizer", default="sgd", choices=["none", "sgd", "momentum", "adam"])
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01; a trainer may change it)")
+    p.add_argument("--momentum", type=float, default=0.9, help="with --optimizer momentum (default 0.9)")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="SGD/Adam: L2 penalty in the gradient; AdamW: decoupled decay (default 0: no decay ops)")
     p.add_argument("--freeze", action="append", default=[], metavar="PATTERN",
                    help="parameters matching this fnmatch pattern are not trained (repeatable)")
 
@@ -303,6 +345,14 @@ def cmd_models_export(args) -> int:
     except OSError as exc:
         raise UserError(f"cannot write {args.output}: {exc.strerror or exc}") from exc
     print(f"wrote {path}: {args.name}, {models.count_parameters(model):,} parameters")
+    return 0
+
+
+def cmd_models_digits(args) -> int:
+    from models.digits import TRAIN_SAMPLES, write
+
+    train, test = write(args.output, args.seed)
+    print(f"wrote {train} ({TRAIN_SAMPLES} samples) and {test}: 8x8 images as 'input', their digits as 'labels'")
     return 0
 
 
@@ -413,6 +463,7 @@ def cmd_compile(args) -> int:
     with progress(deadline) as say, stop_on_interrupt(deadline, say_interrupted):
         result = compile_plan(args.model, dims=frontend.parse_dims(args.dim), train=args.train, loss=args.loss,
                               optimizer=args.optimizer, lr=args.lr, freeze=tuple(args.freeze),
+                              training_options={"momentum": args.momentum, "weight_decay": args.weight_decay},
                               hardware=args.hardware, budget=args.budget, strategies=args.strategies,
                               time_limit=args.time_limit, costs=args.costs, data_parallel=args.data_parallel,
                               bucket_bytes=max(1, int(args.bucket_mb * 1024 * 1024)), progress=say,
@@ -601,6 +652,71 @@ def cmd_run(args) -> int:
                   f"by up to {failed['max_abs_diff']:.3g}{within}", file=sys.stderr)
             return 1
     return 0
+
+
+def cmd_train(args) -> int:
+    import signal
+
+    from memsched import lr_schedules
+    from memsched.data import load_arrays, sample_count, steps_per_epoch
+    from memsched.emit import read_plan
+    from memsched.errors import UserError
+    from memsched.train_loop import FitOptions, fit
+    from memsched.trainer import Trainer
+    from memsched.views import print_train, train_progress
+
+    check_outputs({"--save": args.save, "--checkpoint": args.checkpoint, "--plot": args.plot},
+                  [args.plan, args.data, args.val, args.init])
+    if args.epochs < 1:
+        raise UserError(f"--epochs must be at least 1, not {args.epochs}")
+    if args.lr is not None and not (math.isfinite(args.lr) and 0 < args.lr < 1e6):
+        raise UserError(f"--lr must be a positive number below 1e6, not {args.lr:g}")
+    if args.resume and args.init:
+        raise UserError("--resume continues a run from its checkpoint; --init starts a new one: give one of them")
+    plan = read_plan(args.plan)
+    stop = {"asked": False}
+
+    def interrupt(signum, frame):          # the first Ctrl-C stops after this step; a second aborts
+        if stop["asked"]:
+            raise KeyboardInterrupt
+        stop["asked"] = True
+
+    with Trainer(plan, device=args.device, threads=args.threads, nvdimm_dir=args.nvdimm_dir,
+                 allow_fallback=args.allow_fallback) as trainer:
+        train = load_arrays(args.data, trainer._types)
+        val = load_arrays(args.val, _validation_types(trainer)) if args.val else None
+        total = args.epochs * steps_per_epoch(sample_count(train), trainer.batch_size, args.last)
+        base = args.lr if args.lr is not None else trainer.hyperparameters.get("lr", 0.0)
+        if args.lr is not None or args.lr_schedule:
+            trainer.lr_schedule = lr_schedules.parse(args.lr_schedule, base, total)
+        if args.init:
+            trainer.load_weights(args.init)
+        options = FitOptions(epochs=args.epochs, shuffle=args.shuffle, seed=args.seed, last=args.last,
+                             checkpoint=args.checkpoint, save=args.save, plot=args.plot, resume=args.resume)
+        on_step = (lambda record: print(json.dumps({k: record[k] for k in ("step", "epoch", "batch", "loss", "lr",
+                                                                             "seconds")}), flush=True)) \
+            if args.json else None
+        previous = signal.signal(signal.SIGINT, interrupt)
+        try:
+            with train_progress(total, trainer.batch_size, sys.stdout.isatty() and not args.json) as bar:
+                result = fit(trainer, train, options, val, on_step=on_step or bar, stop=lambda: stop["asked"])
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        summary = {"plan": args.plan, "provider": trainer.device, "fallback": trainer.fallback,
+                   "steps": result.steps, "first_step": result.first_step, "epochs_done": result.epochs_done,
+                   "stopped": result.stopped, "final_loss": result.losses[-1] if result.losses else None,
+                   "seconds": result.seconds, "samples_per_second": result.samples_per_second,
+                   "validation": result.validation, "written": result.written}
+    if args.json:
+        print(json.dumps({"summary": summary}))
+    else:
+        print_train(summary)
+    return 0
+
+
+def _validation_types(trainer) -> dict:
+    """The arrays a validation file holds: the model's inputs and the step's labels or targets."""
+    return dict(trainer._types)
 
 
 def cmd_run_workers(args) -> int:

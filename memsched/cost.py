@@ -414,13 +414,21 @@ def _replaced_producers(op: Op, removed: dict[str, dict]) -> list[str]:
 
 def _same_inputs(op: Op, graph: Graph, sources: list[str], removed: dict[str, dict], record: dict) -> bool:
     """Whether the replaced ops `sources` read, from outside themselves, no computed tensor
-    that `op` does not read: they did `op`'s work (a fused update: the Gemm's A and B, the
-    weight and the constants), not merely lie upstream of it (the Concat before split parts)."""
+    that `op` does not read, itself or through a scaling by a scalar the rewrite added: they
+    did `op`'s work (a fused update: the Gemm's A and B, the weight and the constants; its A
+    read through the lr scaling), not merely lie upstream of it (the Concat before split parts)."""
     made = {t for name in sources for t in removed[name].get("outputs", [])}
     recorded = {t.get("name"): t for t in record.get("tensors", []) if isinstance(t, dict)}
+    added = set(record.get("added", []))
+    reads = set(op.inputs)          # and through a scaling by a scalar the rewrite added before it (the lr's)
+    for u in op.present_inputs:
+        scale = graph.producer.get(u)
+        if scale is not None and scale.name in added and scale.op_type == "Mul" \
+                and any(graph.tensors[t].numel == 1 for t in scale.present_inputs):
+            reads.update(scale.inputs)
     for name in sources:
         for t in removed[name].get("inputs", []):
-            if not t or t in made or t in op.inputs:
+            if not t or t in made or t in reads:
                 continue
             static = graph.tensors[t].is_static if t in graph.tensors else recorded.get(t, {}).get("value") is not None
             if not static:

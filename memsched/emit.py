@@ -43,13 +43,15 @@ from .errors import ScheduleError, UserError
 from .frontend import read_model
 from .hardware import Hardware
 from .hardware import from_dict as hardware_from_dict
-from .ir import Graph, Op, Tensor
+from .ir import Graph, Op, Tensor, tensor_kinds
 from .onnx_utils import MEMSCHED_DOMAIN, checkable_view, save_model_atomic
 from .schedule import STEP_KINDS, Plan, Step
 
 PLAN_KEY = "memsched.plan"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2     # 2: trained values (weights, states, hyperparameters) out of the digest
 SWAP_OPS = {"swap_out": "SwapOut", "swap_in": "SwapIn"}
+# initializer kinds whose values training changes: never in the digest
+VALUE_KINDS = ("parameter", "buffer", "optimizer_state", "hyperparameter")
 DIGEST_VALUES = 32      # elements: tensors up to this size (shapes, axes) enter the digest with their values
 
 
@@ -247,7 +249,8 @@ def plan_from_onnx(model: onnx.ModelProto, base_dir: str | None = None, source: 
     _check_initializer_sizes(model, source)
     if "graph_sha256" in doc and doc["graph_sha256"] != graph_digest(model):   # plans from before the digest lack it
         raise UserError(f"the graph in {source} no longer matches the plan written with it (its sha256 "
-                        f"differs: ops, shapes or constants were edited); compile the model again")
+                        f"differs: ops, shapes or constants were edited; weights may change, these may not); "
+                        f"compile the model again")
     scheduled = Graph.from_onnx(model, base_dir=base_dir)
     _check_nodes_match(scheduled, schedule, clones, renamed, source)
     original = {}
@@ -295,12 +298,15 @@ def _check_nodes_match(scheduled: Graph, schedule: list[Step], clones: dict[str,
 
 def graph_digest(model: onnx.ModelProto) -> str:
     """sha256 of the graph a plan was made for: nodes, attributes, names, shapes and dtypes of every
-    tensor, and the values of small tensors (up to DIGEST_VALUES elements: shapes, axes, pads).
+    tensor, each tensor's kind, and the values of small constants (up to DIGEST_VALUES elements:
+    shapes, axes, pads).
 
-    Large tensors' values are left out: they do not change the plan, and where they are stored
-    (inline, or an external-data file renamed after writing) must not change the digest. The
-    graph is copied without its initializers, which join as headers (a copy of a 1.8 GB
-    GPT-2's weights took 5 s)."""
+    Left out: the values of large tensors, which do not change the plan, and where they are
+    stored (inline, or an external-data file renamed after writing) must not change the digest;
+    and the values a training run changes whatever their size: parameters, buffers, optimizer
+    states and hyperparameters (`VALUE_KINDS`), so a plan holding trained weights is the same
+    plan. The graph is copied without its initializers, which join as headers (a copy of a
+    1.8 GB GPT-2's weights took 5 s)."""
     holder = onnx.ModelProto()
     copy = holder.graph
     for field, value in model.graph.ListFields():
@@ -312,13 +318,17 @@ def graph_digest(model: onnx.ModelProto) -> str:
             setattr(copy, field.name, value)
     for tensor in _get_all_tensors(holder):       # the tensors in attributes (Constant values)
         tensor.CopyFrom(_digest_header(tensor))
-    copy.initializer.extend(_digest_header(t) for t in model.graph.initializer)
-    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
+    kinds = tensor_kinds(model)
+    copy.initializer.extend(_digest_header(t, kinds.get(t.name) not in VALUE_KINDS) for t in model.graph.initializer)
+    digest = hashlib.sha256(copy.SerializeToString(deterministic=True))
+    digest.update(json.dumps(sorted(kinds.items())).encode())
+    return digest.hexdigest()
 
 
-def _digest_header(tensor: TensorProto) -> TensorProto:
-    """What the digest keeps of a tensor: name, dtype, dims, and its values where small."""
-    small = tensor.data_location != TensorProto.EXTERNAL and math.prod(tensor.dims) <= DIGEST_VALUES
+def _digest_header(tensor: TensorProto, with_values: bool = True) -> TensorProto:
+    """What the digest keeps of a tensor: name, dtype, dims, and its values where small (and
+    `with_values`)."""
+    small = with_values and tensor.data_location != TensorProto.EXTERNAL and math.prod(tensor.dims) <= DIGEST_VALUES
     try:
         values = numpy_helper.to_array(tensor).tobytes() if small else b""
     except Exception:  # noqa: BLE001 - data that does not fill its dims: digest what is stored

@@ -128,35 +128,16 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     memory = ProcessMemory()
     if steps < 1:
         raise UserError(f"--steps must be at least 1, not {steps}")
-    if device not in DEVICES:
-        raise UserError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
-    if threads < 0:
-        raise UserError(f"threads must be 0 (every core) or more, not {threads}")
-    profile = validate(plan)
-    if plan.offsets is None:
-        raise UserError("the plan has no arena offsets; place it first (the placement pass of "
-                        "`memsched compile` assigns them)")
-    planned_arena = check_placement(profile, plan.offsets)
     graph = plan.graph
     feeds = prepare_inputs(graph, inputs)
-    actual_device, fallback = resolve_device(device)
-    if fallback is not None and not allow_fallback:
-        raise UserError(f"cannot run on {device}: {fallback}; pass --allow-fallback to run on the CPU instead")
     hooks = _Hooks(before or {}, after or {})
-    if (hooks.before or hooks.after) and actual_device != "cpu":
-        raise UserError("step hooks (data-parallel all-reduces) run on the CPU only")
-
-    device_memory_use = _DeviceMemory() if actual_device == "cuda" else None
-    with _Runtime(actual_device, planned_arena, threads, nvdimm_dir, tf32=not check) as rt:
-        rt.host_values = host_constants(graph, feeds, actual_device)
-        if not (hooks.before or hooks.after):       # hooks are handed the arena's bytes
-            rt.host_inputs = host_inputs(plan, feeds, actual_device)
-            rt.host_values.update(rt.host_inputs)
-        program = _compile(plan, profile, rt, hooks)
-        live, high_water = _rehearse(program, profile)
+    device_memory_use = _DeviceMemory() if device == "cuda" and resolve_device(device)[0] == "cuda" else None
+    with PlanRunner(plan, device, threads, nvdimm_dir, feeds, hooks, allow_fallback, tf32=not check) as runner:
+        program, rt, profile = runner.program, runner.rt, runner.profile
         setup_growth = memory.growth()
         if device_memory_use is not None:
             device_memory_use.sample()
+        actual_device = runner.device
         reference = _Reference(graph, actual_device, threads, tf32=False) if check else None
         ref_statics = _statics(graph) if check else {}
         others = {key: g for key, g in (("given", given), ("against", against)) if check and g is not None}
@@ -166,15 +147,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         times, diffs = [], []
         outputs: dict[str, np.ndarray] = {}
         for k in range(steps):
-            start = time.perf_counter()
-            if k:
-                _advance(program, rt)
-            moved = time.perf_counter() - start
-            _load(program, rt, graph, feeds, first=k == 0, poison=check)
-            start = time.perf_counter()
-            _execute(program, rt, poison=check, hooks=hooks)
-            rt.synchronize()
-            times.append(moved + time.perf_counter() - start)
+            times.append(runner.step(feeds, poison=check))
             if k == steps - 1:
                 growth = memory.growth()       # the outputs are in the arena; copying them out is the caller's
                 file_growth = memory.file_growth()
@@ -194,11 +167,12 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
                 progress(k + 1, steps)
         providers = Counter(run.provider for run in program.actions if isinstance(run, _Run))
         sessions, allocated, stored = len(program.segments), rt.allocated_bytes(), rt.store_bytes()
+        fallback, live, high_water = runner.fallback, runner.live, runner.high_water
     return RunResult(
         requested_device=device, provider=_provider_name(providers), providers=dict(providers),
         fallback=fallback, steps=steps, arena_bytes=allocated, arena_high_water=high_water,
         peak_bytes=int(live.max()) if len(live) else 0, live_bytes=live,
-        planned_arena_bytes=planned_arena, planned_peak_bytes=profile.peak_bytes, step_times=times,
+        planned_arena_bytes=runner.planned_arena, planned_peak_bytes=profile.peak_bytes, step_times=times,
         outputs=outputs, sessions=sessions, ops=sum(isinstance(a, _Run) for a in program.actions),
         swapped_bytes=dict(program.swapped_bytes),
         check=({**_check_summary(diffs, exact=actual_device == "cpu"),
@@ -209,6 +183,99 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
                                    check),
                  "device": device_memory_use.summary(allocated) if device_memory_use is not None else None},
         threads=threads)
+
+
+class PlanRunner:
+    """A plan made ready to run step after step: judged (memory.validate), lowered to a
+    program over one arena, rehearsed byte by byte, its ONNX Runtime sessions built and bound
+    once. `run_plan` and `memsched.trainer.Trainer` step it; it is a context manager that
+    releases the arena, the stores and the sessions.
+
+    `feeds` are the arrays the graph inputs are read from: on the CPU those read in place
+    (`host_inputs`) stay bound at these arrays' addresses for every step, so a caller that
+    feeds new batches copies each into them (the trainer does). Each `step` moves the last
+    step's `<name>.updated` outputs to where `<name>` starts (`_advance`), loads the inputs and
+    the statics no update brings (`values` give some of them other values than the graph's:
+    the trainer's hyperparameters), and runs the program. After `reload()` the next step loads
+    every static again instead of advancing (from `values`, else the graph)."""
+
+    def __init__(self, plan: Plan, device: str = "cpu", threads: int = 0, nvdimm_dir: str | None = None,
+                 feeds: dict[str, np.ndarray] | None = None, hooks: "_Hooks | None" = None,
+                 allow_fallback: bool = True, tf32: bool = True):
+        if device not in DEVICES:
+            raise UserError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
+        if threads < 0:
+            raise UserError(f"threads must be 0 (every core) or more, not {threads}")
+        self.profile = validate(plan)
+        if plan.offsets is None:
+            raise UserError("the plan has no arena offsets; place it first (the placement pass of "
+                            "`memsched compile` assigns them)")
+        self.planned_arena = check_placement(self.profile, plan.offsets)
+        self.plan, self.graph = plan, plan.graph
+        self.device, self.fallback = resolve_device(device)
+        if self.fallback is not None and not allow_fallback:
+            raise UserError(f"cannot run on {device}: {self.fallback}; pass --allow-fallback to run on the CPU "
+                            f"instead")
+        hooks = hooks or _Hooks({}, {})
+        if (hooks.before or hooks.after) and self.device != "cpu":
+            raise UserError("step hooks (data-parallel all-reduces) run on the CPU only")
+        self.hooks = hooks
+        feeds = feeds if feeds is not None else {}
+        self.rt = _Runtime(self.device, self.planned_arena, threads, nvdimm_dir, tf32=tf32)
+        try:
+            self.rt.host_values = host_constants(self.graph, feeds, self.device)
+            if not (hooks.before or hooks.after):       # hooks are handed the arena's bytes
+                self.rt.host_inputs = host_inputs(plan, feeds, self.device)
+                self.rt.host_values.update(self.rt.host_inputs)
+            self.program = _compile(plan, self.profile, self.rt, hooks)
+            self.live, self.high_water = _rehearse(self.program, self.profile)
+        except BaseException:
+            self.rt.__exit__(None, None, None)
+            raise
+        self.steps = 0          # steps run since the statics were last loaded
+
+    def __enter__(self) -> "PlanRunner":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        self.rt.__exit__(None, None, None)
+
+    @property
+    def host_inputs(self) -> dict[str, np.ndarray]:
+        """The inputs (and views of them) read in place from the feeds' arrays."""
+        return self.rt.host_inputs
+
+    def step(self, feeds: dict[str, np.ndarray], values: dict[str, np.ndarray] | None = None,
+             poison: bool = False) -> float:
+        """Run one step; return its seconds (the moves of the updates and the run, not the
+        loading of inputs). With `poison`, unheld arena bytes are NaN bytes first and bytes
+        are poisoned as they are released (a checked run)."""
+        start = time.perf_counter()
+        if self.steps:
+            _advance(self.program, self.rt)
+        moved = time.perf_counter() - start
+        _load(self.program, self.rt, self.graph, feeds, first=self.steps == 0, poison=poison, values=values)
+        start = time.perf_counter()
+        _execute(self.program, self.rt, poison=poison, hooks=self.hooks)
+        self.rt.synchronize()
+        self.steps += 1
+        return moved + time.perf_counter() - start
+
+    def reload(self) -> None:
+        """Make the next step load every static again (from its `values`, else the graph)
+        instead of moving the updates into place."""
+        self.steps = 0
+
+    def read(self, name: str) -> np.ndarray:
+        """A copy of graph output `name` as the last step left it."""
+        where = self.program.finals[name]
+        dtype, shape = self.program.types[name]
+        raw = self.rt.read(where[1], where[2]) if where[0] == "arena" else np.array(where[1])
+        return raw.view(dtype).reshape(shape)
 
 
 def _process_memory(memory: ProcessMemory, setup_growth: int | None, growth: int | None,
@@ -903,7 +970,9 @@ def _store_sizes(plan: Plan, host_initial_tier: dict[str, str]) -> dict[tuple[st
 
 
 def _finals(plan: Plan, by_tensor, region, stores, n: int) -> dict:
-    """Where each graph output is at the end of the step: in the arena or in a tier's store."""
+    """Where each graph output is at the end of the step: in the arena, or in a tier's store
+    where it was swapped out and not resident at the end (swapped in again for a reader and
+    freed after it, its host copy still holds the value: tensors are written once)."""
     finals = {}
     for name in plan.graph.outputs:
         last = max(by_tensor[name], key=lambda r: r.index, default=None)
@@ -911,17 +980,12 @@ def _finals(plan: Plan, by_tensor, region, stores, n: int) -> dict:
             finals[name] = ("arena", *region(last.key))
             continue
         swapped = [s for s in plan.schedule if s.target == name and s.kind == "swap_out"]
-        if last is not None and swapped and _last_event(plan, name) == "swap_out":
+        if last is not None and swapped:     # a value never changes: its host copy holds it still
             finals[name] = ("store", stores[(swapped[-1].tier or "dram", name)])
         else:
             raise ScheduleError(f"graph output '{name}' is freed before the end of the step; its value "
                                 f"would be lost")
     return finals
-
-
-def _last_event(plan: Plan, tensor: str) -> str | None:
-    kinds = [s.kind for s in plan.schedule if s.target == tensor and s.kind in ("swap_out", "swap_in", "free")]
-    return kinds[-1] if kinds else None
 
 
 # ---- the rehearsal: the executor's own accounting -------------------------------------------
@@ -987,14 +1051,17 @@ def _rehearse(program: _Program, profile: MemoryProfile) -> tuple[np.ndarray, in
 
 
 # ---- running ----------------------------------------------------------------------------
-def _load(program: _Program, rt: "_Runtime", graph: Graph, feeds: dict, first: bool, poison: bool) -> None:
+def _load(program: _Program, rt: "_Runtime", graph: Graph, feeds: dict, first: bool, poison: bool,
+          values: dict[str, np.ndarray] | None = None) -> None:
     """Put this step's inputs where the plan starts them (but those read in place from the
     caller's arrays, `host_inputs`), and the statics no update brings:
     every static on the first step (read from the graph one at a time, so no second copy of
     the parameters is kept; each passes through a transient copy, the bytes of its
     TensorProto, which the C heap keeps resident once freed until it gives its free pages
     back, after the first load), constants again on later steps (a freed one's bytes are
-    reused). With `poison`, every other byte of the arena is NaN bytes first."""
+    reused). `values` replace the graph's value of the statics they name. With `poison`, every
+    other byte of the arena is NaN bytes first."""
+    values = values or {}
     keep = [] if first else [target[1:] for _, target, _ in program.updates if target and target[0] == "arena"]
     if poison:
         for lo, hi in _subtract([(0, rt.arena_bytes)], _union(keep)):
@@ -1006,10 +1073,13 @@ def _load(program: _Program, rt: "_Runtime", graph: Graph, feeds: dict, first: b
             if name not in rt.host_inputs:
                 rt.write(lo, feeds[name])
         elif name not in updated:
-            rt.write(lo, tensor_value(graph.tensors[name], graph.base_dir))
+            value = values.get(name)
+            rt.write(lo, value if value is not None else tensor_value(graph.tensors[name], graph.base_dir))
     for name, store in program.host_initial.items():
         if name not in updated:
-            value = np.ascontiguousarray(tensor_value(graph.tensors[name], graph.base_dir))
+            value = values.get(name)
+            value = np.ascontiguousarray(value if value is not None else tensor_value(graph.tensors[name],
+                                                                                      graph.base_dir))
             store[:] = value.reshape(-1).view(np.uint8)
     if first:
         release_free_heap()

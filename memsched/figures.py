@@ -15,7 +15,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 KIND_COLORS = {
-    "parameter": "#4C72B0", "buffer": "#64B5CD", "optimizer_state": "#8172B2", "constant": "#CCB974",
+    "parameter": "#4C72B0", "buffer": "#64B5CD", "optimizer_state": "#8172B2", "hyperparameter": "#8C8C8C",
+    "constant": "#CCB974",
     "input": "#937860", "activation": "#DD8452", "gradient": "#C44E52", "param_grad": "#DA8BC3",
     "output": "#55A868",
 }
@@ -99,6 +100,23 @@ def batch_curve_svg(rows: Sequence[dict]) -> str:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("predicted time per sample (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return _svg(fig)
+
+
+def loss_curve_svg(losses: Sequence[float], first_step: int = 0) -> str:
+    """The training loss per step, with its running mean over 20 steps (memsched train)."""
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    steps = np.arange(first_step, first_step + len(losses))
+    ax.plot(steps, losses, linewidth=0.8, alpha=0.5, label="loss per step")
+    window = min(20, len(losses))
+    if window > 1:
+        mean = np.convolve(losses, np.ones(window) / window, mode="valid")
+        ax.plot(steps[window - 1:], mean, linewidth=1.5, label=f"mean of {window} steps")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()

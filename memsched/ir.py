@@ -23,10 +23,13 @@ from onnx import TensorProto, helper, numpy_helper
 from .onnx_utils import IR_VERSION, OPSET
 
 TENSOR_KINDS = ("input", "parameter", "buffer", "activation", "gradient", "param_grad",
-                "optimizer_state", "output", "constant")
+                "optimizer_state", "hyperparameter", "output", "constant")
 PHASES = ("forward", "loss", "backward", "update")
 # Tensors backed by an initializer stay resident for the whole step (DESIGN.md memory model).
-STATIC_KINDS = ("parameter", "buffer", "optimizer_state", "constant")
+STATIC_KINDS = ("parameter", "buffer", "optimizer_state", "hyperparameter", "constant")
+# Static tensors no op of the step overwrites: constants, and hyperparameters (a trainer
+# writes them before each step; every update of the step reads the same value).
+FIXED_KINDS = ("hyperparameter", "constant")
 
 _KINDS_KEY = "memsched.kinds"
 _PHASES_KEY = "memsched.phases"
@@ -355,11 +358,22 @@ def _without_data(model: onnx.ModelProto) -> onnx.ModelProto:
     g.output.extend(model.graph.output)
     g.value_info.extend(model.graph.value_info)
     for init in model.graph.initializer:
-        g.initializer.add().CopyFrom(_header_only(init))
+        g.initializer.add().CopyFrom(header_only(init))
     return light
 
 
-def _header_only(proto: TensorProto) -> TensorProto:
+def tensor_kinds(model: onnx.ModelProto) -> dict[str, str]:
+    """The kind of each initializer of `model` as `Graph.from_onnx` gives it (its lowering's
+    default, or the `memsched.kinds` metadata), without lowering the model."""
+    kinds = json.loads({p.key: p.value for p in model.metadata_props}.get(_KINDS_KEY, "{}"))
+    buffers = {n.input[i] for n in model.graph.node if n.op_type == "BatchNormalization"
+               for i in (3, 4) if len(n.input) > i}
+    default = {init.name: ("constant" if not _is_float(init.data_type) else
+                           "buffer" if init.name in buffers else "parameter") for init in model.graph.initializer}
+    return {name: kinds.get(name, kind) for name, kind in default.items()}
+
+
+def header_only(proto: TensorProto) -> TensorProto:
     header = TensorProto(name=proto.name, data_type=proto.data_type)
     header.dims.extend(proto.dims)
     return header
@@ -378,5 +392,5 @@ def op_summary(op: Op) -> str:
     return f"{op.op_type} node '{op.name}'"
 
 
-__all__ = ["Tensor", "Op", "Graph", "TENSOR_KINDS", "PHASES", "STATIC_KINDS", "tensor_value",
+__all__ = ["Tensor", "Op", "Graph", "TENSOR_KINDS", "PHASES", "STATIC_KINDS", "FIXED_KINDS", "tensor_value",
            "op_summary"]

@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 from pathlib import Path
+from typing import Callable
 
 import onnx
 from onnx import TensorProto, external_data_helper, helper
@@ -136,13 +137,21 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, source_di
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write `text` to `path` via a temp file + rename (JSON reports, cost tables, profiles)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+    return write_file_atomic(path, write)
+
+
+def write_file_atomic(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """Have `write(tmp)` write a temporary beside `path`, then rename it to `path`; a failure
+    or a signal leaves nothing half-written (checkpoints, texts)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     check_writable(path)
     tmp = temp_path(path)
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        write(tmp)
         finish_mode(tmp)
         os.replace(tmp, path)
     except BaseException:

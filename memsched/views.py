@@ -5,7 +5,8 @@ from contextlib import contextmanager
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
 
 from .units import format_bytes, format_seconds
@@ -361,6 +362,42 @@ def step_progress(total: int, enabled: bool):
                   console=console(), transient=True) as progress:
         task = progress.add_task("steps", total=total)
         yield lambda done, _total: progress.update(task, completed=done)
+
+
+@contextmanager
+def train_progress(total: int, batch_size: int, enabled: bool):
+    """A live bar for `memsched train` (epoch, step, loss, samples/s, time left); yields the
+    callback the loop calls with each step's record, or None."""
+    if not enabled:
+        yield None
+        return
+    with Progress(TextColumn("{task.fields[what]}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console(), transient=True) as progress:
+        task = progress.add_task("train", total=total, what="", loss="-", rate="-")
+        seconds: list[float] = []
+
+        def update(record: dict) -> None:
+            seconds.append(record["seconds"])
+            recent = seconds[-50:]
+            progress.update(task, advance=1, what=f"epoch {record['epoch'] + 1}",
+                            loss=f"{record['loss']:.4f}", rate=f"{batch_size * len(recent) / sum(recent):,.0f}")
+        yield update
+
+
+def print_train(summary: dict) -> None:
+    out = console()
+    out.print(f"trained {summary['steps']} steps ({summary['epochs_done']} epochs) of {_e(summary['plan'])} on "
+              f"{_e(summary['provider'])}: {summary['samples_per_second']:,.0f} samples/s, final loss "
+              f"{summary['final_loss']:.4f}")
+    for record in summary["validation"]:
+        if "val_loss" in record:
+            accuracy = f", accuracy {record['val_accuracy']:.2%}" if "val_accuracy" in record else ""
+            out.print(f"epoch {record['epoch'] + 1}: validation loss {record['val_loss']:.4f}{accuracy}")
+    if summary["stopped"]:
+        out.print("[yellow]stopped early[/yellow] (Ctrl-C) after the current step")
+    for what, path in summary["written"].items():
+        out.print(f"wrote {what}: {_e(path)}")
 
 
 def print_doctor(report: dict) -> None:

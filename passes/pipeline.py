@@ -92,35 +92,39 @@ def parse_strategies(text: str | list[str] | tuple[str, ...] | None, budget: boo
 
 def load_graph(model: "str | Path | Graph", dims: dict[str, int] | None = None, train: bool = False,
                loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
-               freeze: tuple[str, ...] = ()) -> Graph:
-    """The graph to plan: the model itself, or its training step."""
+               freeze: tuple[str, ...] = (), options: dict | None = None) -> Graph:
+    """The graph to plan: the model itself, or its training step (`options`: the builder's
+    further optimizer options, momentum, weight_decay, betas, eps)."""
     graph = model if isinstance(model, Graph) else frontend.load(model, dims)
     if train:
         from passes.training import build_training_step
 
-        graph = build_training_step(graph, loss=loss, optimizer=optimizer, lr=lr, freeze=tuple(freeze))
+        graph = build_training_step(graph, loss=loss, optimizer=optimizer, lr=lr, freeze=tuple(freeze),
+                                    **(options or {}))
     return graph
 
 
 def step_builder(loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
-                 freeze: tuple[str, ...] = ()) -> Callable[[Graph], Graph]:
+                 freeze: tuple[str, ...] = (), options: dict | None = None) -> Callable[[Graph], Graph]:
     """forward graph -> its training step, built with these options (the given step and every
     rewritten one are built alike)."""
-    return lambda forward: load_graph(forward, None, True, loss, optimizer, lr, freeze)
+    return lambda forward: load_graph(forward, None, True, loss, optimizer, lr, freeze, options)
 
 
 def training_steps(forward: Graph, loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
-                   freeze: tuple[str, ...] = (), variants: bool = True) -> tuple[Graph, dict[str, Graph]]:
+                   freeze: tuple[str, ...] = (), variants: bool = True,
+                   options: dict | None = None) -> tuple[Graph, dict[str, Graph]]:
     """The training step of `forward` as given, and (with `variants`) the rewritten steps the
     reuse pass may pick instead (`passes.rewrites.concat_split`), all built with the same options."""
-    build = step_builder(loss, optimizer, lr, freeze)
+    build = step_builder(loss, optimizer, lr, freeze, options)
     given = build(forward)
     return given, reuse_variants(forward, given, build) if variants else {}
 
 
 def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, train: bool = False,
             loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
-            freeze: tuple[str, ...] = (), hardware: "str | hardware_mod.Hardware" = "v100-16gb",
+            freeze: tuple[str, ...] = (), training_options: dict | None = None,
+            hardware: "str | hardware_mod.Hardware" = "v100-16gb",
             budget: str | int | None = None, strategies=None, time_limit: float = DEFAULT_TIME_LIMIT,
             costs: "CostTable | str | Path | None" = None, data_parallel: int | None = None,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES, progress: Callable[[str], None] | None = None,
@@ -128,8 +132,9 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     """Plan `model`'s memory within `time_limit` seconds in all (or by `deadline`, which a
     caller may stop early: the best plan found by then is returned). `strategies` None means
     every strategy where a budget is given (recompute and swap run only while the plan is
-    over it), order and reuse otherwise. Raises UserError on bad input, BudgetError if the
-    budget cannot be met.
+    over it), order and reuse otherwise. `training_options`: the training-step builder's
+    further options (momentum, weight_decay, betas, eps). Raises UserError on bad input,
+    BudgetError if the budget cannot be met.
 
     `data_parallel` N: the step as each of N workers runs it (memsched.data_parallel): with
     `train`, the model's batch is the global one and each worker's step takes 1/N of it (a
@@ -146,7 +151,8 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         raise UserError(f"--data-parallel needs at least 1 worker, not {data_parallel}")
     if data_parallel and train:
         forward = worker_forward(forward, data_parallel)
-    graph, variants = training_steps(forward, loss, optimizer, lr, freeze, variants="reuse" in strategies) \
+    graph, variants = training_steps(forward, loss, optimizer, lr, freeze, variants="reuse" in strategies,
+                                     options=training_options) \
         if train else (given_graph(forward), {})
 
     initial = Plan.initial(graph, hardware=hw)
@@ -185,7 +191,8 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         needs_more = given.best is None or \
             (not deadline.expired and {"recompute", "swap"} & set(given.best.plan.notes))
         if train and {"recompute", "swap"} & set(strategies) and not deadline.stopped and needs_more:
-            split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze), budget_bytes)
+            split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze, training_options),
+                                     budget_bytes)
         if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
             searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ",
                                        fallback=given.best is not None)

@@ -81,6 +81,8 @@ def _training_options(text: str) -> dict:
         raise UserError("the plan's training options (memsched.training) list a parameter that is not a name")
     options = {key: stored[key] for key in _OPTIONS}
     options["betas"] = tuple(options["betas"])
+    if isinstance(stored.get("weight_decay"), (int, float)) and not isinstance(stored.get("weight_decay"), bool):
+        options["weight_decay"] = stored["weight_decay"]
     return options
 
 

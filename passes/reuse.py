@@ -48,10 +48,11 @@ import onnx
 from onnx import helper, numpy_helper
 
 from memsched.errors import ScheduleError
-from memsched.ir import Graph, Op, Tensor, tensor_value
+from memsched.ir import FIXED_KINDS, Graph, Op, Tensor, tensor_value
 from memsched.memory import analyze
 from memsched.ops import INPLACE_ANY_INPUT, INPLACE_OPS, VIEW_OPS, writable_inputs
 from memsched.schedule import Plan, Schedule, default_schedule, order_schedule
+from memsched.step_info import FORWARD_KEY
 
 # where passes.training records each backward op's role (dW, dX, update; see its package doc)
 GRAD_ROLES_KEY = "memsched.grad_roles"
@@ -158,9 +159,11 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
     """`graph` with each SGD or momentum update fused into the op that makes its weight
     gradient g, where g (or a Reshape of it to the weight's shape) is read only by the update:
 
-    - g one Gemm (a Linear's dW): SGD's w' = w - lr * g becomes Gemm(A, B, C=w,
-      alpha=-lr*alpha, beta=1) in place of the Sub; momentum's b' = momentum * b + g becomes
-      Gemm(A, B, C=b, alpha, beta=momentum) in place of the Add.
+    - g one Gemm (a Linear's dW): SGD's w' = w - lr * g becomes Gemm(lr * A, B, C=w,
+      alpha=-alpha, beta=1) in place of the Sub, the smaller of A and B scaled by the step's
+      lr tensor (`FusedScale`), so a learning-rate schedule reaches it; momentum's
+      b' = momentum * b + g becomes Gemm(A, B, C=momentum * b, alpha, beta=1) in place of the
+      Add (the Mul by the step's momentum tensor stays).
     - g a scatter-add of rows into zeros (an embedding's dW, ScatterND with reduction add):
       the rows are scattered into the accumulator itself -- SGD: ScatterND(w, indices,
       -lr * rows, reduction=add) in place of the Sub; momentum: ScatterND(momentum * b,
@@ -225,7 +228,9 @@ def record_rewrite(given: Graph, rewritten: Graph, key: str, **extra) -> Graph:
               "ops": [dict(op_json(op), index=i, role=roles.get(op.name)) for i, op in removed],
               "tensors": [tensor_json(t, given.base_dir) for name, t in given.tensors.items()
                           if name not in rewritten.tensors or not _same_tensor(t, rewritten.tensors[name])]}
-    return rewritten.replace(metadata={**rewritten.metadata, key: json.dumps(record, sort_keys=True)})
+    # the forward model the user gave stays the step's (a rewritten step is built from a rewritten forward)
+    forward = {FORWARD_KEY: given.metadata[FORWARD_KEY]} if FORWARD_KEY in given.metadata else {}
+    return rewritten.replace(metadata={**rewritten.metadata, **forward, key: json.dumps(record, sort_keys=True)})
 
 
 def undo_rewrite(graph: Graph, key: str) -> Graph:
@@ -312,40 +317,48 @@ def _fusion(graph: Graph, op: Op, optimizer: str) -> _Fusion | None:
     matched = (_sgd_fusable if optimizer == "sgd" else _momentum_fusable)(graph, op)
     if matched is None:
         return None
-    maker, mul, views, accumulator, scale, beta, param = matched
+    maker, mul, views, accumulator, lr, param = matched
     scope = op.name.rpartition("/")[0] or op.name
     why = f"{optimizer} update of {param} fused with {maker.name}"
+    removed = [maker, *views] + ([mul] if lr is not None else [])
+    taken = [f"{scope}/FusedScale_output_0", f"{scope}/FusedNegate_output_0"]
+    if any(name in graph.tensors for name in taken):
+        return None
+    scaled, negated = taken
+    dtype = graph.tensors[accumulator].dtype
+    ops, tensors = [], []
     if maker.op_type == "Gemm":
         name = f"{scope}/FusedGemm"
-        alpha = float(maker.attributes.get("alpha", 1.0)) * scale
-        gemm = Op(name, "Gemm", [*maker.inputs[:2], accumulator], list(op.outputs),
-                  {**maker.attributes, "alpha": alpha, "beta": beta}, phase="update", doc_string=why)
-        return _Fusion([gemm], [maker, mul, *views], [], {name: maker.name}, param)
+        a, b = maker.inputs[:2]
+        alpha = float(maker.attributes.get("alpha", 1.0))
+        if lr is not None:           # w - lr * A B: the smaller operand scaled by the step's lr
+            smaller = 0 if graph.tensors[a].numel <= graph.tensors[b].numel else 1
+            operand = maker.inputs[smaller]
+            tensors.append(Tensor(scaled, graph.tensors[operand].shape, dtype, "gradient"))
+            ops.append(Op(f"{scope}/FusedScale", "Mul", [operand, lr], [scaled], phase="update", doc_string=why))
+            a, b = (scaled, b) if smaller == 0 else (a, scaled)
+            alpha = -alpha
+        ops.append(Op(name, "Gemm", [a, b, accumulator], list(op.outputs),
+                      {**maker.attributes, "alpha": alpha, "beta": 1.0}, phase="update", doc_string=why))
+        return _Fusion(ops, removed, tensors, {name: maker.name}, param)
     zeros = graph.producer[maker.inputs[0]]
     _, indices, rows = maker.inputs
-    ops, tensors = [], []
-    if optimizer == "momentum":            # momentum * b stays; the rows add into it
-        data, removed = mul.outputs[0], [maker, zeros, *views]
-    else:                                  # -lr * rows add into w
-        data, removed = accumulator, [maker, zeros, mul, *views]
-        factor, scaled = f"{scope}/FusedScale_factor", f"{scope}/FusedScale_output_0"
-        row_tensor, dtype = graph.tensors[rows], graph.tensors[accumulator].dtype
-        if factor in graph.tensors or scaled in graph.tensors:
-            return None
-        value = np.asarray(scale, dtype=helper.tensor_dtype_to_np_dtype(dtype))
-        tensors = [Tensor(factor, (), dtype, "constant", numpy_helper.from_array(value, factor)),
-                   Tensor(scaled, row_tensor.shape, dtype, "gradient")]
-        ops.append(Op(f"{scope}/FusedScale", "Mul", [rows, factor], [scaled], phase="update", doc_string=why))
+    removed.append(zeros)
+    if lr is not None:                     # -lr * rows add into w
+        row_tensor = graph.tensors[rows]
+        tensors += [Tensor(negated, (), dtype, "gradient"), Tensor(scaled, row_tensor.shape, dtype, "gradient")]
+        ops += [Op(f"{scope}/FusedNegate", "Neg", [lr], [negated], phase="update", doc_string=why),
+                Op(f"{scope}/FusedScale", "Mul", [rows, negated], [scaled], phase="update", doc_string=why)]
         rows = scaled
     name = f"{scope}/FusedScatter"
-    ops.append(Op(name, "ScatterND", [data, indices, rows], list(op.outputs), {"reduction": "add"},
+    ops.append(Op(name, "ScatterND", [accumulator, indices, rows], list(op.outputs), {"reduction": "add"},
                   phase="update", doc_string=why))
     return _Fusion(ops, removed, tensors, {name: maker.name}, param)
 
 
 def _sgd_fusable(graph: Graph, sub: Op):
     """For the SGD step `sub` = w - Mul(g, lr): (g's maker, the Mul, the Reshapes between g's
-    maker and the Mul, the accumulator w, the scale -lr, beta 1, w); else None."""
+    maker and the Mul, the accumulator w, the lr tensor, w); else None."""
     if sub.op_type != "Sub" or len(sub.present_inputs) != 2 or len(sub.present_outputs) != 1:
         return None
     param, scaled = sub.inputs
@@ -354,17 +367,16 @@ def _sgd_fusable(graph: Graph, sub: Op):
         return None
     grad, lr = mul.inputs
     found = _gradient_maker(graph, grad, param)
-    lr_value = _scalar(graph, lr)
-    if found is None or lr_value is None:
+    if found is None or not _is_scalar(graph, lr):
         return None
     maker, views = found
-    return maker, mul, views, param, -lr_value, 1.0, param
+    return maker, mul, views, param, lr, param
 
 
 def _momentum_fusable(graph: Graph, add: Op):
     """For the momentum step `add` = Mul(b, momentum) + g: (g's maker, the Mul, the Reshapes
-    between g's maker and `add`, the accumulator b, the scale 1, beta = momentum, the
-    parameter); else None."""
+    between g's maker and `add`, the accumulator Mul(b, momentum) (the Mul stays: it reads the
+    step's momentum), no lr, the parameter); else None."""
     if add.op_type != "Add" or len(add.present_inputs) != 2 or len(add.present_outputs) != 1:
         return None
     scaled, grad = add.inputs
@@ -375,11 +387,11 @@ def _momentum_fusable(graph: Graph, add: Op):
     state = graph.tensors[buffer]
     param = buffer[:-len(".momentum_buffer")] if buffer.endswith(".momentum_buffer") else None
     found = _gradient_maker(graph, grad, buffer)
-    momentum_value = _scalar(graph, momentum)
-    if state.kind != "optimizer_state" or param not in graph.tensors or found is None or momentum_value is None:
+    if state.kind != "optimizer_state" or param not in graph.tensors or found is None \
+            or not _is_scalar(graph, momentum):
         return None
     maker, views = found
-    return maker, mul, views, buffer, 1.0, momentum_value, param
+    return maker, mul, views, scaled, None, param
 
 
 def _read_once(graph: Graph, t: str) -> bool:
@@ -426,12 +438,10 @@ def _scatter_into_zeros(graph: Graph, op: Op) -> bool:
     return value is None or not numpy_helper.to_array(value).any()
 
 
-def _scalar(graph: Graph, name: str) -> float | None:
-    """The value of a one-element initializer, else None."""
+def _is_scalar(graph: Graph, name: str) -> bool:
+    """Whether `name` is a one-element initializer (a hyperparameter of the step)."""
     t = graph.tensors[name]
-    if not (t.is_static and t.numel == 1):
-        return None
-    return float(tensor_value(t, graph.base_dir).reshape(()))
+    return t.is_static and t.numel == 1
 
 
 # ---- in-place ---------------------------------------------------------------------------
@@ -458,7 +468,7 @@ def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
         t = graph.tensors[name]
         if t.nbytes != nbytes or name in graph.outputs or (name in graph.inputs and not view):
             continue
-        if t.is_static and (op.phase != "update" or t.kind == "constant"):
+        if t.is_static and (op.phase != "update" or t.kind in FIXED_KINDS):
             continue
         found.append(name)
     return sorted(found, key=lambda name: not graph.tensors[name].is_static)
@@ -664,7 +674,7 @@ def update_edges(graph: Graph) -> list[tuple[str, str]]:
     for u in updates:
         for t in u.present_inputs:
             tensor = graph.tensors[t]
-            if not tensor.is_static or tensor.kind == "constant":
+            if not tensor.is_static or tensor.kind in FIXED_KINDS:
                 continue
             edges.extend((r.name, u.name) for r in graph.consumers.get(t, [])
                          if r.phase != "update" and r.name not in downstream)

@@ -250,7 +250,9 @@ def test_backward_follows_the_forward_in_reverse():
 def test_tensor_kinds():
     train = build_training_step(lower(small_cnn()), optimizer="adam")
     kinds = {n: t.kind for n, t in train.tensors.items()}
-    assert "bn1.running_mean" not in kinds   # batch statistics: the running ones are not read
+    # batch statistics normalise; the running ones are updated as PyTorch's train mode does
+    assert kinds["bn1.running_mean"] == "buffer" and kinds["bn1.running_mean.updated"] == "output"
+    assert kinds["memsched.lr"] == kinds["memsched.beta1"] == "hyperparameter"
     assert kinds["conv1.weight"] == "parameter" and kinds["loss"] == "output"
     assert kinds["conv1.weight.grad"] == "param_grad"
     assert kinds["conv1.weight.exp_avg"] == "optimizer_state" and kinds["conv1.weight.step"] == "optimizer_state"
@@ -287,9 +289,13 @@ def test_dw_and_dx_are_separate_ops_for_every_layer():
     conv_dw = [op for op in train.ops if roles.get(op.name) == {"role": "dW", "layer": "conv1",
                                                                   "param": "conv1.weight"}]
     assert conv_dw[-1].outputs == ["conv1.weight.grad"]
-    updates = [op for op in train.ops if op.phase == "update"]
+    statistics = [op for op in train.ops if "/running_statistics/" in op.name]
+    updates = [op for op in train.ops if op.phase == "update" and op not in statistics]
     assert {roles[op.name]["param"] for op in updates} == set(training_info(train)["parameters"])
     assert all(roles[op.name]["role"] == "update" for op in updates)
+    # BatchNorm's running statistics are updated last, in phase update, with no grad role
+    assert train.ops[-len(statistics):] == statistics and all(op.phase == "update" for op in statistics)
+    assert not any(op.name in roles for op in statistics)
 
 
 def test_default_schedule_is_valid_for_the_memory_model():
@@ -303,7 +309,8 @@ def test_trainable_parameters_exclude_buffers_scalars_and_frozen():
     train = build_training_step(lower(small_cnn()), freeze=["bn*", "conv1.*"])
     params = training_info(train)["parameters"]
     assert params == ["conv2.weight", "conv2.bias", "fc.weight", "fc.bias"]
-    assert train.outputs == ["loss"] + [f"{p}.grad" for p in params]
+    buffers = [f"{bn}.running_{s}.updated" for bn in ("bn1", "bn2") for s in ("mean", "var")]
+    assert train.outputs == ["loss"] + [f"{p}.grad" for p in params] + [b for b in buffers if b in train.tensors]
     assert not any(op.op_type == "ConvTranspose" and op.phase == "backward" and "conv1" in op.name
                    for op in train.ops)
 

@@ -242,8 +242,11 @@ def test_a_fused_sgd_update_never_makes_the_weight_gradient():
     update = fused_graph.op_by_name["fc.weight/update/FusedGemm"]
     assert update.op_type == "Gemm" and update.phase == "update" and update.outputs == ["fc.weight.updated"]
     assert "fc.weight/update/Sub" not in fused_graph.op_by_name
-    assert update.inputs == ["loss/grad/Div_output_0", "x", "fc.weight"]
-    assert update.attributes["alpha"] == pytest.approx(-0.1) and update.attributes["beta"] == 1.0
+    # the step's lr scales the smaller operand (dY here: both are 2 x 64), so a schedule reaches it
+    assert update.inputs == ["fc.weight/update/FusedScale_output_0", "x", "fc.weight"]
+    assert fused_graph.op_by_name["fc.weight/update/FusedScale"].inputs == ["loss/grad/Div_output_0", "memsched.lr"]
+    assert fused_graph.tensors["memsched.lr"].kind == "hyperparameter"
+    assert update.attributes["alpha"] == -1.0 and update.attributes["beta"] == 1.0
     assert "fc.weight.grad" not in fused_graph.tensors and "fc/grad/Gemm" not in fused_graph.op_by_name
     roles = json.loads(fused_graph.metadata[GRAD_ROLES_KEY])
     assert roles["fc.weight/update/FusedGemm"]["role"] == "dW" and set(roles) <= set(fused_graph.op_by_name)
@@ -252,14 +255,14 @@ def test_a_fused_sgd_update_never_makes_the_weight_gradient():
 
     plan = reuse_pass(Plan.initial(graph))
     notes = plan.notes["reuse"]
-    assert plan.graph is not graph and notes["order"] == "fused, dw-dx-rule" and notes["fused_updates"] == 1
+    assert plan.graph is not graph and notes["order"] == "fused, given" and notes["fused_updates"] == 1
     assert plan.aliases["fc.weight.updated"] == "fc.weight"
     # unfused, the peak is the dW Gemm's step: W 16,384 + dW 16,384 + x 512 + dlogits 512
-    # + b 256 + loss 4 + constants 44 = 34,096. Fused, dW never exists and the peak moves to the
-    # loss's mean: W 16,384 + b 256 + x 512 + logits 512 + labels' Unsqueeze 16 (a view of the
-    # labels) + the log-sum-exp 8 + the picked logit less it 8 + the mean 4 + constants 44 = 17,744.
+    # + b 256 + loss 4 + constants and lr 44 = 34,096. Fused, dW never exists and the peak moves
+    # to the bias gradient's ReduceSum: W 16,384 + x 512 + b 256 + dlogits 512 + db 256 + loss 4
+    # + constants 40 + lr 4 = 17,968.
     assert notes["candidate_peaks"]["dw-dx-rule"] == 34096
-    assert notes["peak_bytes"] == validate(plan).peak_bytes == 17744
+    assert notes["peak_bytes"] == validate(plan).peak_bytes == 17968
 
 
 def test_a_fused_update_runs_bit_identical_and_matches_the_unfused_step():
@@ -291,14 +294,18 @@ def test_momentum_fuses_into_its_buffer_and_adam_not_at_all():
     momentum = linear_training_step("momentum")
     fused_graph, fused = fuse_updates(momentum)
     assert fused == ["fc.weight"]
-    # momentum * b + g as the Gemm's accumulation over b; the step w - lr * b' is unchanged
+    # momentum * b + g as the Gemm's accumulation over momentum * b (the Mul by the step's
+    # momentum stays); the step w - lr * b' is unchanged
     update = fused_graph.op_by_name[fused_graph.producer["fc.weight.momentum_buffer.updated"].name]
-    assert update.op_type == "Gemm" and update.inputs[2] == "fc.weight.momentum_buffer"
-    assert update.attributes["alpha"] == 1.0 and update.attributes["beta"] == pytest.approx(0.9)
+    scaled = fused_graph.producer[update.inputs[2]]
+    assert update.op_type == "Gemm" and scaled.inputs == ["fc.weight.momentum_buffer", "memsched.momentum"]
+    assert update.attributes["alpha"] == 1.0 and update.attributes["beta"] == 1.0
     assert fused_graph.producer["fc.weight.updated"].op_type == "Sub"
     plan = reuse_pass(Plan.initial(momentum))
     assert plan.notes["reuse"]["fused_updates"] == 1
-    assert plan.aliases["fc.weight.momentum_buffer.updated"] == "fc.weight.momentum_buffer"
+    scaled = "fc.weight/update/Mul_output_0"      # momentum * b, written over b; the Gemm over it
+    assert plan.aliases["fc.weight.momentum_buffer.updated"] == scaled
+    assert plan.aliases[scaled] == "fc.weight.momentum_buffer"
     adam = linear_training_step("adam")       # the gradient feeds both moments
     assert fuse_updates(adam) == (adam, [])
 
@@ -331,8 +338,8 @@ def test_no_fusion_where_the_gradient_has_another_reader():
 def test_the_graph_as_given_comes_back_from_a_fused_one(bias):
     graph = linear_training_step(bias=bias)
     fused = fuse_updates(graph)[0]
-    # without a bias, the learning rate's constant has no reader left and leaves the graph
-    assert (set(graph.tensors) - set(fused.tensors) == {"fc.weight.grad", "fc.weight/update/Mul_output_0"}) == bias
+    # the learning rate stays: the fused Gemm's scale reads it
+    assert set(graph.tensors) - set(fused.tensors) == {"fc.weight.grad", "fc.weight/update/Mul_output_0"}
     back = unfused_graph(fused)
 
     def ops(g):

@@ -1,6 +1,8 @@
 """build_training_step: forward graph in, one training-step graph out (see the package doc)."""
 from __future__ import annotations
 
+import base64
+import dataclasses
 import fnmatch
 import json
 import math
@@ -9,7 +11,8 @@ from collections import defaultdict
 from memsched.data_parallel import BATCH_STATISTICS_KEY
 from memsched.errors import UserError
 from memsched.frontend import captured_names, subgraphs
-from memsched.ir import Graph, Op
+from memsched.ir import Graph, Op, header_only
+from memsched.step_info import FORWARD_KEY, TRAINING_KEY
 from memsched.onnx_utils import IR_VERSION, OPSET
 from memsched.ops import WEIGHT_PART_OPS, WEIGHT_VIEW_OPS
 
@@ -23,14 +26,14 @@ from passes.training.registry import FLOAT_TYPES, RULES, differentiable_outputs,
 from passes.training.simplify import drop_no_ops
 
 GRAD_ROLES_KEY = "memsched.grad_roles"
-TRAINING_KEY = "memsched.training"
+
 MIN_OPSET, MAX_OPSET = 13, 21
 
 
 def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: str = "none",
                         lr: float = 0.01, freeze: tuple[str, ...] | list[str] = (), *,
                         momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999),
-                        eps: float = 1e-8, fuse: bool = True) -> Graph:
+                        eps: float = 1e-8, weight_decay: float = 0.0, fuse: bool = True) -> Graph:
     """Forward + loss + backward (+ optimizer update) of `graph` as one Graph.
 
     Identity nodes and Dropouts that drop nothing are left out first (`simplify.drop_no_ops`):
@@ -42,8 +45,14 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
     that feeds a ReLU or ReLU6 keeps its normalised input alone (`bn_relu`). Last, a value
     that cheap ops make from tensors the backward keeps anyway (a GELU or LayerNorm output, a
     BN output and its ReLU from the normalised input) is derived again right before its
-    backward readers instead of kept (`rederive.rederive_in_backward`)."""
-    hyper = _check_options(loss, optimizer, lr, momentum, betas, eps)
+    backward readers instead of kept (`rederive.rederive_in_backward`).
+
+    The hyperparameters are tensors of the step (`optimizer`'s module doc), each training
+    BatchNorm's running statistics are updated as PyTorch's train mode does and carried as
+    `<buffer>.updated` outputs, and the forward graph as given is kept in the metadata
+    (`FORWARD_KEY`, its weights as headers only) for the inference model a trainer writes."""
+    hyper = _check_options(loss, optimizer, lr, momentum, betas, eps, weight_decay)
+    given = graph
     opset = _training_opset(graph)
     graph = drop_no_ops(graph)
     graph, fusions = fuse_patterns(graph) if fuse else (graph, {})
@@ -72,9 +81,28 @@ def build_training_step(graph: Graph, loss: str = "cross_entropy", optimizer: st
         outputs = [LOSS_NAME] + [grads[param] for param in params]
     else:
         outputs = [LOSS_NAME] + emit_updates(em, optimizer, params, grads, hyper, roles)
+    em.phase = "update"
+    for update in em.statistics_updates:     # BatchNorm running statistics, written over their buffers
+        update()
     step = _assemble(graph, em, extra_inputs, outputs, params, roles, opset,
                      {"loss": loss, "optimizer": optimizer, **hyper})
+    step = step.replace(metadata={**step.metadata, FORWARD_KEY: forward_record(given, step)})
     return rederive_in_backward(step)
+
+
+def forward_record(forward: Graph, step: Graph) -> str:
+    """`forward` as a base64 ONNX model for the step's metadata: each initializer that the
+    step holds under its name with its type (weights, buffers, constants) as a header only
+    (memsched.inference fills it from the trainer's values), the others with their values."""
+    tensors = {}
+    for name, t in forward.tensors.items():
+        held = step.tensors.get(name)
+        if t.is_static and held is not None and held.is_static and (held.shape, held.dtype) == (t.shape, t.dtype):
+            t = dataclasses.replace(t, data=header_only(t.data))
+        tensors[name] = t
+    metadata = {k: v for k, v in forward.metadata.items() if k != FORWARD_KEY}
+    model = forward.replace(tensors=tensors, metadata=metadata).to_onnx(load_external_data=False)
+    return base64.b64encode(model.SerializeToString()).decode()
 
 
 def needed_ops(graph: Graph, live: set[str], requiring: set[str]) -> list[Op]:
@@ -142,7 +170,7 @@ def _emit_backward(em: Emitter, graph: Graph, needed: list[Op], params: list[str
 
 
 # ---- analysis ---------------------------------------------------------------------------------
-def _check_options(loss, optimizer, lr, momentum, betas, eps) -> dict:
+def _check_options(loss, optimizer, lr, momentum, betas, eps, weight_decay=0.0) -> dict:
     if loss not in LOSSES:
         raise UserError(f"unknown loss '{loss}'; choose one of {', '.join(LOSSES)}")
     if optimizer not in OPTIMIZERS:
@@ -150,9 +178,14 @@ def _check_options(loss, optimizer, lr, momentum, betas, eps) -> dict:
     for name, value in (("learning rate", lr), ("eps", eps)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise UserError(f"the {name} must be a positive number, not {value!r}")
+    if not (isinstance(lr, (int, float)) and lr < 1e6):
+        raise UserError(f"the learning rate must be below 1e6, not {lr!r}")
     if not 0 <= momentum < 1 or not all(0 <= b < 1 for b in betas):
         raise UserError("momentum and Adam betas must lie in [0, 1)")
-    return {"lr": float(lr), "momentum": float(momentum), "betas": [float(b) for b in betas], "eps": float(eps)}
+    if not (isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and 0 <= weight_decay < 1e6):
+        raise UserError(f"the weight decay must be a number from 0 up, not {weight_decay!r}")
+    return {"lr": float(lr), "momentum": float(momentum), "betas": [float(b) for b in betas], "eps": float(eps),
+            "weight_decay": float(weight_decay)}
 
 
 def _training_opset(graph: Graph) -> int:
@@ -346,13 +379,18 @@ def _assemble(source: Graph, em: Emitter, extra_inputs, outputs, params, roles, 
     for param in params:
         if f"{param}.grad" in tensors:
             tensors[f"{param}.grad"].kind = "param_grad"
+    outputs = list(outputs) + list(em.carried)
+    for name in em.carried:
+        tensors[name].kind = "output"
     inputs = list(source.inputs) + list(extra_inputs)
     used = set(inputs) | set(outputs) | {t for op in em.ops for t in op.present_inputs + op.present_outputs}
     kept = {name: t for name, t in tensors.items() if name in used}
     metadata = dict(source.metadata)
     metadata[GRAD_ROLES_KEY] = json.dumps(roles, sort_keys=True)
-    metadata[TRAINING_KEY] = json.dumps({**training, "parameters": params,
-                                         "inputs": list(extra_inputs)}, sort_keys=True)
+    metadata[TRAINING_KEY] = json.dumps({**training, "parameters": params, "inputs": list(extra_inputs),
+                                         "hyperparameters": em.hyperparameters,
+                                         "buffers": [name.removesuffix(".updated") for name in em.carried]},
+                                        sort_keys=True)
     # each BatchNorm's batch statistics and backward sums, for synchronised BatchNorm (memsched.data_parallel)
     statistics = {name: {"forward": [t for t in (saved["mean"], saved["var"]) if t in kept],
                          "backward": [t for t in saved.get("sums", []) if t in kept]}

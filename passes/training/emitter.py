@@ -45,6 +45,10 @@ class Emitter:
         self._emitted: set[str] = set()
         self.saved: dict[str, dict[str, str]] = {}  # forward op -> tensors its backward reads
         self.analyses: dict[str, object] = {}  # rules' analyses of the source graph, made once
+        self.hyperparameters: dict[str, list[str]] = {}  # hyperparameter -> its tensors (one per dtype)
+        self.carry_statistics = True  # BatchNorm running statistics updated and carried between steps
+        self.carried: list[str] = []  # outputs `<static>.updated` besides the optimizer's (running statistics)
+        self.statistics_updates: list = []  # callables emitting them, run in phase update after the optimizer's
 
     # ---- naming and scope -----------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -163,6 +167,22 @@ class Emitter:
     def scalar(self, value: float, like: str) -> str:
         """A 0-d constant with the dtype of tensor `like`."""
         return self.const(np.asarray(value, dtype=self.np_dtype(like)))
+
+    def hyperparameter(self, name: str, value: float, like: str) -> str:
+        """The 0-d initializer of kind `hyperparameter` holding `name` in the dtype of tensor
+        `like`: `memsched.<name>` for float32, `memsched.<name>.<dtype>` for another dtype.
+        A trainer writes it before each step; `value` is its compile-time value."""
+        dtype = self.np_dtype(like)
+        tensor = f"memsched.{name}" if dtype == np.float32 else f"memsched.{name}.{dtype.name}"
+        if tensor not in self.tensors:
+            if tensor in self._taken:
+                raise ValueError(f"tensor name '{tensor}' is taken")
+            self._taken.add(tensor)
+            array = np.asarray(value, dtype=dtype)
+            self.tensors[tensor] = Tensor(tensor, (), self.tensors[like].dtype, "hyperparameter",
+                                          numpy_helper.from_array(array, tensor))
+            self.hyperparameters.setdefault(name, []).append(tensor)
+        return tensor
 
     def state(self, name: str, shape: tuple[int, ...], like: str) -> str:
         """A zero-initialised initializer of kind `optimizer_state`."""

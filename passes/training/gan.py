@@ -79,6 +79,7 @@ def build_gan_step(generator: Graph, discriminator: Graph, optimizer: str = "sgd
     needed = [op for op in source.ops if op.name in needed_names]
     _check_control_flow(source, live_d | live_g, needed)
     em = Emitter(source, opset, fusions)
+    em.carry_statistics = False     # D's BatchNorms run three times a step: their running statistics stay as given
     _check_supported(em, needed)
 
     after_update = _reading_updated(source, d_params, optimizer)

@@ -449,6 +449,40 @@ def _batch_norm_forward(em, op, needed):
             scaled = em.op("Mul", [centred, factor])
         em.op("Add", [scaled, bias_b], outputs=[op.outputs[0]], name=op.name)
         _running_statistics(em, op, {1: mean, 2: var})
+        count = int(np.prod([em.shape(x)[a] for a in axes]))
+        _carried_running_statistics(em, op, mean, var, count)
+
+
+def _carried_running_statistics(em, op, mean, var, count):
+    """The step's outputs `<running_mean>.updated` and `<running_var>.updated`, carried to the
+    next step like the weights, as PyTorch's train mode updates them:
+    running = (1 - m) * running + m * batch, with m = 1 - the node's ONNX momentum (PyTorch's
+    0.1 where the node says nothing) and the batch variance unbiased (times n / (n - 1)) for
+    running_var. Only where both statistics are float initializers of the model (buffers). The
+    ops are emitted after the optimizer's (`em.statistics_updates`, phase `update`): like
+    those, they may write over the statics they update (PyTorch updates running statistics in
+    place), so the step holds one copy of each."""
+    if not em.carry_statistics:
+        return
+    running = [op.inputs[i] if len(op.inputs) > i else "" for i in (3, 4)]
+    tensors = [em.source.tensors.get(name) for name in running]
+    if not all(t is not None and t.is_static and t.kind == "buffer" for t in tensors):
+        return
+    names = [f"{name}.updated" for name in running]
+    if any(name in em.tensors or name in em.carried for name in names):
+        return
+    m = 1.0 - float(op.attributes.get("momentum", 0.9))
+    unbiased = count / (count - 1) if count > 1 else 1.0
+    em.carried.extend(names)
+
+    def update() -> None:
+        with em.scope(f"{op.name}/running_statistics"):
+            for stored, batch, factor, name in zip(running, (mean, var), (m, m * unbiased), names):
+                old = em.op("Mul", [stored, em.scalar(1.0 - m, stored)], kind="activation")
+                new = em.op("Mul", [em.reshape(batch, em.shape(stored)), em.scalar(factor, stored)],
+                            kind="activation")
+                em.op("Add", [old, new], outputs=[name], kind="output")
+    em.statistics_updates.append(update)
 
 
 def _running_statistics(em, op, batch_stats):

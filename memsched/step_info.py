@@ -1,0 +1,67 @@
+"""What a training step's metadata says about it: the one reader of the keys the training-step
+builder (passes.training) writes, for the trainer, the inference export and the reports.
+
+- `TRAINING_KEY`: loss, optimizer, hyperparameters (compile-time values and the tensors that
+  hold them), the trainable parameters in order, the extra inputs (labels or targets) and the
+  buffers carried between steps (BatchNorm running statistics).
+- `FORWARD_KEY`: the forward model as given to the builder, base64 ONNX, its weights as
+  headers only (the step holds them under the same names).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .errors import UserError
+from .ir import Graph
+
+TRAINING_KEY = "memsched.training"
+FORWARD_KEY = "memsched.forward"
+# optimizer -> the states each parameter carries, `<param>.<state>`
+OPTIMIZER_STATES = {"none": (), "sgd": (), "momentum": ("momentum_buffer",),
+                    "adam": ("exp_avg", "exp_avg_sq", "step"), "adamw": ("exp_avg", "exp_avg_sq", "step")}
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """A training step as its metadata describes it."""
+
+    loss: str
+    optimizer: str
+    parameters: list[str]
+    hyperparameters: dict[str, float]          # name -> compile-time value
+    hyperparameter_tensors: dict[str, list[str]]  # name -> the 0-d tensors holding it
+    buffers: list[str]                          # statics carried as `<name>.updated` besides the optimizer's
+    extra_inputs: list[str]                     # labels or targets
+
+    @property
+    def states(self) -> list[str]:
+        """Every optimizer state tensor, parameter by parameter."""
+        return [f"{p}.{s}" for p in self.parameters for s in OPTIMIZER_STATES.get(self.optimizer, ())]
+
+    @property
+    def carried(self) -> list[str]:
+        """The statics a step updates: parameters, optimizer states, buffers (a checkpoint's tensors)."""
+        if self.optimizer == "none":
+            return list(self.buffers)
+        return [*self.parameters, *self.states, *self.buffers]
+
+
+def step_info(graph: Graph) -> StepInfo:
+    """The StepInfo of a training step; UserError where `graph` is none (an inference model, a
+    GAN step, or a step written before hyperparameters were tensors of the step)."""
+    raw = graph.metadata.get(TRAINING_KEY)
+    if raw is None:
+        raise UserError("the plan is not a training step (compile the model with --train)")
+    info = json.loads(raw)
+    if "hyperparameters" not in info:
+        raise UserError("the plan was compiled by an older memsched whose learning rate is a constant of the "
+                        "step; compile the model again to train with it")
+    betas = info.get("betas", [0.9, 0.999])
+    values = {"lr": info["lr"], "momentum": info.get("momentum", 0.0), "beta1": betas[0], "beta2": betas[1],
+              "eps": info.get("eps", 1e-8), "weight_decay": info.get("weight_decay", 0.0)}
+    tensors = {name: list(ts) for name, ts in info["hyperparameters"].items()}
+    return StepInfo(loss=info["loss"], optimizer=info["optimizer"], parameters=list(info["parameters"]),
+                    hyperparameters={name: float(values[name]) for name in tensors},
+                    hyperparameter_tensors=tensors, buffers=list(info.get("buffers", [])),
+                    extra_inputs=list(info.get("inputs", [])))

@@ -1,0 +1,126 @@
+"""The epoch loop of `memsched train`: a Trainer over a data set, with validation, checkpoints,
+a resume point, the inference model and the loss curve.
+
+`fit` runs `epochs` epochs of `data.batches` through the trainer. After each epoch it
+evaluates the inference model on the validation data (where given) and writes the checkpoint
+(where asked). A checkpoint records where the run stands (epoch and batch), the data order's
+seed and whether it shuffles, so `resume` continues with the very batch that came next: a
+resumed run gives the same losses, bit for bit, as one never stopped. `stop()` is asked after
+every step (the CLI's first Ctrl-C): the run then ends after that step with its checkpoint
+written. A loss that is not finite ends the run with a UserError naming the step; nothing
+trains on silently.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .data import batches, sample_count, steps_per_epoch
+from .errors import UserError
+from .inference import evaluate, export_inference, inference_model
+from .trainer import Trainer
+
+
+@dataclass
+class FitOptions:
+    epochs: int = 1
+    shuffle: bool = False
+    seed: int = 0
+    last: str = "drop"
+    checkpoint: str | None = None       # written after every epoch and when stopped
+    save: str | None = None             # the inference model, written at the end
+    plot: str | None = None             # the loss curve (SVG), written at the end
+    resume: str | None = None           # a checkpoint to continue from
+
+
+@dataclass
+class FitResult:
+    steps: int                          # steps this run took
+    first_step: int                     # the trainer's step count when it began
+    epochs_done: int
+    stopped: bool                       # stopped early by `stop()`
+    losses: list[float] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)
+    written: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    samples_per_second: float = 0.0
+
+
+def fit(trainer: Trainer, train: dict[str, np.ndarray], options: FitOptions,
+        val: dict[str, np.ndarray] | None = None, on_step: Callable[[dict], None] | None = None,
+        on_epoch: Callable[[dict], None] | None = None, stop: Callable[[], bool] = lambda: False) -> FitResult:
+    """Train (module doc); `on_step` gets one record per step (step, epoch, batch, loss, lr,
+    seconds, steps_per_epoch), `on_epoch` one per epoch (epoch, and val_loss / val_accuracy)."""
+    if options.epochs < 1:
+        raise UserError(f"--epochs must be at least 1, not {options.epochs}")
+    per_epoch = steps_per_epoch(sample_count(train), trainer.batch_size, options.last)
+    if per_epoch == 0:
+        raise UserError(f"{sample_count(train)} samples make no full batch of {trainer.batch_size} (the plan's batch "
+                        f"size); pass --last pad, or give more data")
+    epoch, start = 0, 0
+    if options.resume:
+        position = trainer.load_checkpoint(options.resume)
+        epoch, start = int(position.get("epoch", 0)), int(position.get("batch", 0))
+        if (position.get("shuffle"), position.get("seed")) != (str(options.shuffle), str(options.seed)):
+            raise UserError(f"{options.resume} was written by a run with --shuffle {position.get('shuffle')} and "
+                            f"--seed {position.get('seed')}; resume with the same data order")
+    result = FitResult(0, trainer.step_count, epoch, False)
+    began = time.perf_counter()
+
+    def position(at_epoch: int, at_batch: int) -> dict[str, str]:
+        return {"epoch": str(at_epoch), "batch": str(at_batch), "shuffle": str(options.shuffle),
+                "seed": str(options.seed)}
+
+    while epoch < options.epochs and not result.stopped:
+        for k, batch in enumerate(batches(train, trainer.batch_size, epoch, shuffle=options.shuffle,
+                                          seed=options.seed, last=options.last, start=start), start=start):
+            step = trainer.step(batch)
+            if not math.isfinite(step.loss):
+                raise UserError(f"the loss is {step.loss} at step {step.step} (epoch {epoch + 1}, batch {k + 1}); "
+                                f"nothing was written for this run: lower the learning rate (now {step.lr:g})")
+            result.steps += 1
+            result.losses.append(step.loss)
+            if on_step is not None:
+                on_step({"step": step.step, "epoch": epoch, "batch": k, "loss": step.loss, "lr": step.lr,
+                         "seconds": step.seconds, "steps_per_epoch": per_epoch})
+            if stop() and (epoch, k + 1) != (options.epochs - 1, per_epoch):
+                result.stopped = True
+                if options.checkpoint:
+                    at = (epoch + 1, 0) if k + 1 == per_epoch else (epoch, k + 1)
+                    result.written["checkpoint"] = str(trainer.save_checkpoint(options.checkpoint, position(*at)))
+                break
+        else:
+            epoch, start = epoch + 1, 0
+            result.epochs_done = epoch
+            record = {"epoch": epoch - 1}
+            if val is not None:
+                scores = evaluate(inference_model(trainer.graph, trainer.state_dict()), val, trainer.info.loss,
+                                  trainer.batch_size, device="cpu")
+                record.update({f"val_{key}": value for key, value in scores.items()})
+            result.validation.append(record)
+            if options.checkpoint:
+                result.written["checkpoint"] = str(trainer.save_checkpoint(options.checkpoint, position(epoch, 0)))
+            if on_epoch is not None:
+                on_epoch(record)
+    result.seconds = time.perf_counter() - began
+    result.samples_per_second = result.steps * trainer.batch_size / result.seconds if result.seconds else 0.0
+    if options.save and not result.stopped:
+        result.written["model"] = str(export_inference(trainer.graph, trainer.state_dict(), options.save))
+    plot = options.plot or (f"{options.checkpoint}.loss.svg" if options.checkpoint else None)
+    if plot and result.losses:
+        result.written["plot"] = str(write_loss_curve(plot, result.losses, result.first_step))
+    return result
+
+
+def write_loss_curve(path: str | os.PathLike, losses: list[float], first_step: int = 0) -> Path:
+    """The per-step loss (and its running mean over an epoch's worth of steps) as an SVG."""
+    from .figures import loss_curve_svg
+    from .onnx_utils import write_text_atomic
+
+    return write_text_atomic(path, loss_curve_svg(losses, first_step))

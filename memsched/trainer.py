@@ -1,0 +1,315 @@
+"""Train with a plan: the Trainer runs a compiled training step batch after batch.
+
+A Trainer is built once from a plan (a path or a `Plan`) and keeps its ONNX Runtime
+sessions, its arena and its host stores (executor.PlanRunner) for as long as it lives: each
+`step(batch)` copies the batch into the step's input buffers, writes the hyperparameters of
+this step (a learning-rate schedule's value), runs the step exactly as planned and returns
+the loss. Parameters, optimizer states and BatchNorm running statistics never leave the
+arena between steps: each step's `<name>.updated` becomes the next step's `<name>`.
+
+Every batch is checked before it runs: each of the step's inputs present, none unknown, each
+of its declared shape (the plan's batch size) and dtype. A wrong batch is a UserError, never
+zeros, a made-up value or the previous batch. A batch is any mapping from input name to a
+numpy array or a CPU torch tensor (anything numpy reads); a C-contiguous array of the right
+dtype is copied once into the step's input buffer, any other layout is made contiguous first.
+
+The weights come out as a checkpoint (`save_checkpoint`: safetensors, written atomically;
+`load_checkpoint` resumes bit-identically) and as an inference model
+(`memsched.inference.export_inference`). `load_weights` takes an ONNX model, a safetensors
+file or a PyTorch `state_dict` before training (fine-tuning).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .emit import read_plan
+from .errors import UserError
+from .executor import PlanRunner
+from .frontend import read_model
+from .ir import tensor_value
+from .onnx_utils import write_file_atomic
+from .schedule import Plan
+from .step_info import StepInfo, step_info
+
+CHECKPOINT_FORMAT = "memsched-checkpoint-1"
+# entries of a state_dict that are not tensors of the step (PyTorch's BatchNorm counter)
+IGNORED_STATE = ("num_batches_tracked",)
+
+
+@dataclass
+class StepResult:
+    """One training step: its loss, the outputs asked for, the hyperparameters it used."""
+
+    step: int                       # optimizer steps taken before this one (0 for the first)
+    loss: float
+    lr: float
+    seconds: float                  # the run of the step, batch copy included
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class Trainer:
+    """Train with `plan`: `step(batch)` per batch. See the module doc.
+
+    `lr_schedule`: a callable from the step number (0 for the first step) to the learning
+    rate, or None for the plan's own. `hyperparameters` can also be changed directly
+    (`trainer.hyperparameters["lr"] = 0.01`); a schedule sets lr before every step."""
+
+    def __init__(self, plan: Plan | str | os.PathLike, device: str = "cpu", threads: int = 0,
+                 nvdimm_dir: str | None = None, allow_fallback: bool = True,
+                 lr_schedule: Callable[[int], float] | None = None):
+        if not isinstance(plan, Plan):
+            plan = read_plan(plan)
+        self.plan = plan
+        self.graph = plan.graph
+        self.info: StepInfo = step_info(self.graph)
+        self.hyperparameters: dict[str, float] = dict(self.info.hyperparameters)
+        self.lr_schedule = lr_schedule
+        self.step_count = 0
+        self.inputs = list(self.graph.inputs)
+        self._types = {name: (np.dtype(helper.tensor_dtype_to_np_dtype(self.graph.tensors[name].dtype)),
+                              tuple(self.graph.tensors[name].shape)) for name in self.inputs}
+        self.batch_size = self._types[self.inputs[0]][1][0] if self.inputs and self._types[self.inputs[0]][1] else 1
+        self._buffers = {name: np.empty(shape, dtype) for name, (dtype, shape) in self._types.items()}
+        self._runner = PlanRunner(plan, device, threads, nvdimm_dir, feeds=self._buffers,
+                                  allow_fallback=allow_fallback)
+        self.device = self._runner.device
+        self.fallback = self._runner.fallback
+        self._pending: dict[str, np.ndarray] = {}    # statics to load before the next step
+        self._ran = False                             # a step ran since the statics were loaded
+
+    # ---- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:
+        self._runner.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    # ---- stepping ----------------------------------------------------------------------
+    def step(self, batch: Mapping[str, object], outputs: tuple[str, ...] | list[str] = ()) -> StepResult:
+        """Run one training step on `batch`; return its loss (and the graph outputs named in
+        `outputs`, as arrays)."""
+        start = time.perf_counter()
+        unknown = [name for name in outputs if name not in self._runner.program.finals]
+        if unknown:
+            raise UserError(f"the step has no output named '{unknown[0]}'")
+        feeds = self._feeds(batch)
+        if self.lr_schedule is not None:
+            self.hyperparameters["lr"] = float(self.lr_schedule(self.step_count))
+        values = self._hyperparameter_values()
+        if self._pending:
+            values.update(self._pending)
+            self._runner.reload()
+        self._runner.step(feeds, values)
+        self._pending = {}
+        self._ran = True
+        loss = float(self._runner.read("loss").reshape(()))
+        result = StepResult(self.step_count, loss, self.hyperparameters.get("lr", math.nan),
+                            time.perf_counter() - start, {name: self._runner.read(name) for name in outputs})
+        self.step_count += 1
+        return result
+
+    def _feeds(self, batch: Mapping[str, object]) -> dict[str, np.ndarray]:
+        """The step's inputs from `batch`, checked; those read in place copied into their buffers."""
+        if not isinstance(batch, Mapping):
+            raise UserError(f"a batch is a mapping from input name to array, not {type(batch).__name__}")
+        missing = [name for name in self.inputs if name not in batch]
+        if missing:
+            raise UserError(f"the batch has no '{missing[0]}' (the step's inputs: {', '.join(self.inputs)})")
+        unknown = [name for name in batch if name not in self._types]
+        if unknown:
+            raise UserError(f"the step has no input named '{unknown[0]}' (its inputs: {', '.join(self.inputs)})")
+        feeds = {}
+        for name, (dtype, shape) in self._types.items():
+            value = _as_array(batch[name], name)
+            if value.dtype != dtype:
+                raise UserError(f"input '{name}' must be {dtype}, not {value.dtype}")
+            if value.shape != shape:
+                what = (f"a batch of {value.shape[0]} (the plan's batch size is {shape[0]})"
+                        if value.ndim == len(shape) and value.shape[1:] == shape[1:] and shape else f"{value.shape}")
+                raise UserError(f"input '{name}' must have shape {shape}, not {what}")
+            if name in self._runner.host_inputs:
+                np.copyto(self._buffers[name], value)
+                feeds[name] = self._buffers[name]
+            else:
+                feeds[name] = np.ascontiguousarray(value)
+        return feeds
+
+    def _hyperparameter_values(self) -> dict[str, np.ndarray]:
+        values = {}
+        for name, tensors in self.info.hyperparameter_tensors.items():
+            value = self.hyperparameters.get(name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise UserError(f"hyperparameter {name} must be a finite number from 0 up, not {value!r}")
+            for tensor in tensors:
+                dtype = helper.tensor_dtype_to_np_dtype(self.graph.tensors[tensor].dtype)
+                values[tensor] = np.asarray(value, dtype=dtype)
+        return values
+
+    # ---- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of the values the next step starts from: parameters, optimizer states and
+        buffers, by tensor name."""
+        state = {}
+        for name in self.info.carried:
+            if name in self._pending:
+                state[name] = np.array(self._pending[name])
+            elif self._ran:
+                state[name] = self._runner.read(f"{name}.updated")
+            else:
+                state[name] = np.array(tensor_value(self.graph.tensors[name], self.graph.base_dir))
+        return state
+
+    def load_state_dict(self, state: Mapping[str, object], strict: bool = True) -> list[str]:
+        """Load tensors by name into the next step's starting values; returns the names loaded.
+        With `strict`, every parameter must be given. Every name must be a parameter, an
+        optimizer state or a buffer of the step, with its shape; values are cast to its dtype."""
+        carried = set(self.info.carried)
+        loaded = {}
+        for name, value in state.items():
+            if name.rsplit(".", 1)[-1] in IGNORED_STATE:
+                continue
+            if name not in carried:
+                shown = ", ".join(self.info.parameters[:5]) + (", ..." if len(self.info.parameters) > 5 else "")
+                raise UserError(f"'{name}' is no parameter, optimizer state or buffer of this step "
+                                f"(its parameters: {shown})")
+            t = self.graph.tensors[name]
+            array = _as_array(value, name)
+            if array.shape != tuple(t.shape):
+                raise UserError(f"'{name}' has shape {array.shape}; the step's has {tuple(t.shape)}")
+            dtype = helper.tensor_dtype_to_np_dtype(t.dtype)
+            if not np.can_cast(array.dtype, dtype, casting="same_kind"):
+                raise UserError(f"'{name}' is {array.dtype}; the step's is {np.dtype(dtype)}")
+            loaded[name] = np.ascontiguousarray(array, dtype=dtype)
+        if strict:
+            missing = [p for p in self.info.parameters if p not in loaded]
+            if missing:
+                raise UserError(f"no value for parameter '{missing[0]}' ({len(missing)} of "
+                                f"{len(self.info.parameters)} missing; load with strict=False to keep the rest)")
+        if loaded:
+            current = self.state_dict() if self._ran else {}
+            self._pending = {**current, **self._pending, **loaded}
+        return sorted(loaded)
+
+    def load_weights(self, source: str | os.PathLike | Mapping[str, object], strict: bool = False) -> list[str]:
+        """Load weights before training: from an ONNX model (its initializers by name), a
+        safetensors file, or a mapping such as a PyTorch `state_dict` (names as the exporter
+        gave them). Names the step does not train (and PyTorch's num_batches_tracked) are
+        ignored; returns the names loaded. UserError where nothing matches."""
+        if isinstance(source, Mapping):
+            state = dict(source)
+        else:
+            state = _read_weights(Path(source))
+        carried = set(self.info.carried)
+        state = {name: value for name, value in state.items() if name in carried}
+        if not state:
+            raise UserError("none of the given weights is a parameter or buffer of this step (names differ?)")
+        return self.load_state_dict(state, strict=strict)
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike, extra: Mapping[str, str] | None = None) -> Path:
+        """Write the state, the step number and the hyperparameters to `path` (safetensors),
+        atomically. `extra`: more string metadata (the CLI's epoch)."""
+        from safetensors.numpy import save_file
+
+        state = self.state_dict()
+        metadata = {"format": CHECKPOINT_FORMAT, "step": str(self.step_count),
+                    "optimizer": self.info.optimizer,
+                    "hyperparameters": json.dumps(self.hyperparameters, sort_keys=True),
+                    **{f"extra.{k}": str(v) for k, v in (extra or {}).items()}}
+        return write_file_atomic(path, lambda tmp: save_file(state, tmp, metadata=metadata))
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict[str, str]:
+        """Resume from a checkpoint `save_checkpoint` wrote: every tensor, the step number and
+        the hyperparameters; returns its extra metadata. UserError for another step's."""
+        state, metadata = read_checkpoint(path)
+        if metadata.get("optimizer") != self.info.optimizer:
+            raise UserError(f"{path} is a checkpoint of a {metadata.get('optimizer')} step; this plan's "
+                            f"optimizer is {self.info.optimizer}")
+        missing = [name for name in self.info.carried if name not in state]
+        if missing:
+            raise UserError(f"{path} has no '{missing[0]}': it is a checkpoint of another model")
+        self.load_state_dict(state)
+        self.step_count = int(metadata["step"])
+        self.hyperparameters.update(json.loads(metadata["hyperparameters"]))
+        return {k[len("extra."):]: v for k, v in metadata.items() if k.startswith("extra.")}
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of a memsched checkpoint; UserError where `path` is none."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no such checkpoint: {path}")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as f:
+            metadata = dict(f.metadata() or {})
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UserError(f"{path} is not a readable safetensors file: {str(exc).splitlines()[0]}") from None
+    if metadata.get("format") != CHECKPOINT_FORMAT or "step" not in metadata:
+        raise UserError(f"{path} is not a memsched checkpoint (no '{CHECKPOINT_FORMAT}' metadata)")
+    return state, metadata
+
+
+def _read_weights(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of an ONNX model or a safetensors file, by name."""
+    if not path.is_file():
+        raise UserError(f"no such weights file: {path}")
+    if path.suffix == ".safetensors":
+        return read_checkpoint(path)[0] if _is_checkpoint(path) else _safetensors(path)
+    model = read_model(path)
+    try:
+        return {init.name: numpy_helper.to_array(init, base_dir=str(path.parent)) for init in model.graph.initializer}
+    except (OSError, ValueError, onnx.onnx_cpp2py_export.checker.ValidationError) as exc:
+        raise UserError(f"cannot read the weights of {path}: {str(exc).splitlines()[0]}") from None
+
+
+def _is_checkpoint(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return (f.metadata() or {}).get("format") == CHECKPOINT_FORMAT
+    except Exception:  # noqa: BLE001 - not readable: _safetensors says why
+        return False
+
+
+def _safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UserError(f"{path} is not a readable safetensors file: {str(exc).splitlines()[0]}") from None
+
+
+def _as_array(value: object, name: str) -> np.ndarray:
+    """`value` as a numpy array without a copy where numpy can view it (a CPU torch tensor
+    included); a tensor that needs a gradient is detached first."""
+    if hasattr(value, "detach") and hasattr(value, "requires_grad"):
+        value = value.detach()
+        if getattr(value, "is_cuda", False):
+            value = value.cpu()
+    try:
+        return np.asarray(value)
+    except Exception as exc:  # noqa: BLE001 - anything numpy cannot read
+        raise UserError(f"'{name}' is not an array numpy can read ({type(value).__name__}): {exc}") from None
