@@ -63,6 +63,7 @@ from .schedule import Plan
 DEVICES = ("cpu", "cuda")
 POISON = 0xFF        # every float made of these bytes is a NaN
 ALIGN = 64           # the arena's base address alignment
+FIXED_CACHE_BYTES = 64 * 1024    # statics up to this size are decoded once per run, not every step
 
 
 @dataclass
@@ -233,6 +234,11 @@ class PlanRunner:
             self.rt.__exit__(None, None, None)
             raise
         self.steps = 0          # steps run since the statics were last loaded
+        # the small statics loaded again every step (constants, hyperparameters), decoded once
+        names = [key[0] for key, _, _ in self.program.initial] + list(self.program.host_initial)
+        self._fixed = {name: tensor_value(self.graph.tensors[name], self.graph.base_dir) for name in names
+                       if self.graph.tensors[name].is_static and name not in self.program.updated
+                       and self.graph.tensors[name].nbytes <= FIXED_CACHE_BYTES}
 
     def __enter__(self) -> "PlanRunner":
         return self
@@ -258,7 +264,8 @@ class PlanRunner:
         if self.steps:
             _advance(self.program, self.rt)
         moved = time.perf_counter() - start
-        _load(self.program, self.rt, self.graph, feeds, first=self.steps == 0, poison=poison, values=values)
+        _load(self.program, self.rt, self.graph, feeds, first=self.steps == 0, poison=poison,
+              values={**self._fixed, **values} if values else self._fixed)
         start = time.perf_counter()
         _execute(self.program, self.rt, poison=poison, hooks=self.hooks)
         self.rt.synchronize()
