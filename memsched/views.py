@@ -390,10 +390,12 @@ def print_train(summary: dict) -> None:
     out.print(f"trained {summary['steps']} steps ({summary['epochs_done']} epochs) of {_e(summary['plan'])} on "
               f"{_e(summary['provider'])}: {summary['samples_per_second']:,.0f} samples/s, final loss "
               f"{summary['final_loss']:.4f}")
-    for record in summary["validation"]:
-        if "val_loss" in record:
-            accuracy = f", accuracy {record['val_accuracy']:.2%}" if "val_accuracy" in record else ""
-            out.print(f"epoch {record['epoch'] + 1}: validation loss {record['val_loss']:.4f}{accuracy}")
+    scored = [record for record in summary["validation"] if "val_loss" in record]
+    for record in scored[-1:]:          # every epoch's is in --json
+        accuracy = f", accuracy {record['val_accuracy']:.2%}" if "val_accuracy" in record else ""
+        first = scored[0]
+        was = f" (after epoch 1: {first['val_loss']:.4f})" if len(scored) > 1 else ""
+        out.print(f"validation after epoch {record['epoch'] + 1}: loss {record['val_loss']:.4f}{accuracy}{was}")
     if summary["stopped"]:
         out.print("[yellow]stopped early[/yellow] (Ctrl-C) after the current step")
     for what, path in summary["written"].items():
