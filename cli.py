@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     install_sigterm_handler()       # temporaries are removed on the way out, as for Ctrl-C
     try:
         args = parser.parse_args(argv)     # inside: a `type=` function may raise UserError (a bad value)
+        args.argv = list(argv) if argv is not None else sys.argv[1:]    # a launcher starts ranks with them
         return args.handler(args)
     except MemschedError as exc:
         print(f"memsched: error: {exc}", file=sys.stderr)
@@ -237,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0,
                    help="ONNX Runtime intra-op threads (default 0: every core)")
     p.add_argument("--nvdimm-dir", metavar="DIR", help="directory for the NVDIMM tier's store (default: a temp dir)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="data parallel: train a plan compiled with --data-parallel N on N local ranks "
+                        "(torch.distributed, gloo), each on its own share of the data; under torchrun each process "
+                        "is one rank. Rank 0 prints and writes")
+    p.add_argument("--sync-batchnorm", action="store_true",
+                   help="data parallel: BatchNorm on the whole batch's statistics (as torch's SyncBatchNorm)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per step (step, epoch, loss, lr, seconds), then a summary")
     p.set_defaults(handler=cmd_train)
@@ -655,16 +662,20 @@ def cmd_run(args) -> int:
 
 
 def cmd_train(args) -> int:
+    import contextlib
     import signal
 
     from memsched import lr_schedules
     from memsched.data import load_arrays, sample_count, steps_per_epoch
+    from memsched.distributed import launch_command, launched, training_rank
     from memsched.emit import read_plan
     from memsched.errors import UserError
     from memsched.train_loop import FitOptions, fit
     from memsched.trainer import Trainer
     from memsched.views import print_train, train_progress
 
+    if args.workers is not None and not launched():
+        return launch_command(["train", *_without_option(args.argv, "--workers")], args.workers)
     check_outputs({"--save": args.save, "--checkpoint": args.checkpoint, "--plot": args.plot},
                   [args.plan, args.data, args.val, args.init])
     if args.epochs < 1:
@@ -673,6 +684,8 @@ def cmd_train(args) -> int:
         raise UserError(f"--lr must be a positive number below 1e6, not {args.lr:g}")
     if args.resume and args.init:
         raise UserError("--resume continues a run from its checkpoint; --init starts a new one: give one of them")
+    if args.sync_batchnorm and not launched():
+        raise UserError("--sync-batchnorm goes with a data-parallel run: give --workers N (or run under torchrun)")
     plan = read_plan(args.plan)
     stop = {"asked": False}
 
@@ -681,32 +694,39 @@ def cmd_train(args) -> int:
             raise KeyboardInterrupt
         stop["asked"] = True
 
-    with Trainer(plan, device=args.device, threads=args.threads, nvdimm_dir=args.nvdimm_dir,
-                 allow_fallback=args.allow_fallback) as trainer:
+    with contextlib.ExitStack() as stack:
+        rank, world, before, after = stack.enter_context(training_rank(plan, args.sync_batchnorm)) \
+            if launched() else (0, 1, None, None)
+        lead = rank == 0                   # rank 0 prints and writes; every rank trains on its share
+        trainer = stack.enter_context(Trainer(plan, device=args.device, threads=args.threads,
+                                              nvdimm_dir=args.nvdimm_dir, allow_fallback=args.allow_fallback,
+                                              before=before, after=after))
         train = load_arrays(args.data, trainer._types)
-        val = load_arrays(args.val, _validation_types(trainer)) if args.val else None
-        total = args.epochs * steps_per_epoch(sample_count(train), trainer.batch_size, args.last)
+        val = load_arrays(args.val, trainer._types) if args.val and lead else None
+        total = args.epochs * steps_per_epoch(sample_count(train), trainer.batch_size, args.last, world)
         base = args.lr if args.lr is not None else trainer.hyperparameters.get("lr", 0.0)
         if args.lr is not None or args.lr_schedule:
             trainer.lr_schedule = lr_schedules.parse(args.lr_schedule, base, total)
         if args.init:
             trainer.load_weights(args.init)
         options = FitOptions(epochs=args.epochs, shuffle=args.shuffle, seed=args.seed, last=args.last,
-                             checkpoint=args.checkpoint, save=args.save, plot=args.plot, resume=args.resume)
+                             checkpoint=args.checkpoint if lead else None, save=args.save if lead else None,
+                             plot=args.plot if lead else None, resume=args.resume, rank=rank, world=world)
         on_step = (lambda record: print(json.dumps({k: record[k] for k in ("step", "epoch", "batch", "loss", "lr",
                                                                              "seconds")}), flush=True)) \
-            if args.json else None
-        previous = signal.signal(signal.SIGINT, interrupt)
-        try:
-            with train_progress(total, trainer.batch_size, sys.stdout.isatty() and not args.json) as bar:
-                result = fit(trainer, train, options, val, on_step=on_step or bar, stop=lambda: stop["asked"])
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        summary = {"plan": args.plan, "provider": trainer.device, "fallback": trainer.fallback,
+            if args.json and lead else None
+        if world == 1:                     # ranks stop together only by failing: Ctrl-C ends them all
+            previous = signal.signal(signal.SIGINT, interrupt)
+            stack.callback(signal.signal, signal.SIGINT, previous)
+        with train_progress(total, trainer.batch_size, lead and sys.stdout.isatty() and not args.json) as bar:
+            result = fit(trainer, train, options, val, on_step=on_step or bar, stop=lambda: stop["asked"])
+        summary = {"plan": args.plan, "provider": trainer.device, "fallback": trainer.fallback, "workers": world,
                    "steps": result.steps, "first_step": result.first_step, "epochs_done": result.epochs_done,
                    "stopped": result.stopped, "final_loss": result.losses[-1] if result.losses else None,
-                   "seconds": result.seconds, "samples_per_second": result.samples_per_second,
+                   "seconds": result.seconds, "samples_per_second": result.samples_per_second * world,
                    "validation": result.validation, "written": result.written}
+    if not lead:
+        return 0
     if args.json:
         print(json.dumps({"summary": summary}))
     else:
@@ -714,9 +734,18 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _validation_types(trainer) -> dict:
-    """The arrays a validation file holds: the model's inputs and the step's labels or targets."""
-    return dict(trainer._types)
+def _without_option(argv: list[str], option: str) -> list[str]:
+    """The arguments of command line `argv` after its command, without `option` and its value
+    (`--workers 2` or `--workers=2`)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(f"{option}="):
+            kept.append(arg)
+    return kept[1:]          # the command's own arguments (argv[0] is the command)
 
 
 def cmd_run_workers(args) -> int:

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -242,7 +243,7 @@ def run_rank(plan: Plan, steps: int = 1, threads: int = 1, inputs: dict[str, np.
     torch, dist = import_torch()
     if not launched():
         raise UserError("not started as a rank: run under torchrun, or with memsched run --workers N")
-    rank, workers = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, workers = _rank_and_world()
     check_plan(plan, workers)
     feeds = shard(plan, inputs if inputs is not None else global_inputs(plan, workers), rank, workers)
     torch.set_num_threads(1)             # torch computes nothing here: the cores are ONNX Runtime's
@@ -300,6 +301,76 @@ def summarize(plan: Plan, path: str | None, ranks: list[dict], result, buckets: 
 
 
 # ---- local processes -----------------------------------------------------------------------
+@contextmanager
+def training_rank(plan: Plan, sync_batchnorm: bool = False, timeout: float = TIMEOUT_S):
+    """This process's rank of a data-parallel training run (`memsched train` under torchrun or
+    `--workers N`): yields (rank, world size, the step hooks that broadcast rank 0's weights at
+    the start, all-reduce each bucket of gradients and wait for it, as `run_rank` does) with
+    the process group up; tears it down after."""
+    torch, dist = import_torch()
+    rank, workers = _rank_and_world()
+    check_plan(plan, workers)
+    torch.set_num_threads(1)             # torch computes nothing here: the cores are ONNX Runtime's
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout))
+    try:
+        comm = _Comm(plan, torch, dist, workers, True, sync_batchnorm)
+        yield rank, workers, comm.before, comm.after
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """RANK and WORLD_SIZE from the environment torchrun sets; UserError where they are not a
+    rank below a world size of at least 1."""
+    try:
+        rank, workers = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        raise UserError(f"RANK and WORLD_SIZE must be whole numbers (RANK={os.environ.get('RANK')!r}, "
+                        f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r})") from None
+    if workers < 1 or not 0 <= rank < workers:
+        raise UserError(f"RANK {rank} is no rank of a world of {workers} (0 .. WORLD_SIZE - 1)")
+    return rank, workers
+
+
+def launch_command(command: list[str], workers: int) -> int:
+    """Run memsched command line `command` (its arguments after the program) as `workers`
+    local ranks (loopback, gloo): rank 0's output is the command's, the others' is kept to
+    name a failure. A rank that fails stops the others; returns rank 0's exit status, or
+    raises UserError naming the rank that failed first."""
+    if workers < 1:
+        raise UserError(f"--workers needs at least 1 worker, not {workers}")
+    import_torch()                        # the one-line error before any process starts
+    port = free_port()
+    procs = []
+    for rank in range(workers):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
+               "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        quiet = None if rank == 0 else subprocess.PIPE
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent.parent / "cli.py"), *command],
+                                      env=env, stdout=subprocess.DEVNULL if rank else None, stderr=quiet,
+                                      text=True))
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.returncode]
+            if failed:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        errors = [p.communicate()[1] if p.stderr is not None else "" for p in procs]
+    failed = [r for r, p in enumerate(procs) if p.returncode and p.returncode > 0]
+    if failed and failed[0] != 0:
+        lines = [line for line in (errors[failed[0]] or "").strip().splitlines() if line.strip()]
+        reason = lines[-1].replace("memsched: error: ", "") if lines else f"exit status {procs[failed[0]].returncode}"
+        raise UserError(f"rank {failed[0]} failed: {reason}")
+    return procs[0].returncode if procs[0].returncode >= 0 else 1
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

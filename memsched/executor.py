@@ -131,7 +131,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         raise UserError(f"--steps must be at least 1, not {steps}")
     graph = plan.graph
     feeds = prepare_inputs(graph, inputs)
-    hooks = _Hooks(before or {}, after or {})
+    hooks = Hooks(before or {}, after or {})
     device_memory_use = _DeviceMemory() if device == "cuda" and resolve_device(device)[0] == "cuda" else None
     with PlanRunner(plan, device, threads, nvdimm_dir, feeds, hooks, allow_fallback, tf32=not check) as runner:
         program, rt, profile = runner.program, runner.rt, runner.profile
@@ -201,7 +201,7 @@ class PlanRunner:
     every static again instead of advancing (from `values`, else the graph)."""
 
     def __init__(self, plan: Plan, device: str = "cpu", threads: int = 0, nvdimm_dir: str | None = None,
-                 feeds: dict[str, np.ndarray] | None = None, hooks: "_Hooks | None" = None,
+                 feeds: dict[str, np.ndarray] | None = None, hooks: "Hooks | None" = None,
                  allow_fallback: bool = True, tf32: bool = True):
         if device not in DEVICES:
             raise UserError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
@@ -217,7 +217,7 @@ class PlanRunner:
         if self.fallback is not None and not allow_fallback:
             raise UserError(f"cannot run on {device}: {self.fallback}; pass --allow-fallback to run on the CPU "
                             f"instead")
-        hooks = hooks or _Hooks({}, {})
+        hooks = hooks or Hooks({}, {})
         if (hooks.before or hooks.after) and self.device != "cpu":
             raise UserError("step hooks (data-parallel all-reduces) run on the CPU only")
         self.hooks = hooks
@@ -504,7 +504,7 @@ class _Program:
         return {name for name, _, _ in self.updates}
 
 
-def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime", hooks: "_Hooks") -> _Program:
+def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime", hooks: "Hooks") -> _Program:
     graph, schedule = plan.graph, plan.schedule
     n = len(schedule)
     by_key = {r.key: r for r in profile.residencies}
@@ -742,7 +742,7 @@ def _unwritten(plan: Plan, host_values: dict) -> frozenset[str]:
                      and t not in graph.outputs and t not in moved)
 
 
-def _items(actions: list, graph: Graph, split_at_waits: bool, order: str, hooks: "_Hooks",
+def _items(actions: list, graph: Graph, split_at_waits: bool, order: str, hooks: "Hooks",
            unwritten: frozenset[str] = frozenset(), copy_base: int | None = None) -> list:
     """The program as it runs: segments of consecutive op runs, cut at every copy (and on CUDA
     at every run that waits for one, so a copy overlaps the runs before it), before and after
@@ -1103,7 +1103,7 @@ def _advance(program: _Program, rt: "_Runtime") -> None:
                 rt.put(b, temps.pop(a[1]) if a[0] == "temp" else a)
 
 
-def _execute(program: _Program, rt: "_Runtime", poison: bool, hooks: "_Hooks") -> None:
+def _execute(program: _Program, rt: "_Runtime", poison: bool, hooks: "Hooks") -> None:
     """One step: the segments, constants and copies in order, released bytes poisoned when
     checking; the `hooks` around the steps that have them."""
     for item in program.items:
@@ -1128,7 +1128,7 @@ def _execute(program: _Program, rt: "_Runtime", poison: bool, hooks: "_Hooks") -
 
 
 @dataclass
-class _Hooks:
+class Hooks:
     """Callables around schedule steps (run_plan's `before` and `after`)."""
 
     before: dict[int, Callable]

@@ -37,6 +37,8 @@ class FitOptions:
     save: str | None = None             # the inference model, written at the end
     plot: str | None = None             # the loss curve (SVG), written at the end
     resume: str | None = None           # a checkpoint to continue from
+    rank: int = 0                       # this data-parallel rank's share of every epoch (data.batches)
+    world: int = 1
 
 
 @dataclass
@@ -59,10 +61,10 @@ def fit(trainer: Trainer, train: dict[str, np.ndarray], options: FitOptions,
     seconds, steps_per_epoch), `on_epoch` one per epoch (epoch, and val_loss / val_accuracy)."""
     if options.epochs < 1:
         raise UserError(f"--epochs must be at least 1, not {options.epochs}")
-    per_epoch = steps_per_epoch(sample_count(train), trainer.batch_size, options.last)
+    per_epoch = steps_per_epoch(sample_count(train), trainer.batch_size, options.last, options.world)
     if per_epoch == 0:
         raise UserError(f"{sample_count(train)} samples make no full batch of {trainer.batch_size} (the plan's batch "
-                        f"size); pass --last pad, or give more data")
+                        f"size){' per rank' if options.world > 1 else ''}; pass --last pad, or give more data")
     epoch, start = 0, 0
     if options.resume:
         position = trainer.load_checkpoint(options.resume)
@@ -79,7 +81,8 @@ def fit(trainer: Trainer, train: dict[str, np.ndarray], options: FitOptions,
 
     while epoch < options.epochs and not result.stopped:
         for k, batch in enumerate(batches(train, trainer.batch_size, epoch, shuffle=options.shuffle,
-                                          seed=options.seed, last=options.last, start=start), start=start):
+                                          seed=options.seed, last=options.last, rank=options.rank,
+                                          world=options.world, start=start), start=start):
             step = trainer.step(batch)
             if not math.isfinite(step.loss):
                 raise UserError(f"the loss is {step.loss} at step {step.step} (epoch {epoch + 1}, batch {k + 1}); "

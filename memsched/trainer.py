@@ -34,7 +34,7 @@ from onnx import helper, numpy_helper
 
 from .emit import read_plan
 from .errors import UserError
-from .executor import PlanRunner
+from .executor import PlanRunner, Hooks
 from .frontend import read_model
 from .ir import tensor_value
 from .onnx_utils import write_file_atomic
@@ -62,11 +62,14 @@ class Trainer:
 
     `lr_schedule`: a callable from the step number (0 for the first step) to the learning
     rate, or None for the plan's own. `hyperparameters` can also be changed directly
-    (`trainer.hyperparameters["lr"] = 0.01`); a schedule sets lr before every step."""
+    (`trainer.hyperparameters["lr"] = 0.01`); a schedule sets lr before every step. `before`
+    and `after`: step hooks as `executor.run_plan` takes them (CPU only; a data-parallel
+    rank's all-reduces, `memsched.distributed.training_rank`)."""
 
     def __init__(self, plan: Plan | str | os.PathLike, device: str = "cpu", threads: int = 0,
                  nvdimm_dir: str | None = None, allow_fallback: bool = True,
-                 lr_schedule: Callable[[int], float] | None = None):
+                 lr_schedule: Callable[[int], float] | None = None, before: dict | None = None,
+                 after: dict | None = None):
         if not isinstance(plan, Plan):
             plan = read_plan(plan)
         self.plan = plan
@@ -81,7 +84,7 @@ class Trainer:
         self.batch_size = self._types[self.inputs[0]][1][0] if self.inputs and self._types[self.inputs[0]][1] else 1
         self._buffers = {name: np.empty(shape, dtype) for name, (dtype, shape) in self._types.items()}
         self._runner = PlanRunner(plan, device, threads, nvdimm_dir, feeds=self._buffers,
-                                  allow_fallback=allow_fallback)
+                                  hooks=Hooks(before or {}, after or {}), allow_fallback=allow_fallback)
         self.device = self._runner.device
         self.fallback = self._runner.fallback
         self._pending: dict[str, np.ndarray] = {}    # statics to load before the next step

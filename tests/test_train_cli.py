@@ -120,3 +120,29 @@ def test_every_bad_input_is_one_line(setup, tmp_path):
     one_line_error(run_cli("train", setup / "mlp.onnx", "--data", data), "holds no memsched plan")
     padded = run_cli("train", plan, "--data", tmp_path / "few.npz", "--last", "pad", "--json")
     assert padded.returncode == 0 and json_lines(padded)[1]["steps"] == 1
+
+
+def test_two_ranks_train_as_one_on_the_whole_batch(setup, tmp_path):
+    """`--workers 2` on a plan compiled with --data-parallel 2: each rank takes its own half of
+    every batch (DistributedSampler's split), the averaged gradients are the whole batch's, so
+    the trained weights are one process's on the whole batches, within float rounding."""
+    import onnx
+    from onnx import numpy_helper
+
+    pytest.importorskip("torch")
+    compiled = run_cli("compile", setup / "mlp.onnx", "--train", "--optimizer", "momentum", "--lr", "0.05",
+                       "--data-parallel", "2", "--time-limit", "10", "-o", tmp_path / "dp.onnx")
+    assert compiled.returncode == 0, compiled.stderr
+    common = ("--data", setup / "train.npz", "--epochs", "2", "--shuffle", "--json")
+    two = run_cli("train", tmp_path / "dp.onnx", *common, "--workers", "2", "--save", tmp_path / "two.onnx")
+    one = run_cli("train", setup / "plan.onnx", *common, "--save", tmp_path / "one.onnx")
+    assert two.returncode == one.returncode == 0, two.stderr
+    steps, summary = json_lines(two)
+    assert summary["workers"] == 2 and len(steps) == summary["steps"] == 2 * (1437 // 64)
+    weights = [{i.name: numpy_helper.to_array(i) for i in onnx.load(tmp_path / f"{n}.onnx").graph.initializer}
+               for n in ("two", "one")]
+    assert set(weights[0]) == set(weights[1])
+    for name, value in weights[1].items():
+        assert np.abs(weights[0][name] - value).max() <= 1e-4 * max(1.0, np.abs(value).max()), name
+    one_line_error(run_cli("train", setup / "plan.onnx", "--data", setup / "train.npz", "--workers", "2"),
+                   "compiled for one worker")
