@@ -667,7 +667,7 @@ def cmd_train(args) -> int:
 
     from memsched import lr_schedules
     from memsched.data import load_arrays, sample_count, steps_per_epoch
-    from memsched.distributed import launch_command, launched, training_rank
+    from memsched.distributed import launch_command, launched, rank_of
     from memsched.emit import read_plan
     from memsched.errors import UserError
     from memsched.train_loop import FitOptions, fit
@@ -695,8 +695,9 @@ def cmd_train(args) -> int:
         stop["asked"] = True
 
     with contextlib.ExitStack() as stack:
-        rank, world, before, after = stack.enter_context(training_rank(plan, args.sync_batchnorm)) \
+        rank, world, comm, _ = stack.enter_context(rank_of(plan, sync_batchnorm=args.sync_batchnorm)) \
             if launched() else (0, 1, None, None)
+        before, after = (comm.before, comm.after) if comm is not None else (None, None)
         lead = rank == 0                   # rank 0 prints and writes; every rank trains on its share
         trainer = stack.enter_context(Trainer(plan, device=args.device, threads=args.threads,
                                               nvdimm_dir=args.nvdimm_dir, allow_fallback=args.allow_fallback,

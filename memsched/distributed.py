@@ -240,18 +240,8 @@ def run_rank(plan: Plan, steps: int = 1, threads: int = 1, inputs: dict[str, np.
     rank's outputs). `inputs`: the
     whole batch (every rank is given the same), made up (`global_inputs`) where None.
     `sync_batchnorm`: BatchNorm on the whole batch's statistics (module doc)."""
-    torch, dist = import_torch()
-    if not launched():
-        raise UserError("not started as a rank: run under torchrun, or with memsched run --workers N")
-    rank, workers = _rank_and_world()
-    check_plan(plan, workers)
-    feeds = shard(plan, inputs if inputs is not None else global_inputs(plan, workers), rank, workers)
-    torch.set_num_threads(1)             # torch computes nothing here: the cores are ONNX Runtime's
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout))
-    try:
-        comm = _Comm(plan, torch, dist, workers, overlap, sync_batchnorm)
+    with rank_of(plan, overlap, sync_batchnorm, timeout) as (rank, workers, comm, dist):
+        feeds = shard(plan, inputs if inputs is not None else global_inputs(plan, workers), rank, workers)
         result = run_plan(plan, steps=steps, device="cpu", inputs=feeds, threads=threads,
                           before=comm.before, after=comm.after)
         mine = {"rank": rank, "step_times_s": result.step_times, "allreduce_wait_s": comm.wait_s[:steps],
@@ -259,9 +249,6 @@ def run_rank(plan: Plan, steps: int = 1, threads: int = 1, inputs: dict[str, np.
                 "provider": result.provider}
         ranks: list = [None] * workers
         dist.all_gather_object(ranks, mine)
-    finally:
-        if own:
-            dist.destroy_process_group()
     if rank != 0:                        # rank 0 reports the run
         return None, result.outputs
     summary = summarize(plan, path, ranks, result, comm.buckets, overlap, threads)
@@ -302,12 +289,14 @@ def summarize(plan: Plan, path: str | None, ranks: list[dict], result, buckets: 
 
 # ---- local processes -----------------------------------------------------------------------
 @contextmanager
-def training_rank(plan: Plan, sync_batchnorm: bool = False, timeout: float = TIMEOUT_S):
-    """This process's rank of a data-parallel training run (`memsched train` under torchrun or
-    `--workers N`): yields (rank, world size, the step hooks that broadcast rank 0's weights at
-    the start, all-reduce each bucket of gradients and wait for it, as `run_rank` does) with
-    the process group up; tears it down after."""
+def rank_of(plan: Plan, overlap: bool = True, sync_batchnorm: bool = False, timeout: float = TIMEOUT_S):
+    """This process's rank of a data-parallel run of `plan` (`run --workers`, `train --workers`,
+    torchrun): yields (rank, world size, its `_Comm`: the step hooks that broadcast rank 0's
+    weights at the start, all-reduce each bucket of gradients and wait for it, torch.distributed)
+    with the process group up; tears it down after."""
     torch, dist = import_torch()
+    if not launched():
+        raise UserError("not started as a rank: run under torchrun, or with --workers N")
     rank, workers = _rank_and_world()
     check_plan(plan, workers)
     torch.set_num_threads(1)             # torch computes nothing here: the cores are ONNX Runtime's
@@ -315,8 +304,7 @@ def training_rank(plan: Plan, sync_batchnorm: bool = False, timeout: float = TIM
     if own:
         dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout))
     try:
-        comm = _Comm(plan, torch, dist, workers, True, sync_batchnorm)
-        yield rank, workers, comm.before, comm.after
+        yield rank, workers, _Comm(plan, torch, dist, workers, overlap, sync_batchnorm), dist
     finally:
         if own:
             dist.destroy_process_group()

@@ -98,12 +98,7 @@ def batch_curve_svg(rows: Sequence[dict]) -> str:
             xs, ys = zip(*points)
             ax.plot(xs, [y * 1e3 for y in ys], marker="o", label=strategy)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("predicted time per sample (ms)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, frameon=False)
-    fig.tight_layout()
-    return _svg(fig)
+    return _finish(fig, ax, "batch size", "predicted time per sample (ms)")
 
 
 def loss_curve_svg(losses: Sequence[float], first_step: int = 0) -> str:
@@ -115,8 +110,13 @@ def loss_curve_svg(losses: Sequence[float], first_step: int = 0) -> str:
     if window > 1:
         mean = np.convolve(losses, np.ones(window) / window, mode="valid")
         ax.plot(steps[window - 1:], mean, linewidth=1.5, label=f"mean of {window} steps")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    return _finish(fig, ax, "step", "training loss")
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str) -> str:
+    """A line chart's labels, grid and legend; its SVG."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
