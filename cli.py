@@ -652,6 +652,11 @@ def cmd_run(args) -> int:
     for failed, reference in ((check, "the plain ONNX Runtime run"),
                               (check and check["given"], "a plain run of the model as given"),
                               (check and check["against"], f"a plain run of the step rebuilt from {args.against}")):
+        if failed and not failed["passed"] and failed.get("non_finite"):
+            print(f"memsched: error: check failed: output '{failed['non_finite'][0]}' holds NaN or infinite values "
+                  f"({len(failed['non_finite'])} outputs do); the step diverged (a learning rate too large?)",
+                  file=sys.stderr)
+            return 1
         if failed and not failed["passed"]:
             worst = max(failed["per_output"], key=failed["per_output"].get)
             within = "" if failed["exact"] else f" (tolerance {failed['tolerance']:g})"

@@ -380,8 +380,9 @@ def feed_back(graph: Graph, statics: dict[str, np.ndarray], outputs: dict[str, n
 
 
 def compare_outputs(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> dict[str, dict]:
-    """Per output: max |actual - expected|, whether the two are bit-identical, and the scale
-    the difference is judged against on CUDA: max(1, max |expected|)."""
+    """Per output: max |actual - expected|, whether the two are bit-identical, the scale the
+    difference is judged against on CUDA (max(1, max |expected|)), and whether every value is
+    finite."""
     result = {}
     for name, want in expected.items():
         got = actual[name]
@@ -397,7 +398,8 @@ def compare_outputs(actual: dict[str, np.ndarray], expected: dict[str, np.ndarra
             diff = float(d[~nans].max()) if (~nans).any() else 0.0
             if np.any(np.isnan(got.astype(np.float64)) != np.isnan(want.astype(np.float64))):
                 diff = math.inf
-        result[name] = {"max_abs_diff": diff, "bit_identical": same_bits, "scale": scale}
+        finite = not np.issubdtype(got.dtype, np.floating) or bool(np.isfinite(got).all())
+        result[name] = {"max_abs_diff": diff, "bit_identical": same_bits, "scale": scale, "finite": finite}
     return result
 
 
@@ -409,7 +411,8 @@ def _scale(value: np.ndarray) -> float:
 
 def _check_summary(per_step: list[dict[str, dict]], exact: bool) -> dict:
     """Pass on CPU only when bit-identical; on CUDA when every output's difference is within
-    CUDA_TOLERANCE of its scale (max(1, its largest magnitude))."""
+    CUDA_TOLERANCE of its scale (max(1, its largest magnitude)); never where an output holds a
+    NaN or an infinity (two runs that agree on garbage agree on nothing)."""
     worst: dict[str, float] = {}
     scaled: dict[str, float] = {}
     identical = True
@@ -420,8 +423,9 @@ def _check_summary(per_step: list[dict[str, dict]], exact: bool) -> dict:
             identical &= d["bit_identical"]
     max_diff = max(worst.values(), default=0.0)
     max_scaled = max(scaled.values(), default=0.0)
-    passed = identical if exact else max_scaled <= CUDA_TOLERANCE
-    return {"max_abs_diff": max_diff, "max_scaled_diff": max_scaled, "passed": bool(passed),
+    non_finite = sorted({name for step in per_step for name, d in step.items() if not d.get("finite", True)})
+    passed = (identical if exact else max_scaled <= CUDA_TOLERANCE) and not non_finite
+    return {"max_abs_diff": max_diff, "max_scaled_diff": max_scaled, "passed": bool(passed), "non_finite": non_finite,
             "bit_identical": bool(identical), "exact": exact, "tolerance": 0.0 if exact else CUDA_TOLERANCE,
             "steps": len(per_step), "per_output": worst}
 

@@ -61,6 +61,9 @@ def fit(trainer: Trainer, train: dict[str, np.ndarray], options: FitOptions,
     seconds, steps_per_epoch), `on_epoch` one per epoch (epoch, and val_loss / val_accuracy)."""
     if options.epochs < 1:
         raise UserError(f"--epochs must be at least 1, not {options.epochs}")
+    if trainer.info.optimizer == "none":
+        raise UserError("the plan's step has no optimizer (compiled with --optimizer none): it makes gradients "
+                        "and trains nothing; compile it with --optimizer sgd, momentum, adam or adamw")
     per_epoch = steps_per_epoch(sample_count(train), trainer.batch_size, options.last, options.world)
     if per_epoch == 0:
         raise UserError(f"{sample_count(train)} samples make no full batch of {trainer.batch_size} (the plan's batch "

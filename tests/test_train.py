@@ -253,3 +253,27 @@ def test_an_old_or_inference_plan_is_refused_for_training(mlp_model, tmp_path):
     written = write_plan(plan_of(path, budget=None), tmp_path / "plan.onnx")
     with Trainer(written) as trainer:                    # a plan read back from its file trains too
         assert trainer.info.parameters[0] == "fc1.weight"
+
+
+def test_a_plan_holding_other_weights_is_the_same_plan(mlp_model, tmp_path):
+    """Trained weights written into a plan file with the onnx package (a bias of 10 values
+    included) leave its digest alone; an edited constant still does not."""
+    from onnx import numpy_helper
+
+    from memsched.emit import read_plan
+
+    _, path = mlp_model
+    written = write_plan(plan_of(path, budget=None), tmp_path / "plan.onnx")
+    model = onnx.load(written)
+    inits = {init.name: init for init in model.graph.initializer}
+    for name in ("fc3.bias", "fc1.weight", "memsched.lr"):
+        value = numpy_helper.to_array(inits[name]) + 1
+        inits[name].CopyFrom(numpy_helper.from_array(value, name))
+    onnx.save(model, tmp_path / "trained.onnx")
+    with Trainer(tmp_path / "trained.onnx") as trainer:
+        assert np.array_equal(trainer.state_dict()["fc3.bias"], numpy_helper.to_array(inits["fc3.bias"]))
+    constant = next(init for init in model.graph.initializer if init.name.startswith("memsched.const"))
+    constant.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(constant) + 1, constant.name))
+    onnx.save(model, tmp_path / "edited.onnx")
+    with pytest.raises(UserError, match="ops, shapes or constants were edited"):
+        read_plan(tmp_path / "edited.onnx")

@@ -122,6 +122,7 @@ def test_every_bad_input_is_one_line(setup, tmp_path):
     assert padded.returncode == 0 and json_lines(padded)[1]["steps"] == 1
 
 
+@pytest.mark.slow
 def test_two_ranks_train_as_one_on_the_whole_batch(setup, tmp_path):
     """`--workers 2` on a plan compiled with --data-parallel 2: each rank takes its own half of
     every batch (DistributedSampler's split), the averaged gradients are the whole batch's, so
