@@ -234,6 +234,7 @@ class PlanRunner:
             self.rt.__exit__(None, None, None)
             raise
         self.steps = 0          # steps run since the statics were last loaded
+        self._roots = input_roots(plan, list(self.graph.inputs))
         # the small statics loaded again every step (constants, hyperparameters), decoded once
         names = [key[0] for key, _, _ in self.program.initial] + list(self.program.host_initial)
         self._fixed = {name: tensor_value(self.graph.tensors[name], self.graph.base_dir) for name in names
@@ -254,6 +255,17 @@ class PlanRunner:
     def host_inputs(self) -> dict[str, np.ndarray]:
         """The inputs (and views of them) read in place from the feeds' arrays."""
         return self.rt.host_inputs
+
+    def bind_input(self, name: str, array: np.ndarray) -> None:
+        """From the next step on, read graph input `name` (one of `host_inputs`) in place from
+        `array`, and its views too: every session reading them is bound to its bytes, no copy
+        made. `array` must be C-contiguous, of the input's dtype and shape, and outlive its use."""
+        for tensor, root in self._roots.items():
+            if root == name and tensor in self.rt.host_inputs:
+                value = array.reshape(self.graph.tensors[tensor].shape)
+                self.rt.host_inputs[tensor] = self.rt.host_values[tensor] = value
+                for binding, session_input in self.rt.host_reads.get(tensor, ()):
+                    binding.bind_cpu_input(session_input, value)
 
     def step(self, feeds: dict[str, np.ndarray], values: dict[str, np.ndarray] | None = None,
              poison: bool = False) -> float:
@@ -716,11 +728,7 @@ def host_inputs(plan: Plan, feeds: dict, device: str = "cpu") -> dict[str, np.nd
         return {}
     graph = plan.graph
     moved = _swapped(plan)
-    root = {name: name for name in graph.inputs if name in feeds}
-    for op in graph.ops:                  # graph order: a view's input is rooted before it
-        if op.op_type in VIEW_OPS and op.present_inputs and op.present_inputs[0] in root:
-            root.update({out: root[op.present_inputs[0]] for out in op.present_outputs
-                         if plan.aliases.get(out) == op.present_inputs[0]})
+    root = input_roots(plan, [name for name in graph.inputs if name in feeds])
     written = {root[source] for out, source in plan.aliases.items()
                if source in root and graph.producer[out].op_type not in VIEW_OPS}
     kept = {root[t] for t in root if t in moved or t in graph.outputs} | written
@@ -729,6 +737,16 @@ def host_inputs(plan: Plan, feeds: dict, device: str = "cpu") -> dict[str, np.nd
         if base not in kept:
             values[name] = feeds[base].reshape(graph.tensors[name].shape)
     return values
+
+
+def input_roots(plan: Plan, inputs: list[str]) -> dict[str, str]:
+    """Each of graph inputs `inputs`, and each shape view sharing its storage, -> the input."""
+    root = {name: name for name in inputs}
+    for op in plan.graph.ops:             # graph order: a view's input is rooted before it
+        if op.op_type in VIEW_OPS and op.present_inputs and op.present_inputs[0] in root:
+            root.update({out: root[op.present_inputs[0]] for out in op.present_outputs
+                         if plan.aliases.get(out) == op.present_inputs[0]})
+    return root
 
 
 def _swapped(plan: Plan) -> set[str]:
@@ -1259,6 +1277,7 @@ class _Runtime:
         self._cuda = _Cuda() if device == "cuda" else None
         self.host_values: dict[str, np.ndarray] = {}   # tensor -> value its readers read from host memory
         self.host_inputs: dict[str, np.ndarray] = {}   # ... of them, the inputs and views read in place
+        self.host_reads: dict[str, list] = {}          # such a tensor -> (binding, session input) reading it
         if self._cuda is None:
             self._raw = np.empty(max(arena_bytes, 1) + ALIGN, dtype=np.uint8)
             skip = (-self._raw.ctypes.data) % ALIGN
@@ -1322,6 +1341,9 @@ class _Runtime:
         host = {value: self.host_values[tensor] for value, tensor, _ in inputs if tensor in self.host_values}
         binding = bind_addresses(session, self.device, [at(*i) for i in inputs if i[0] not in host],
                                  [at(*o) for o in outputs], host)
+        for value, tensor, _ in inputs:
+            if tensor in self.host_inputs:
+                self.host_reads.setdefault(tensor, []).append((binding, value))
         for j, run in enumerate(segment.runs):
             run.provider = assigned.get(f"n{j}", session.get_providers()[0])
         segment.session, segment.binding = session, binding

@@ -10,8 +10,11 @@ arena between steps: each step's `<name>.updated` becomes the next step's `<name
 Every batch is checked before it runs: each of the step's inputs present, none unknown, each
 of its declared shape (the plan's batch size) and dtype. A wrong batch is a UserError, never
 zeros, a made-up value or the previous batch. A batch is any mapping from input name to a
-numpy array or a CPU torch tensor (anything numpy reads); a C-contiguous array of the right
-dtype is copied once into the step's input buffer, any other layout is made contiguous first.
+numpy array or a CPU torch tensor (anything numpy reads). On the CPU a C-contiguous array is
+read in place, without a copy, as a plain session reads its feeds (the sessions are bound to
+its bytes for the step); any other layout (Fortran order, a strided slice) is copied into the
+step's own input buffer first. An input the plan keeps in the arena (swapped, written over in
+place) and every input on CUDA is copied there.
 
 The weights come out as a checkpoint (`save_checkpoint`: safetensors, written atomically;
 `load_checkpoint` resumes bit-identically) and as an inference model
@@ -145,10 +148,12 @@ class Trainer:
                         if value.ndim == len(shape) and value.shape[1:] == shape[1:] and shape else f"{value.shape}")
                 raise UserError(f"input '{name}' must have shape {shape}, not {what}")
             if name in self._runner.host_inputs:
-                np.copyto(self._buffers[name], value)
-                feeds[name] = self._buffers[name]
-            else:
-                feeds[name] = np.ascontiguousarray(value)
+                if not value.flags.c_contiguous:     # another layout: copied into the step's own buffer
+                    np.copyto(self._buffers[name], value)
+                    value = self._buffers[name]
+                self._runner.bind_input(name, value)        # read in place, as a plain session reads a feed
+            feeds[name] = np.ascontiguousarray(value)
+        self._held = feeds                                  # the arrays the sessions read, alive until next step
         return feeds
 
     def _hyperparameter_values(self) -> dict[str, np.ndarray]:

@@ -243,6 +243,13 @@ def test_a_torch_tensor_batch_and_a_fresh_batch_every_step(data, mlp_model):
         tensors = [a.step({k: torch.from_numpy(v) for k, v in s.items()}).loss for s in steps]
         arrays = [b.step(s).loss for s in steps]
     assert tensors == arrays and len(set(arrays)) == 3
+    with Trainer(plan_of(path, budget=None)) as trainer:      # read in place: no copy of a C-ordered batch
+        batch = steps[0]
+        trainer.step(batch)
+        assert np.shares_memory(trainer._runner.host_inputs["input"], batch["input"])
+        strided = {**batch, "input": np.asfortranarray(batch["input"])}
+        trainer.step(strided)
+        assert not np.shares_memory(trainer._runner.host_inputs["input"], strided["input"])
 
 
 def test_an_old_or_inference_plan_is_refused_for_training(mlp_model, tmp_path):
