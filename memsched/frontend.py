@@ -77,7 +77,7 @@ def parse_dims(items: list[str] | None) -> dict[str, int]:
     dims: dict[str, int] = {}
     for item in items or []:
         name, sep, value = item.partition("=")
-        if not sep or not name or not value.strip().isdigit() or int(value) <= 0:
+        if not sep or not name or not re.fullmatch(r"[0-9]+", value.strip()) or int(value) <= 0:
             raise UserError(f"cannot read --dim '{item}'; write NAME=VALUE with a positive integer")
         dims[name.strip()] = int(value)
     return dims
@@ -352,7 +352,12 @@ def _probe_shapes(model: onnx.ModelProto, names: list[str], base_dir: str | None
 
 
 def _check_complete(graph: Graph) -> None:
-    """Every tensor an op touches has a static shape and a dtype; name the first that has not."""
+    """Every tensor an op touches has a static shape and a dtype; name the first that has not.
+    No tensor has a negative dimension."""
+    for t in graph.tensors.values():
+        if t.shape is not None and any(d < 0 for d in t.shape):
+            raise UserError(f"tensor '{t.name}' has a negative dimension (shape {list(t.shape)}); a dimension "
+                            f"is a size, 0 or more")
     for op in graph.ops:
         for name in op.present_inputs:
             if name not in graph.tensors:

@@ -154,3 +154,25 @@ def test_bad_dim_option_is_a_user_error(tmp_path):
     path = save_model_atomic(mlp_model(batch="batch"), tmp_path / "m.onnx")
     result = run_cli("inspect", path, "--dim", "batch=zero")
     assert result.returncode == 1 and "write NAME=VALUE" in result.stderr
+
+
+def test_a_negative_dimension_and_a_non_ascii_dim_value_are_refused(tmp_path):
+    """An input declared [-3, 8] is no shape; '--dim N=²' is no number (str.isdigit says it is)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from memsched.errors import UserError
+    from memsched.frontend import load, parse_dims
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [-3, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [-3, 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "negative.onnx")
+    with pytest.raises(UserError, match=r"tensor '.' has a negative dimension \(shape \[-3, 8\]\)"):
+        load(tmp_path / "negative.onnx")
+    for text in ("N=²", "N=１２", "N=0", "N=-1"):
+        with pytest.raises(UserError, match="cannot read --dim"):
+            parse_dims([text])
+    assert parse_dims(["N=12"]) == {"N": 12}
