@@ -707,8 +707,8 @@ def cmd_train(args) -> int:
         trainer = stack.enter_context(Trainer(plan, device=args.device, threads=args.threads,
                                               nvdimm_dir=args.nvdimm_dir, allow_fallback=args.allow_fallback,
                                               before=before, after=after))
-        train = load_arrays(args.data, trainer._types)
-        val = load_arrays(args.val, trainer._types) if args.val and lead else None
+        train = load_arrays(args.data, trainer.input_types)
+        val = load_arrays(args.val, trainer.input_types) if args.val and lead else None
         total = args.epochs * steps_per_epoch(sample_count(train), trainer.batch_size, args.last, world)
         base = args.lr if args.lr is not None else trainer.hyperparameters.get("lr", 0.0)
         if args.lr is not None or args.lr_schedule:

@@ -82,10 +82,12 @@ class Trainer:
         self.lr_schedule = lr_schedule
         self.step_count = 0
         self.inputs = list(self.graph.inputs)
-        self._types = {name: (np.dtype(helper.tensor_dtype_to_np_dtype(self.graph.tensors[name].dtype)),
-                              tuple(self.graph.tensors[name].shape)) for name in self.inputs}
-        self.batch_size = self._types[self.inputs[0]][1][0] if self.inputs and self._types[self.inputs[0]][1] else 1
-        self._buffers = {name: np.empty(shape, dtype) for name, (dtype, shape) in self._types.items()}
+        # input -> (numpy dtype, shape with the batch first): what every batch must hold
+        self.input_types = {name: (np.dtype(helper.tensor_dtype_to_np_dtype(self.graph.tensors[name].dtype)),
+                                   tuple(self.graph.tensors[name].shape)) for name in self.inputs}
+        first = self.input_types[self.inputs[0]][1] if self.inputs else ()
+        self.batch_size = first[0] if first else 1
+        self._buffers = {name: np.empty(shape, dtype) for name, (dtype, shape) in self.input_types.items()}
         self._runner = PlanRunner(plan, device, threads, nvdimm_dir, feeds=self._buffers,
                                   hooks=Hooks(before or {}, after or {}), allow_fallback=allow_fallback)
         self.device = self._runner.device
@@ -135,11 +137,11 @@ class Trainer:
         missing = [name for name in self.inputs if name not in batch]
         if missing:
             raise UserError(f"the batch has no '{missing[0]}' (the step's inputs: {', '.join(self.inputs)})")
-        unknown = [name for name in batch if name not in self._types]
+        unknown = [name for name in batch if name not in self.input_types]
         if unknown:
             raise UserError(f"the step has no input named '{unknown[0]}' (its inputs: {', '.join(self.inputs)})")
         feeds = {}
-        for name, (dtype, shape) in self._types.items():
+        for name, (dtype, shape) in self.input_types.items():
             value = _as_array(batch[name], name)
             if value.dtype != dtype:
                 raise UserError(f"input '{name}' must be {dtype}, not {value.dtype}")
