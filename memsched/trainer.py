@@ -131,7 +131,9 @@ class Trainer:
         return result
 
     def _feeds(self, batch: Mapping[str, object]) -> dict[str, np.ndarray]:
-        """The step's inputs from `batch`, checked; those read in place copied into their buffers."""
+        """The step's inputs from `batch`, every one checked before any is bound: those the
+        sessions read in place bound to the batch's bytes (another layout copied into the
+        step's own buffer first), the others handed over to be written into the arena."""
         if not isinstance(batch, Mapping):
             raise UserError(f"a batch is a mapping from input name to array, not {type(batch).__name__}")
         missing = [name for name in self.inputs if name not in batch]
@@ -140,7 +142,7 @@ class Trainer:
         unknown = [name for name in batch if name not in self.input_types]
         if unknown:
             raise UserError(f"the step has no input named '{unknown[0]}' (its inputs: {', '.join(self.inputs)})")
-        feeds = {}
+        arrays = {}
         for name, (dtype, shape) in self.input_types.items():
             value = _as_array(batch[name], name)
             if value.dtype != dtype:
@@ -149,21 +151,30 @@ class Trainer:
                 what = (f"a batch of {value.shape[0]} (the plan's batch size is {shape[0]})"
                         if value.ndim == len(shape) and value.shape[1:] == shape[1:] and shape else f"{value.shape}")
                 raise UserError(f"input '{name}' must have shape {shape}, not {what}")
+            arrays[name] = value
+        feeds = {}
+        for name, value in arrays.items():
             if name in self._runner.host_inputs:
-                if not value.flags.c_contiguous:     # another layout: copied into the step's own buffer
+                if not value.flags.c_contiguous:
                     np.copyto(self._buffers[name], value)
                     value = self._buffers[name]
                 self._runner.bind_input(name, value)        # read in place, as a plain session reads a feed
             feeds[name] = np.ascontiguousarray(value)
-        self._held = feeds                                  # the arrays the sessions read, alive until next step
+        self._held = feeds                                  # the arrays the sessions read, alive until the next step
         return feeds
 
     def _hyperparameter_values(self) -> dict[str, np.ndarray]:
+        """Each hyperparameter tensor's value for the next step, from `hyperparameters`."""
         values = {}
         for name, tensors in self.info.hyperparameter_tensors.items():
             value = self.hyperparameters.get(name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise UserError(f"hyperparameter {name} must be a finite number from 0 up, not {value!r}")
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                value = math.nan
+            if not math.isfinite(value) or value < 0:
+                raise UserError(f"hyperparameter {name} must be a finite number from 0 up, not "
+                                f"{self.hyperparameters.get(name)!r}")
             for tensor in tensors:
                 dtype = helper.tensor_dtype_to_np_dtype(self.graph.tensors[tensor].dtype)
                 values[tensor] = np.asarray(value, dtype=dtype)

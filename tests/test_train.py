@@ -222,6 +222,11 @@ def test_every_bad_batch_is_one_clear_error(data, mlp_model):
         for bad, message in cases:
             with pytest.raises(UserError, match=message):
                 trainer.step(bad)
+        for bad_lr in (float("nan"), -0.1, "fast"):
+            trainer.hyperparameters["lr"] = bad_lr
+            with pytest.raises(UserError, match="hyperparameter lr must be a finite number from 0 up"):
+                trainer.step(batch)
+        trainer.hyperparameters["lr"] = np.float32(0.05)     # any real number type
         assert trainer.step_count == 0                      # nothing ran
         fortran = {**batch, "input": np.asfortranarray(batch["input"])}
         assert trainer.step(fortran).loss == pytest.approx(trainer_loss(path, batch), abs=0)
