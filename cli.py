@@ -680,7 +680,7 @@ def cmd_train(args) -> int:
     from memsched.views import print_train, train_progress
 
     if args.workers is not None and not launched():
-        return launch_command(["train", *_without_option(args.argv, "--workers")], args.workers)
+        return launch_command(__file__, ["train", *_without_option(args.argv, "--workers")], args.workers)
     check_outputs({"--save": args.save, "--checkpoint": args.checkpoint, "--plot": args.plot},
                   [args.plan, args.data, args.val, args.init])
     if args.epochs < 1:

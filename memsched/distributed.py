@@ -323,11 +323,11 @@ def _rank_and_world() -> tuple[int, int]:
     return rank, workers
 
 
-def launch_command(command: list[str], workers: int) -> int:
-    """Run memsched command line `command` (its arguments after the program) as `workers`
-    local ranks (loopback, gloo): rank 0's output is the command's, the others' is kept to
-    name a failure. A rank that fails stops the others; returns rank 0's exit status, or
-    raises UserError naming the rank that failed first."""
+def launch_command(program: str, command: list[str], workers: int) -> int:
+    """Run Python script `program` (the command line's own file) with arguments `command` as
+    `workers` local ranks (loopback, gloo): rank 0's output is the command's, the others' is
+    kept to name a failure. A rank that fails stops the others; returns rank 0's exit status,
+    or raises UserError naming the rank that failed first."""
     if workers < 1:
         raise UserError(f"--workers needs at least 1 worker, not {workers}")
     import_torch()                        # the one-line error before any process starts
@@ -337,7 +337,7 @@ def launch_command(command: list[str], workers: int) -> int:
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
                "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         quiet = None if rank == 0 else subprocess.PIPE
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent.parent / "cli.py"), *command],
+        procs.append(subprocess.Popen([sys.executable, program, *command],
                                       env=env, stdout=subprocess.DEVNULL if rank else None, stderr=quiet,
                                       text=True))
     try:
