@@ -50,20 +50,41 @@ def check_outputs(outputs: Mapping[str, PathLike | None], inputs: Iterable[PathL
 
     `outputs` maps the option that names each output (e.g. '-o', '--report') to its path; None
     entries (options not given) are skipped. `inputs` are the paths the command reads. Raises
-    UserError naming the option and the path for the first bad one."""
+    UserError naming the option and the path for the first bad one. An ONNX input's external
+    data files are inputs too: writing over one would leave the model without its weights."""
     given = [(option, Path(path)) for option, path in outputs.items() if path is not None and str(path) != ""]
-    sources = [Path(p) for p in inputs if p is not None and str(p) != ""]
+    direct = [Path(p) for p in inputs if p is not None and str(p) != ""]
+    sources = [(source, f"the input {source}") for source in direct]
+    sources += [(data, f"the external data of the input {source}") for source in direct
+                for data in _external_data_files(source)]
     seen: dict[str, str] = {}
     for option, path in given:
         check_writable(path, option)
-        for source in sources:
+        for source, what in sources:
             if _same_file(path, source):
-                raise UserError(f"{option} {path} is the input {source}; writing it would replace the input, "
+                raise UserError(f"{option} {path} is {what}; writing it would replace the input, "
                                 f"so give another output path")
         key = os.path.abspath(path)
         if key in seen:
             raise UserError(f"{seen[key]} and {option} both name {path}; give each output its own path")
         seen[key] = option
+
+
+def _external_data_files(source: Path) -> list[Path]:
+    """The external-data files an ONNX model at `source` names (none for another file, or one
+    that does not parse: the command that reads it says why)."""
+    if source.suffix.lower() != ".onnx" or not source.is_file():
+        return []
+    import onnx
+    from onnx.external_data_helper import _get_all_tensors
+
+    try:
+        model = onnx.load(str(source), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not a model: its reader reports it
+        return []
+    locations = {entry.value for tensor in _get_all_tensors(model) if tensor.data_location == onnx.TensorProto.EXTERNAL
+                 for entry in tensor.external_data if entry.key == "location"}
+    return [source.parent / location for location in sorted(locations)]
 
 
 def check_writable(path: PathLike, option: str = "output") -> None:

@@ -54,6 +54,23 @@ def test_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path):
     assert model.read_bytes() == before
 
 
+def test_an_output_naming_the_inputs_external_data_is_refused_and_the_data_kept(tmp_path):
+    """The weights of a model kept in an external-data file are an input too: `-o weights.bin`
+    would leave the model truncated, or with the bytes of the step as its weights."""
+    import onnx
+
+    model = tmp_path / "m.onnx"
+    onnx.save(mlp_model(), model, save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.bin", size_threshold=0)
+    data = tmp_path / "weights.bin"
+    before = data.read_bytes()
+    for args in (("compile", model, "--train", "-o", data), ("compile", model, "--train", "--report", data),
+                 ("profile", model, "-o", data), ("train-graph", model, "-o", data)):
+        one_line_error(run_cli(*args), "is the external data of the input", "weights.bin")
+    assert data.read_bytes() == before
+    assert run_cli("inspect", model).returncode == 0
+
+
 def test_fifo_and_directory_outputs_are_refused_and_left_as_they_are(tmp_path):
     model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
     fifo = tmp_path / "fifo"
