@@ -56,8 +56,8 @@ from .measure import ProcessMemory, release_free_heap
 from .memory import MemoryProfile, Residency, buffer_groups, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
 from .ops import CONSTANT_OPS, HOISTED_OPS, VIEW_OPS, draws_random
-from .ort import (bind_addresses, bound_session, device_buffer, node_providers, providers_for, reference_session,
-                  resolve_device, warm_environment)
+from .ort import (bind_addresses, bound_session, check_threads, device_buffer, node_providers, providers_for,
+                  reference_session, resolve_device, warm_environment)
 from .schedule import Plan
 
 DEVICES = ("cpu", "cuda")
@@ -205,8 +205,7 @@ class PlanRunner:
                  allow_fallback: bool = True, tf32: bool = True):
         if device not in DEVICES:
             raise UserError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
-        if threads < 0:
-            raise UserError(f"threads must be 0 (every core) or more, not {threads}")
+        check_threads(threads)
         self.profile = validate(plan)
         if plan.offsets is None:
             raise UserError("the plan has no arena offsets; place it first (the placement pass of "

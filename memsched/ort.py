@@ -14,6 +14,7 @@ Two kinds of session are made here:
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 import onnx
@@ -53,6 +54,15 @@ def quiet_logger():
         ort.set_default_logger_severity(2)  # ONNX Runtime's default: warnings
 
 
+def check_threads(threads: int) -> None:
+    """UserError unless `threads` is 0 (every core) up to the cores this process may use: ONNX
+    Runtime starts every thread it is asked for (5,000 of them never finished a step; 100,000
+    ended in a native crash)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not 0 <= threads <= cores:
+        raise UserError(f"--threads must be 0 (every core) to {cores} (the cores here), not {threads}")
+
+
 def session_options(threads: int, optimization: str = OPTIMIZATION):
     """The options of the executor's sessions and of the reference, so kernels and threading
     match. `threads` 0 lets ONNX Runtime use every core (its default); its pool's idle threads
@@ -61,6 +71,7 @@ def session_options(threads: int, optimization: str = OPTIMIZATION):
     one session each)."""
     import onnxruntime as ort
 
+    check_threads(threads)
     options = ort.SessionOptions()
     options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, optimization)
     options.intra_op_num_threads = threads
@@ -327,6 +338,7 @@ def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
 
     if device not in PROVIDERS:
         raise UserError(f"unknown device '{device}'; use cpu or cuda")
+    check_threads(threads)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1

@@ -549,3 +549,17 @@ def test_the_size_bound_is_never_below_what_the_model_serializes_to():
         np.ones((32, 32), np.float32), "c_value")))               # a tensor in an attribute
     assert onnx_utils.serialized_bound(model) >= model.ByteSize()
     assert not onnx_utils._past_two_gb(model)
+
+
+def test_thread_counts_beyond_the_cores_are_one_line(tmp_path):
+    """ONNX Runtime starts every thread it is asked for: 5,000 never finished a step."""
+    import os as _os
+
+    cores = len(_os.sched_getaffinity(0))
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    plan = tmp_path / "plan.onnx"
+    assert run_cli("compile", model, "--train", "-o", plan, "--time-limit", "5").returncode == 0
+    for threads in ("5000", "-1"):
+        one_line_error(run_cli("run", plan, "--threads", threads), f"--threads must be 0 (every core) to {cores}")
+    one_line_error(run_cli("profile", model, "-o", tmp_path / "c.json", "--threads", "100000"), "--threads must be")
+    assert run_cli("run", plan, "--threads", str(cores)).returncode == 0
