@@ -84,3 +84,23 @@ def test_a_relu_over_a_gemm_is_kept():
     backward pass does not keep: the step keeps the ReLU output as it is."""
     step = build_training_step(lower(models.build("mlp", batch=4)), optimizer="sgd")
     assert not [op for op in step.ops if op.name.endswith("/rederived")]
+
+
+def test_a_deep_chain_of_cheap_ops_builds_without_recursing_past_the_limit():
+    """1,200 Relu/Tanh ops in a row: the derivation looks back at most MAX_DEPTH ops instead of
+    recursing through the whole chain (a RecursionError before)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from memsched.frontend import lower
+    from passes.training import build_training_step
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h0"])]
+    nodes += [helper.make_node("Tanh" if i % 2 else "Relu", [f"h{i}"], [f"h{i + 1}"]) for i in range(1200)]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                              [helper.make_tensor_value_info("h1200", TensorProto.FLOAT, [4, 8])],
+                              [numpy_helper.from_array(np.ones((8, 8), np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    step = build_training_step(lower(model), loss="mse", optimizer="sgd")
+    assert step.outputs == ["loss", "w.updated"]

@@ -42,6 +42,9 @@ from memsched.ops import REDERIVABLE_OPS, VIEW_OPS, draws_random
 from memsched.schedule import default_schedule
 
 MAX_CHAIN = 10     # forward ops re-run for one value (a GELU written out: 5 for erf, 8 for tanh)
+# how deep a derivation looks back through the forward: a chain of 1,200 cheap ops otherwise
+# recursed past Python's limit (each op appends itself only once its inputs are derived)
+MAX_DEPTH = 4 * MAX_CHAIN
 
 
 def rederive_in_backward(graph: Graph) -> Graph:
@@ -107,11 +110,11 @@ def _derivation(graph: Graph, t: str, at: int, backward_reads: dict[str, list[in
     chain: list[Op] = []
     kept: set[str] = set()
 
-    def visit(name: str) -> bool:
+    def visit(name: str, depth: int = 0) -> bool:
         op = graph.producer[name]
         if op in chain:
             return True
-        if len(chain) >= MAX_CHAIN:
+        if len(chain) >= MAX_CHAIN or depth > MAX_DEPTH:
             return False
         for u in op.present_inputs:
             tensor = graph.tensors[u]
@@ -119,14 +122,14 @@ def _derivation(graph: Graph, t: str, at: int, backward_reads: dict[str, list[in
                 continue
             if derive_inputs and u not in anchors and _qualifies_as_value(graph, u, outputs):
                 mark, before = len(chain), set(kept)
-                if visit(u):
+                if visit(u, depth + 1):
                     continue
                 del chain[mark:]
                 kept.intersection_update(before)
             if u not in derived and backward_reads.get(u, [-1])[-1] >= at:      # alive at `at` anyway
                 kept.add(u)
                 continue
-            if derive_inputs or not _qualifies_as_value(graph, u, outputs) or not visit(u):
+            if derive_inputs or not _qualifies_as_value(graph, u, outputs) or not visit(u, depth + 1):
                 return False
         chain.append(op)
         return True
