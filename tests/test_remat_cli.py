@@ -82,3 +82,15 @@ def test_remat_usage_errors_exit_2(tmp_path):
     good = write_graph(tmp_path, graphs.chain(3))
     assert run_cli("remat", good).returncode == 2                              # no budget
     assert run_cli("remat", good, "--budget-fraction", "lots").returncode == 2
+
+
+def test_a_fifo_or_a_device_is_no_graph(tmp_path):
+    """A FIFO blocked `remat` forever and /dev/zero read until memory ran out."""
+    import os
+
+    from .test_reliability import one_line_error
+
+    fifo = tmp_path / "graph.json"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero", tmp_path):
+        one_line_error(run_cli("remat", path, "--budget-fraction", "0.5", timeout=60), "not a regular file")

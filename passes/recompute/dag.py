@@ -187,6 +187,8 @@ def load_node_link(path, pinned_bytes: int = 0) -> RematProblem:
     `graph["order"]` when the file gives one, else a topological sort.
     """
     path = Path(path)
+    if path.exists() and not path.is_file():        # a FIFO blocks, /dev/zero never ends
+        raise RematInputError(f"{path}: not a regular file (a device, FIFO, socket or folder)")
     try:
         text = path.read_text()
     except FileNotFoundError:
