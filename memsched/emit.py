@@ -41,8 +41,9 @@ from onnx.external_data_helper import _get_all_tensors
 
 from .errors import ScheduleError, UserError
 from .frontend import read_model
-from .hardware import Hardware
+from .hardware import Hardware, preset_names
 from .hardware import from_dict as hardware_from_dict
+from .hardware import load as load_hardware
 from .ir import Graph, Op, Tensor, tensor_kinds
 from .onnx_utils import MEMSCHED_DOMAIN, checkable_view, save_model_atomic
 from .schedule import STEP_KINDS, Plan, Step
@@ -191,11 +192,18 @@ def _hardware_json(hardware: Hardware | str | None) -> dict | str | None:
     raise ScheduleError(f"cannot store hardware of type {type(hardware).__name__} in the plan")
 
 
-def _hardware_from_json(value: Any, source: str) -> Hardware | str | None:
+def _hardware_from_json(value: Any, source: str) -> Hardware | None:
+    """The plan's hardware: a profile written out, or a preset's name. Never a path: a plan
+    file must not make memsched open (or tell the existence of) a file it names."""
     if isinstance(value, dict):
         return hardware_from_dict(value, where=f"the hardware in the plan of {source}")
-    if value is None or isinstance(value, str):
-        return value
+    if value is None:
+        return None
+    if isinstance(value, str) and value in preset_names():
+        return load_hardware(value)
+    if isinstance(value, str):
+        raise UserError(f"the plan in {source} names hardware {value[:40]!r}, which is no preset; a plan holds "
+                        f"its profile itself")
     raise UserError(f"the plan in {source} has a malformed hardware entry")
 
 

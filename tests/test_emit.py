@@ -104,7 +104,8 @@ def test_recomputed_and_swapped_tensors_are_renamed_for_their_later_readers(tmp_
 def test_plan_without_offsets_and_its_hardware(tmp_path, hardware):
     plan = dataclasses.replace(Plan.initial(MLP), hardware=hardware)
     back = read_plan(write_plan(plan, tmp_path / "p.onnx"))
-    assert back.offsets is None and back.hardware == hardware and back.schedule == plan.schedule
+    expected = hardware_mod.load(hardware) if isinstance(hardware, str) else hardware    # a preset's name: the preset
+    assert back.offsets is None and back.hardware == expected and back.schedule == plan.schedule
 
 
 def test_hand_edited_early_free_is_caught_naming_the_tensor(tmp_path):
@@ -188,3 +189,15 @@ def test_a_plan_of_a_model_with_external_weights_gets_its_own_data_file(tmp_path
         os.remove(source / name)
     result = run_plan(read_plan(out), steps=2, check=True)
     assert result.check["passed"] and result.check["bit_identical"]
+
+
+def test_a_plan_names_a_preset_never_a_path(tmp_path):
+    """The plan's hardware entry is a profile or a preset's name: '/etc/passwd' there is
+    refused without opening it (a plan could probe which paths exist), a preset name reads."""
+    path = write_plan(order_plan(mlp_train_graph()), tmp_path / "plan.onnx")
+    for name, spec in (("probe", "/etc/passwd"), ("missing", str(tmp_path / "nosuch.json"))):
+        edit_plan_metadata(path, lambda doc, spec=spec: doc.__setitem__("hardware", spec))
+        with pytest.raises(UserError, match="which is no preset"):
+            read_plan(path)
+    edit_plan_metadata(path, lambda doc: doc.__setitem__("hardware", "h200"))
+    assert read_plan(path).hardware.name == hardware_mod.load("h200").name
