@@ -332,25 +332,30 @@ def launch_command(program: str, command: list[str], workers: int) -> int:
         raise UserError(f"--workers needs at least 1 worker, not {workers}")
     import_torch()                        # the one-line error before any process starts
     port = free_port()
-    procs = []
-    for rank in range(workers):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
-               "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        quiet = None if rank == 0 else subprocess.PIPE
-        procs.append(subprocess.Popen([sys.executable, program, *command],
-                                      env=env, stdout=subprocess.DEVNULL if rank else None, stderr=quiet,
-                                      text=True))
+    procs, logs = [], []
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.returncode]
-            if failed:
-                break
+        for rank in range(workers):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
+                   "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            log = tempfile.TemporaryFile(mode="w+") if rank else None      # a file: a pipe could fill and block
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, program, *command], env=env,
+                                          stdout=subprocess.DEVNULL if rank else None, stderr=log, text=True))
+        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
             time.sleep(0.05)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        errors = [p.communicate()[1] if p.stderr is not None else "" for p in procs]
+        for p in procs:
+            p.wait()
+    errors = []
+    for log in logs:
+        if log is not None:
+            log.seek(0)
+        errors.append(log.read() if log is not None else "")
+        if log is not None:
+            log.close()
     failed = [r for r, p in enumerate(procs) if p.returncode and p.returncode > 0]
     if failed and failed[0] != 0:
         lines = [line for line in (errors[failed[0]] or "").strip().splitlines() if line.strip()]

@@ -4,7 +4,8 @@ trained weights and running statistics, that a plain onnxruntime.InferenceSessio
 The training step keeps the forward model as given in its metadata (step_info.FORWARD_KEY,
 weights as headers only). Export fills every initializer from the trainer's state (or the
 step's own value for one it does not train), puts each BatchNormalization in inference mode
-(training_mode 0, its running-statistics outputs dropped: the step carries them itself), and
+(training_mode 0, its running-statistics outputs dropped: the step carries them itself) and
+each Dropout (its training_mode input left out: off), and
 makes the batch dimension symbolic where the graph allows it: where ONNX shape inference with
 a symbolic batch still gives every output a symbolic first dimension (a Reshape to a fixed
 batch does not), else the batch stays the plan's.
@@ -31,10 +32,7 @@ BATCH = "batch"
 def inference_model(step: Graph, state: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     """The forward model of training step `step` with the weights in `state` (by name; the
     step's own values for the rest). UserError where the step keeps no forward model."""
-    raw = step.metadata.get(FORWARD_KEY)
-    if raw is None:
-        raise UserError("the plan keeps no forward model (compiled by an older memsched); compile it again")
-    model = onnx.ModelProto.FromString(base64.b64decode(raw))
+    model = forward_model(step)
     for init in model.graph.initializer:
         if init.HasField("raw_data") or _has_values(init):
             continue
@@ -46,11 +44,22 @@ def inference_model(step: Graph, state: Mapping[str, np.ndarray]) -> onnx.ModelP
             value = tensor_value(t, step.base_dir)
         dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
         init.CopyFrom(numpy_helper.from_array(np.asarray(value, dtype=dtype).reshape(tuple(init.dims)), init.name))
-    _batch_norm_for_inference(model.graph)
     _symbolic_batch(model)
     props = {p.key: p.value for p in model.metadata_props if not p.key.startswith("memsched.")}
     del model.metadata_props[:]
     helper.set_model_props(model, props)
+    return model
+
+
+def forward_model(step: Graph) -> onnx.ModelProto:
+    """The forward model kept in training step `step`, in inference form (BatchNormalization
+    and Dropout in inference mode), its weights still headers; UserError where the step keeps
+    none or the model has no inference form. Cheap: `memsched train` asks it before training."""
+    raw = step.metadata.get(FORWARD_KEY)
+    if raw is None:
+        raise UserError("the plan keeps no forward model (compiled by an older memsched); compile it again")
+    model = onnx.ModelProto.FromString(base64.b64decode(raw))
+    _inference_mode(model.graph)
     return model
 
 
@@ -66,18 +75,19 @@ def _has_values(init: onnx.TensorProto) -> bool:
         or not np.prod(init.dims, dtype=np.int64)
 
 
-def _batch_norm_for_inference(graph: onnx.GraphProto) -> None:
-    """Every BatchNormalization in inference mode with its one output; outputs of the graph
-    that were running statistics are dropped."""
+def _inference_mode(graph: onnx.GraphProto) -> None:
+    """Every BatchNormalization in inference mode with its one output (outputs of the graph that
+    were running statistics dropped), every Dropout without its training_mode input (off)."""
     dropped = set()
     for node in graph.node:
-        if node.op_type != "BatchNormalization":
-            continue
-        kept = [a for a in node.attribute if a.name != "training_mode"]
-        del node.attribute[:]
-        node.attribute.extend(kept)
-        dropped.update(name for name in node.output[1:] if name)
-        del node.output[1:]
+        if node.op_type == "BatchNormalization":
+            kept = [a for a in node.attribute if a.name != "training_mode"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            dropped.update(name for name in node.output[1:] if name)
+            del node.output[1:]
+        elif node.op_type == "Dropout" and len(node.input) > 2:
+            del node.input[2:]
     readers = {name for node in graph.node for name in node.input}
     if dropped & readers:
         raise UserError(f"the model reads BatchNormalization's running statistics "
@@ -115,37 +125,47 @@ def _symbolic_batch(model: onnx.ModelProto) -> None:
     model.CopyFrom(trial)
 
 
+VALIDATED_LOSSES = ("cross_entropy", "mse")
+
+
 def evaluate(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray], loss: str, batch_size: int,
              device: str = "cpu", threads: int = 0) -> dict[str, float]:
     """The inference model's mean loss over `arrays` (the step's inputs and its labels or
     targets, by name) in a plain ONNX Runtime session, as PyTorch's eval mode computes it,
-    and for cross_entropy its top-1 accuracy. The samples run `batch_size` at a time (the
-    last batch filled up and cut where the model's batch is fixed)."""
+    and for cross_entropy its top-1 accuracy, both over every label (a sequence's tokens, a
+    map's pixels: the class axis is the last for [N, C] and [N, L, V], axis 1 for maps, as
+    the step's loss has it). The samples run `batch_size` at a time (the last batch filled up
+    and cut where the model's batch is fixed)."""
     from .ort import make_session
 
+    if loss not in VALIDATED_LOSSES:
+        raise UserError(f"validation computes the cross_entropy or mse loss, not {loss}")
     session = make_session(model, device, threads)
     names = [i.name for i in session.get_inputs()]
     fixed = session.get_inputs()[0].shape[0] if isinstance(session.get_inputs()[0].shape[0], int) else None
-    target = "labels" if loss == "cross_entropy" else "targets"
-    samples = next(iter(arrays.values())).shape[0]
-    total, correct = 0.0, 0
+    target = arrays["labels" if loss == "cross_entropy" else "targets"]
+    samples = target.shape[0]
+    total, correct, counted = 0.0, 0, 0
     for lo in range(0, samples, batch_size):
         index = np.arange(lo, min(lo + batch_size, samples))
         count = len(index)
         if fixed is not None and count < fixed:
             index = np.resize(index, fixed)
         out = session.run(None, {name: arrays[name][index] for name in names})[0][:count]
+        want = target[index[:count]]
         if loss == "cross_entropy":
-            labels = arrays[target][index[:count]]
-            shifted = out - out.max(axis=1, keepdims=True)
+            scores = np.moveaxis(out, 1, -1) if out.ndim > 3 else out
+            scores = scores.reshape(-1, scores.shape[-1]).astype(np.float64)
+            labels = want.reshape(-1)
+            shifted = scores - scores.max(axis=1, keepdims=True)
             log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-            total += float(-log_probs[np.arange(count), labels].sum())
-            correct += int((out.argmax(axis=1) == labels).sum())
-        elif loss == "mse" and target in arrays:
-            total += float(((out - arrays[target][index[:count]]) ** 2).reshape(count, -1).mean(axis=1).sum())
+            total += float(-log_probs[np.arange(len(labels)), labels].sum())
+            correct += int((scores.argmax(axis=1) == labels).sum())
+            counted += len(labels)
         else:
-            raise UserError(f"validation computes the cross_entropy or mse loss, not {loss}")
-    result = {"loss": total / samples}
+            total += float(((out - want) ** 2).sum())
+            counted += out.size
+    result = {"loss": total / counted}
     if loss == "cross_entropy":
-        result["accuracy"] = correct / samples
+        result["accuracy"] = correct / counted
     return result

@@ -65,3 +65,17 @@ def step_info(graph: Graph) -> StepInfo:
                     hyperparameters={name: float(values[name]) for name in tensors},
                     hyperparameter_tensors=tensors, buffers=list(info.get("buffers", [])),
                     extra_inputs=list(info.get("inputs", [])))
+
+
+def forward_output(graph: Graph) -> str | None:
+    """The name of the forward model's first output (what the loss reads), from FORWARD_KEY;
+    None where the step keeps no forward model."""
+    import base64
+
+    import onnx
+
+    raw = graph.metadata.get(FORWARD_KEY)
+    if raw is None:
+        return None
+    outputs = onnx.ModelProto.FromString(base64.b64decode(raw)).graph.output
+    return outputs[0].name if outputs else None

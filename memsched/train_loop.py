@@ -23,7 +23,7 @@ import numpy as np
 
 from .data import batches, sample_count, steps_per_epoch
 from .errors import UserError
-from .inference import evaluate, export_inference, inference_model
+from .inference import VALIDATED_LOSSES, evaluate, export_inference, forward_model, inference_model
 from .trainer import Trainer
 
 
@@ -64,6 +64,12 @@ def fit(trainer: Trainer, train: dict[str, np.ndarray], options: FitOptions,
     if trainer.info.optimizer == "none":
         raise UserError("the plan's step has no optimizer (compiled with --optimizer none): it makes gradients "
                         "and trains nothing; compile it with --optimizer sgd, momentum, adam or adamw")
+    if options.seed < 0:
+        raise UserError(f"--seed must be 0 or more, not {options.seed}")
+    if val is not None and trainer.info.loss not in VALIDATED_LOSSES:
+        raise UserError(f"--val computes the cross_entropy or mse loss; this step's is {trainer.info.loss}")
+    if val is not None or options.save:
+        forward_model(trainer.graph)      # a model without an inference form says so before training
     per_epoch = steps_per_epoch(sample_count(train), trainer.batch_size, options.last, options.world)
     if per_epoch == 0:
         raise UserError(f"{sample_count(train)} samples make no full batch of {trainer.batch_size} (the plan's batch "
@@ -72,15 +78,19 @@ def fit(trainer: Trainer, train: dict[str, np.ndarray], options: FitOptions,
     if options.resume:
         position = trainer.load_checkpoint(options.resume)
         epoch, start = int(position.get("epoch", 0)), int(position.get("batch", 0))
-        if (position.get("shuffle"), position.get("seed")) != (str(options.shuffle), str(options.seed)):
-            raise UserError(f"{options.resume} was written by a run with --shuffle {position.get('shuffle')} and "
-                            f"--seed {position.get('seed')}; resume with the same data order")
+        order = {"shuffle": str(options.shuffle), "seed": str(options.seed), "last": options.last,
+                 "world": str(options.world)}
+        differs = [key for key, value in order.items() if key in position and position[key] != value]
+        if differs:      # a checkpoint written by Trainer.save_checkpoint records no data order
+            shown = " and ".join(f"{key} {position[key]}" for key in differs)
+            raise UserError(f"{options.resume} was written by a run with {shown}; resume with the same data "
+                            f"order (--shuffle, --seed, --last, --workers)")
     result = FitResult(0, trainer.step_count, epoch, False)
     began = time.perf_counter()
 
     def position(at_epoch: int, at_batch: int) -> dict[str, str]:
         return {"epoch": str(at_epoch), "batch": str(at_batch), "shuffle": str(options.shuffle),
-                "seed": str(options.seed)}
+                "seed": str(options.seed), "last": options.last, "world": str(options.world)}
 
     while epoch < options.epochs and not result.stopped:
         for k, batch in enumerate(batches(train, trainer.batch_size, epoch, shuffle=options.shuffle,

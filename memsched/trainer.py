@@ -42,7 +42,7 @@ from .frontend import read_model
 from .ir import tensor_value
 from .onnx_utils import write_file_atomic
 from .schedule import Plan
-from .step_info import StepInfo, step_info
+from .step_info import StepInfo, forward_output, step_info
 
 CHECKPOINT_FORMAT = "memsched-checkpoint-1"
 # entries of a state_dict that are not tensors of the step (PyTorch's BatchNorm counter)
@@ -85,7 +85,9 @@ class Trainer:
         # input -> (numpy dtype, shape with the batch first): what every batch must hold
         self.input_types = {name: (np.dtype(helper.tensor_dtype_to_np_dtype(self.graph.tensors[name].dtype)),
                                    tuple(self.graph.tensors[name].shape)) for name in self.inputs}
-        first = self.input_types[self.inputs[0]][1] if self.inputs else ()
+        # the batch: dimension 0 of the labels or targets, else of the first input that has one
+        batched = [n for n in self.info.extra_inputs if n in self.input_types] + self.inputs
+        first = next((self.input_types[n][1] for n in batched if self.input_types[n][1]), ())
         self.batch_size = first[0] if first else 1
         self._buffers = {name: np.empty(shape, dtype) for name, (dtype, shape) in self.input_types.items()}
         self._runner = PlanRunner(plan, device, threads, nvdimm_dir, feeds=self._buffers,
@@ -94,6 +96,13 @@ class Trainer:
         self.fallback = self._runner.fallback
         self._pending: dict[str, np.ndarray] = {}    # statics to load before the next step
         self._ran = False                             # a step ran since the statics were loaded
+        # weights the step reads but does not update (frozen ones; every one without an
+        # optimizer): loaded values are written before every step, as the graph's are
+        carried = set(self.info.carried)
+        self.fixed_weights = [name for name, t in self.graph.tensors.items()
+                              if t.is_static and t.kind in ("parameter", "buffer") and name not in carried]
+        self._fixed_values: dict[str, np.ndarray] = {}
+        self._classes = _class_count(self.graph, self.info)
 
     # ---- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
@@ -116,12 +125,18 @@ class Trainer:
             raise UserError(f"the step has no output named '{unknown[0]}'")
         feeds = self._feeds(batch)
         if self.lr_schedule is not None:
-            self.hyperparameters["lr"] = float(self.lr_schedule(self.step_count))
+            self.hyperparameters["lr"] = self.lr_schedule(self.step_count)
         values = self._hyperparameter_values()
+        values.update(self._fixed_values)
         if self._pending:
             values.update(self._pending)
             self._runner.reload()
-        self._runner.step(feeds, values)
+        try:
+            self._runner.step(feeds, values)
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types; one line, not a trace
+            raise UserError(f"ONNX Runtime failed during step {self.step_count}: "
+                            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}; "
+                            f"the weights may be half updated: load a checkpoint before going on") from None
         self._pending = {}
         self._ran = True
         loss = float(self._runner.read("loss").reshape(()))
@@ -152,6 +167,10 @@ class Trainer:
                         if value.ndim == len(shape) and value.shape[1:] == shape[1:] and shape else f"{value.shape}")
                 raise UserError(f"input '{name}' must have shape {shape}, not {what}")
             arrays[name] = value
+        labels = arrays.get("labels") if self._classes else None
+        if labels is not None and labels.size and (labels.min() < 0 or labels.max() >= self._classes):
+            raise UserError(f"the labels must lie in 0..{self._classes - 1} (the model's {self._classes} classes); "
+                            f"this batch holds {int(labels.min())}..{int(labels.max())}")
         feeds = {}
         for name, value in arrays.items():
             if name in self._runner.host_inputs:
@@ -168,10 +187,8 @@ class Trainer:
         values = {}
         for name, tensors in self.info.hyperparameter_tensors.items():
             value = self.hyperparameters.get(name)
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                value = math.nan
+            number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+            value = float(value) if number else math.nan
             if not math.isfinite(value) or value < 0:
                 raise UserError(f"hyperparameter {name} must be a finite number from 0 up, not "
                                 f"{self.hyperparameters.get(name)!r}")
@@ -182,8 +199,8 @@ class Trainer:
 
     # ---- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Copies of the values the next step starts from: parameters, optimizer states and
-        buffers, by tensor name."""
+        """Copies of the values the next step starts from: parameters (frozen ones too),
+        optimizer states and buffers, by tensor name."""
         state = {}
         for name in self.info.carried:
             if name in self._pending:
@@ -192,18 +209,24 @@ class Trainer:
                 state[name] = self._runner.read(f"{name}.updated")
             else:
                 state[name] = np.array(tensor_value(self.graph.tensors[name], self.graph.base_dir))
+        for name in self.fixed_weights:
+            value = self._fixed_values.get(name)
+            state[name] = np.array(value if value is not None else tensor_value(self.graph.tensors[name],
+                                                                                self.graph.base_dir))
         return state
 
     def load_state_dict(self, state: Mapping[str, object], strict: bool = True) -> list[str]:
         """Load tensors by name into the next step's starting values; returns the names loaded.
-        With `strict`, every parameter must be given. Every name must be a parameter, an
-        optimizer state or a buffer of the step, with its shape; values are cast to its dtype."""
+        With `strict`, every trained parameter must be given. Every name must be a parameter
+        (trained or frozen), an optimizer state or a buffer of the step, with its shape; values
+        are copied and cast to its dtype."""
         carried = set(self.info.carried)
+        known = carried | set(self.fixed_weights)
         loaded = {}
         for name, value in state.items():
             if name.rsplit(".", 1)[-1] in IGNORED_STATE:
                 continue
-            if name not in carried:
+            if name not in known:
                 shown = ", ".join(self.info.parameters[:5]) + (", ..." if len(self.info.parameters) > 5 else "")
                 raise UserError(f"'{name}' is no parameter, optimizer state or buffer of this step "
                                 f"(its parameters: {shown})")
@@ -214,28 +237,34 @@ class Trainer:
             dtype = helper.tensor_dtype_to_np_dtype(t.dtype)
             if not np.can_cast(array.dtype, dtype, casting="same_kind"):
                 raise UserError(f"'{name}' is {array.dtype}; the step's is {np.dtype(dtype)}")
-            loaded[name] = np.ascontiguousarray(array, dtype=dtype)
+            loaded[name] = np.array(array, dtype=dtype, order="C")     # a copy, 0-d kept 0-d
         if strict:
             missing = [p for p in self.info.parameters if p not in loaded]
             if missing:
                 raise UserError(f"no value for parameter '{missing[0]}' ({len(missing)} of "
                                 f"{len(self.info.parameters)} missing; load with strict=False to keep the rest)")
-        if loaded:
-            current = self.state_dict() if self._ran else {}
-            self._pending = {**current, **self._pending, **loaded}
+        self._fixed_values.update({name: value for name, value in loaded.items() if name not in carried})
+        loaded_carried = {name: value for name, value in loaded.items() if name in carried}
+        if loaded_carried:
+            current = {name: value for name, value in self.state_dict().items() if name in carried} if self._ran else {}
+            self._pending = {**current, **self._pending, **loaded_carried}
         return sorted(loaded)
 
     def load_weights(self, source: str | os.PathLike | Mapping[str, object], strict: bool = False) -> list[str]:
         """Load weights before training: from an ONNX model (its initializers by name), a
         safetensors file, or a mapping such as a PyTorch `state_dict` (names as the exporter
-        gave them). Names the step does not train (and PyTorch's num_batches_tracked) are
-        ignored; returns the names loaded. UserError where nothing matches."""
+        gave them). Frozen weights load too; optimizer states from a checkpoint are left out
+        (a fine-tuning run starts its optimizer afresh; `load_checkpoint` resumes one). Names the
+        step does not hold (and PyTorch's num_batches_tracked) are ignored; returns the names
+        loaded. UserError where nothing matches."""
         if isinstance(source, Mapping):
             state = dict(source)
         else:
             state = _read_weights(Path(source))
-        carried = set(self.info.carried)
-        state = {name: value for name, value in state.items() if name in carried}
+        states = set(self.info.states)
+        state = {name: value for name, value in state.items() if name not in states}
+        known = set(self.info.carried) | set(self.fixed_weights)
+        state = {name: value for name, value in state.items() if name in known}
         if not state:
             raise UserError("none of the given weights is a parameter or buffer of this step (names differ?)")
         return self.load_state_dict(state, strict=strict)
@@ -321,6 +350,16 @@ def _safetensors(path: Path) -> dict[str, np.ndarray]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise UserError(f"{path} is not a readable safetensors file: {str(exc).splitlines()[0]}") from None
+
+
+def _class_count(graph, info: StepInfo) -> int | None:
+    """For a cross_entropy step, the number of classes its labels index (the class axis of the
+    model's output: the last one for [N, C] and [N, L, V], axis 1 for maps), else None."""
+    output = forward_output(graph)
+    if info.loss != "cross_entropy" or output is None or graph.tensors.get(output) is None:
+        return None
+    shape = graph.tensors[output].shape
+    return (shape[-1] if len(shape) <= 3 else shape[1]) if shape else None
 
 
 def _as_array(value: object, name: str) -> np.ndarray:

@@ -387,9 +387,12 @@ def train_progress(total: int, batch_size: int, enabled: bool):
 
 def print_train(summary: dict) -> None:
     out = console()
-    out.print(f"trained {summary['steps']} steps ({summary['epochs_done']} epochs) of {_e(summary['plan'])} on "
-              f"{_e(summary['provider'])}: {summary['samples_per_second']:,.0f} samples/s, final loss "
-              f"{summary['final_loss']:.4f}")
+    if summary["steps"]:
+        out.print(f"trained {summary['steps']} steps ({summary['epochs_done']} epochs) of {_e(summary['plan'])} on "
+                  f"{_e(summary['provider'])}: {summary['samples_per_second']:,.0f} samples/s, final loss "
+                  f"{summary['final_loss']:.4f}")
+    else:
+        out.print(f"nothing to train: the run had done its {summary['epochs_done']} epochs already")
     scored = [record for record in summary["validation"] if "val_loss" in record]
     for record in scored[-1:]:          # every epoch's is in --json
         accuracy = f", accuracy {record['val_accuracy']:.2%}" if "val_accuracy" in record else ""

@@ -289,3 +289,53 @@ def test_a_plan_holding_other_weights_is_the_same_plan(mlp_model, tmp_path):
     onnx.save(model, tmp_path / "edited.onnx")
     with pytest.raises(UserError, match="ops, shapes or constants were edited"):
         read_plan(tmp_path / "edited.onnx")
+
+
+def test_frozen_weights_load_and_loaded_state_is_a_copy(data, mlp_model, tmp_path):
+    """Fine-tuning with a frozen layer starts from the loaded weights of that layer too; a
+    loaded 0-d state keeps its shape (a checkpoint written from it loads again); the loaded
+    values are copies (changing the caller's arrays changes nothing)."""
+    train, _ = data
+    model, path = mlp_model
+    frozen = compile_plan(str(path), train=True, optimizer="adam", lr=0.01, freeze=("fc1.*",),
+                          time_limit=TIME_LIMIT).plan
+    other = {k: v * 0 + 0.01 for k, v in digits.mlp_module(model).state().items()}
+    with Trainer(frozen) as trainer:
+        assert "fc1.weight" in trainer.fixed_weights and "fc1.weight" not in trainer.info.parameters
+        assert "fc1.weight" in trainer.load_weights(other)
+        other["fc1.weight"][:] = 5.0                         # the trainer holds its own copy
+        trainer.step(epoch_batches(train, 1)[0])
+        state = trainer.state_dict()
+        assert np.all(state["fc1.weight"] == np.float32(0.01))
+        trainer.load_state_dict(state)
+        assert trainer.state_dict()["fc2.weight.step"].shape == ()
+        trainer.save_checkpoint(tmp_path / "ck.safetensors")
+        trainer.load_checkpoint(tmp_path / "ck.safetensors")
+        for bad in (None, "0.5", True):
+            trainer.hyperparameters["lr"] = bad
+            with pytest.raises(UserError, match="must be a finite number"):
+                trainer.step(epoch_batches(train, 1)[0])
+
+
+def test_the_inference_model_turns_dropout_off(tmp_path):
+    """A module exported in train mode keeps Dropout with training_mode on in its forward; the
+    inference model runs it off, whatever the runtime's optimisations."""
+    import onnxruntime as ort
+    from torch import nn
+
+    from memsched.torch import export_for_training
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 10))
+    export_for_training(module, torch.zeros(8, 1, 8, 8), tmp_path / "m.onnx", input_names=["input"],
+                        output_names=["logits"])
+    plan = compile_plan(str(tmp_path / "m.onnx"), dims={"batch": 8}, train=True, time_limit=TIME_LIMIT).plan
+    with Trainer(plan) as trainer:
+        saved = export_inference(trainer.graph, trainer.state_dict(), tmp_path / "inference.onnx")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(saved), options, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).random((8, 1, 8, 8), dtype=np.float32)
+    assert np.array_equal(session.run(None, {"input": x})[0], session.run(None, {"input": x})[0])
+    module.eval()
+    assert np.allclose(session.run(None, {"input": x})[0], module(torch.from_numpy(x)).detach().numpy(), atol=1e-6)

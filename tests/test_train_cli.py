@@ -69,7 +69,11 @@ def test_a_resumed_run_gives_the_losses_of_an_uninterrupted_one(setup, tmp_path)
     assert json_lines(rest)[0][0]["step"] == 1437 // 64            # the step count goes on
     other = run_cli("train", setup / "plan.onnx", "--data", setup / "train.npz", "--epochs", "2", "--resume",
                     tmp_path / "ck.st")
-    one_line_error(other, "written by a run with --shuffle True and --seed 3")
+    one_line_error(other, "written by a run with shuffle True and seed 3")
+    done = run_cli("train", setup / "plan.onnx", *common, "--epochs", "2", "--resume", tmp_path / "ck.st")
+    again = run_cli("train", setup / "plan.onnx", "--data", setup / "train.npz", "--shuffle", "--seed", "3",
+                    "--epochs", "1", "--resume", tmp_path / "ck.st")
+    assert done.returncode == again.returncode == 0 and "nothing to train" in again.stdout
 
 
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint(setup, tmp_path):
@@ -99,6 +103,7 @@ def test_every_bad_input_is_one_line(setup, tmp_path):
     np.savez(tmp_path / "dtype.npz", input=np.zeros((64, 1, 8, 8), np.complex64), labels=np.zeros(64, np.int64))
     np.savez(tmp_path / "few.npz", input=np.zeros((10, 1, 8, 8), np.float32), labels=np.zeros(10, np.int64))
     (tmp_path / "junk.npz").write_text("not a zip")
+    np.savez(tmp_path / "labels.npz", input=np.zeros((64, 1, 8, 8), np.float32), labels=np.arange(64) % 11)
     plan, data = setup / "plan.onnx", setup / "train.npz"
     cases = [
         (("--data", tmp_path / "missing.npz"), "no such data file"),
@@ -114,6 +119,8 @@ def test_every_bad_input_is_one_line(setup, tmp_path):
         (("--data", data, "--resume", tmp_path / "missing.st"), "no such checkpoint"),
         (("--data", data, "--resume", data), "not a readable safetensors file"),
         (("--data", data, "--init", tmp_path / "missing.onnx"), "no such weights file"),
+        (("--data", data, "--shuffle", "--seed", "-1"), "--seed must be 0 or more"),
+        (("--data", tmp_path / "labels.npz"), "the labels must lie in 0..9"),
     ]
     for args, message in cases:
         one_line_error(run_cli("train", plan, *args), message)
