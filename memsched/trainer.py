@@ -300,31 +300,21 @@ class Trainer:
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, metadata) of a memsched checkpoint; UserError where `path` is none."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"no such checkpoint: {path}")
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="numpy") as f:
-            metadata = dict(f.metadata() or {})
-        state = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise UserError(f"{path} is not a readable safetensors file: {str(exc).splitlines()[0]}") from None
+    state, metadata = _read_safetensors(path)
     if metadata.get("format") != CHECKPOINT_FORMAT or "step" not in metadata:
         raise UserError(f"{path} is not a memsched checkpoint (no '{CHECKPOINT_FORMAT}' metadata)")
     return state, metadata
 
 
 def _read_weights(path: Path) -> dict[str, np.ndarray]:
-    """The tensors of an ONNX model or a safetensors file, by name."""
+    """The tensors of an ONNX model or a safetensors file (a checkpoint's included), by name."""
     if not path.is_file():
         raise UserError(f"no such weights file: {path}")
     if path.suffix == ".safetensors":
-        return read_checkpoint(path)[0] if _is_checkpoint(path) else _safetensors(path)
+        return _read_safetensors(path)[0]
     model = read_model(path)
     try:
         return {init.name: numpy_helper.to_array(init, base_dir=str(path.parent)) for init in model.graph.initializer}
@@ -332,22 +322,13 @@ def _read_weights(path: Path) -> dict[str, np.ndarray]:
         raise UserError(f"cannot read the weights of {path}: {str(exc).splitlines()[0]}") from None
 
 
-def _is_checkpoint(path: Path) -> bool:
-    from safetensors import safe_open
+def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, read once; UserError where it is not one."""
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            return (f.metadata() or {}).get("format") == CHECKPOINT_FORMAT
-    except Exception:  # noqa: BLE001 - not readable: _safetensors says why
-        return False
-
-
-def _safetensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
-    try:
-        return load_file(str(path))
+            return {name: f.get_tensor(name) for name in f.keys()}, dict(f.metadata() or {})
     except (SafetensorError, OSError, ValueError) as exc:
         raise UserError(f"{path} is not a readable safetensors file: {str(exc).splitlines()[0]}") from None
 
