@@ -12,7 +12,6 @@ batch does not), else the batch stays the plan's.
 """
 from __future__ import annotations
 
-import base64
 import os
 from pathlib import Path
 from typing import Mapping
@@ -24,7 +23,7 @@ from onnx import helper, numpy_helper
 from .errors import UserError
 from .ir import Graph, tensor_value
 from .onnx_utils import save_model_atomic
-from .step_info import FORWARD_KEY
+from .step_info import forward_proto
 
 BATCH = "batch"
 
@@ -55,10 +54,9 @@ def forward_model(step: Graph) -> onnx.ModelProto:
     """The forward model kept in training step `step`, in inference form (BatchNormalization
     and Dropout in inference mode), its weights still headers; UserError where the step keeps
     none or the model has no inference form. Cheap: `memsched train` asks it before training."""
-    raw = step.metadata.get(FORWARD_KEY)
-    if raw is None:
+    model = forward_proto(step)
+    if model is None:
         raise UserError("the plan keeps no forward model (compiled by an older memsched); compile it again")
-    model = onnx.ModelProto.FromString(base64.b64decode(raw))
     _inference_mode(model.graph)
     return model
 

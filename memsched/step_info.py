@@ -67,15 +67,19 @@ def step_info(graph: Graph) -> StepInfo:
                     extra_inputs=list(info.get("inputs", [])))
 
 
-def forward_output(graph: Graph) -> str | None:
-    """The name of the forward model's first output (what the loss reads), from FORWARD_KEY;
-    None where the step keeps no forward model."""
+def forward_proto(graph: Graph):
+    """The forward model kept under FORWARD_KEY (an onnx.ModelProto, weights as headers), or
+    None where the step keeps none: the one decoder of that record."""
     import base64
 
     import onnx
 
     raw = graph.metadata.get(FORWARD_KEY)
-    if raw is None:
-        return None
-    outputs = onnx.ModelProto.FromString(base64.b64decode(raw)).graph.output
-    return outputs[0].name if outputs else None
+    return None if raw is None else onnx.ModelProto.FromString(base64.b64decode(raw))
+
+
+def forward_output(graph: Graph) -> str | None:
+    """The name of the forward model's first output (what the loss reads); None where the step
+    keeps no forward model."""
+    model = forward_proto(graph)
+    return model.graph.output[0].name if model is not None and model.graph.output else None
