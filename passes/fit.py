@@ -19,23 +19,27 @@ overshoot, but by at least MIN_LOWERING of the budget (a plan made a few hundred
 fragments as the one before it); where a lowered target no longer fits, once more halfway
 back.
 
-The search is anytime: cheap plans first, so that a fitting plan exists early, then better
-ones while time is left; the best placed plan is kept throughout.
-1. First plans, at the QUICK share of the time limit per pass (at most QUICK_SECONDS):
+The search is anytime and monotone: cheap plans first, so that a fitting plan exists early,
+then better ones while its effort lasts; the best placed plan is kept throughout.
+1. First plans, at `Ledger.quick` seconds per pass: the plan as it is where it fits, else
    recompute alone (where it adds no time, nothing is left to gain), swap alone, the joint
    candidates at RELAXATION_START, then the climb towards the faster neighbour until the
    fastest point has both neighbours tried.
-2. Improvement at the first IMPROVE share: the IMPROVE_COUNT fastest candidates so far are
-   planned again with that effort.
-3. Exploration: the same climb on drained orders (where the plan needs swap and draining
-   changes the recompute pass's orders).
-4. Improvement at each further IMPROVE share.
-5. Rescue, where no arena held the budget but time is left: the plan nearest it (an
-   attempt, or the start itself where its live bytes fit) placed again with RESCUE of the
-   time limit.
-Every phase is a fixed sequence given the attempts' results, and the passes keep
-deterministic limits inside, so the same input gives the same plan unless the deadline (or
-a Ctrl-C, `Deadline.stop`) cut the search, which `cut` reports.
+2. Improvement levels 1, 2, 3, ... at `Ledger.level(k)` seconds a pass, doubling from
+   IMPROVE_SECONDS: the IMPROVE_COUNT fastest candidates so far planned again with that
+   effort (`passes.pipeline` runs the levels over every search of the command).
+3. Exploration, after level 1: the same climb on drained orders.
+4. Rescue, where no arena held the budget: the plan nearest it (an attempt, or the start
+   itself where its live bytes fit) placed again with RESCUE_SECONDS, doubling while the
+   ledger affords it.
+Every effort is fixed from FLOOR_SECONDS of time limit on (below, all of them shrink with
+the limit), and the time limit only sets how much counted effort the `Ledger` lets the
+search spend once a plan is kept (WORK_SHARE of it: the efforts are priced as given, the
+ledger closes at the first attempt it cannot afford). So the attempts of a shorter limit
+are a prefix of those of a longer one, and a longer limit never gives a slower plan. The
+passes keep deterministic limits inside, so the same input gives the same plan unless the
+wall-clock deadline (a machine far slower than the efforts assume, or a Ctrl-C,
+`Deadline.stop`) cut the search, which `cut` reports.
 """
 from __future__ import annotations
 
@@ -60,18 +64,27 @@ MIN_LOWERING = 1 / 512
 # (predicted on v100-16gb: BERT-base batch 660 best at 1.5x, ResNet-50 batch 975 at 1.75x).
 RELAXATION_GRID = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0)
 RELAXATION_START = (1.5, 2.0)
-# Effort per pass call, as shares of the command's time limit: the first plans, then the
-# improvement rounds, each re-planning the IMPROVE_COUNT fastest candidates.
-QUICK = 0.04
-QUICK_SECONDS = 0.5         # at most, so that a long limit still has a first plan within seconds
-IMPROVE = (0.08, 0.2)
+# The efforts, in seconds a pass, from FLOOR_SECONDS of time limit on; under it each is scaled
+# by time_limit / FLOOR_SECONDS (a short limit buys quick answers, a longer one more levels).
+FLOOR_SECONDS = 10.0
+ORDER_SECONDS = 1.0         # the order pass before the search (1 s against 6 s: ResNet-18 b32's
+                            # start peak 1.3% higher, BERT-base 8x128's the same)
+QUICK_SECONDS = 0.4         # the first plans: a long limit still has a first plan within seconds
+IMPROVE_SECONDS = 1.0       # improvement level 1; each next level doubles it
 IMPROVE_COUNT = 2
-# The effort given to placing one attempt, as a share of the time limit, and its bounds.
-PLACE = 0.03
-PLACE_SECONDS = (0.5, 10.0)
-# Where no attempt's arena held the budget, the one nearest it is placed once more with this
-# share of the time limit: enough for CP-SAT, which PLACE leaves no time on a short limit.
-RESCUE = 0.25
+MAX_LEVELS = 8              # level 8 plans at 128 s a pass
+PLACE_SECONDS = 0.5         # the least effort placing one attempt gets (else its passes' effort)
+RESCUE_SECONDS = 2.0        # the first rescue placement; each next one doubles it
+# The priced effort the ledger lets the search spend once a plan is kept, as a share of the
+# time limit. Efforts are priced as given (a pass that ends early is still charged all of it);
+# on the 2-core development machine one took about 1.9x its price in wall time (ResNet-18
+# b32's step: the passes past their counted limits, judging, simulating), and a machine
+# loaded twice over doubles that: a quarter keeps the command within its limit there.
+WORK_SHARE = 0.25
+# Without a budget the plan as it is is placed once, with this share of the time limit (at most
+# PLACE_SHARE_SECONDS).
+PLACE_SHARE = 0.03
+PLACE_SHARE_SECONDS = 10.0
 DRAINED = "recompute (drained orders too)"
 
 
@@ -97,6 +110,56 @@ class Candidate:
         return [(DRAINED if self.drained else "recompute", int(self.relax * target)), ("swap", target)]
 
 
+class Ledger:
+    """The counted effort of one command's fit searches: the efforts the search gives its
+    passes, and how much of them it may spend once a plan is kept (`budget`, WORK_SHARE of the
+    time limit). Every pass call is charged the effort it is given, before it runs; the first
+    attempt the ledger cannot afford closes it for good, so a longer limit runs the same
+    attempts and then more."""
+
+    def __init__(self, time_limit: float):
+        self.time_limit = max(0.0, float(time_limit))
+        self.scale = min(1.0, self.time_limit / FLOOR_SECONDS)
+        self.budget = WORK_SHARE * self.time_limit
+        self.spent = 0.0
+        self.closed = False
+
+    @property
+    def order(self) -> float:
+        return ORDER_SECONDS * self.scale
+
+    @property
+    def quick(self) -> float:
+        return QUICK_SECONDS * self.scale
+
+    def level(self, k: int) -> float:
+        """The effort a pass of improvement level `k` (1, 2, ...) gets."""
+        return IMPROVE_SECONDS * self.scale * 2 ** (k - 1)
+
+    def rescue(self, k: int) -> float:
+        """The effort of the `k`-th (0, 1, ...) rescue placement."""
+        return RESCUE_SECONDS * self.scale * 2 ** k
+
+    def place(self, effort: float) -> float:
+        """The effort placing an attempt planned at `effort` gets."""
+        return max(effort, PLACE_SECONDS * self.scale)
+
+    def charge(self, price: float) -> None:
+        """Spend `price` unasked: the work before a first plan, which an answer needs."""
+        self.spent += price
+
+    def take(self, price: float) -> bool:
+        """Spend `price` where the budget affords it; else close the ledger (for good)."""
+        if self.closed or self.spent + price > self.budget:
+            self.closed = True
+            return False
+        self.spent += price
+        return True
+
+    def to_dict(self) -> dict:
+        return {"budget_s": round(self.budget, 3), "spent_s": round(self.spent, 3), "closed": self.closed}
+
+
 @dataclass
 class Best:
     step_time: float
@@ -108,16 +171,17 @@ class Search:
     """The fit search of one start plan (a training step in some form, reordered and reused)
     against `budget` (None: placed as it is). `run(name, apply, plan)` applies a pass and judges it (plan, peak);
     `passes` maps pass names to `f(plan, seconds, deadline)`; `time_limit` is the command's,
-    which the efforts are shares of; `say` reports progress; `fallback`: another search of
-    the same command holds a plan already, so this one makes none past the deadline."""
+    which sets the efforts and the `ledger` (shared by every search of the command); `say`
+    reports progress. Once any search of the command keeps a plan (`Deadline.planned`), an
+    attempt runs only where the ledger affords it and the deadline has not passed."""
 
     def __init__(self, start: Plan, start_peak: int, budget: int | None, strategies, passes: dict[str, Callable],
                  run: Callable, time_limit: float, deadline: Deadline, costs=None,
-                 say: Callable[[str], None] = lambda message: None, label: str = "", fallback: bool = False):
+                 say: Callable[[str], None] = lambda message: None, label: str = "", ledger: Ledger | None = None):
         self.start, self.start_peak, self.budget = start, start_peak, budget
-        self.fallback = fallback                 # another search holds a plan: no first plan past the deadline
         self.strategies, self.passes, self.run = tuple(strategies), passes, run
         self.time_limit, self.deadline, self.costs = time_limit, deadline, costs
+        self.ledger = ledger or Ledger(time_limit)
         self.say, self.label = say, label
         self.tried: list[dict] = []
         self.best: Best | None = None
@@ -130,17 +194,16 @@ class Search:
         self.placed: Plan | None = None          # the last plan placed
         self.last_planned: Plan | None = None    # the last attempt's plan that fit its target
         self.history: list[dict] = []            # each new best: seconds into the command, its step time
-        self.unplaced: set[Candidate] = set()    # candidates whose last attempt's arena overshot
         # the smallest arena over the budget whose live bytes fit: (arena, plan, record; -1: the start)
         self.nearest: tuple[int, Plan, int] | None = None
 
     # ---- the phases ----
     def first_plans(self) -> None:
         """Phase 1: the plan as it is where it fits (or there is no budget), else the
-        candidates at QUICK effort."""
+        candidates at the quick effort."""
         if (self.budget is None or self.start_peak <= self.budget) and self._place_as_is():
             return
-        effort = self.quick()
+        effort = self.ledger.quick
         if "recompute" in self.strategies and \
                 self.attempt(Candidate("recompute"), effort, FIRST_ROUNDS) is not None and \
                 self.last_planned.notes["recompute"].get("overhead", 1.0) <= 0.0:
@@ -153,46 +216,49 @@ class Search:
 
     def explore(self) -> None:
         """Phase 3: the joint candidates on drained orders too, where draining changes them and
-        the plan needs swap (their climb at QUICK effort)."""
-        if self.best is None or self.best.record < 0 or not {"recompute", "swap"} <= set(self.strategies):
+        the plan needs swap (their climb at the quick effort)."""
+        if not self.improvable() or not {"recompute", "swap"} <= set(self.strategies):
             return
         if not self._stopping() and drains_anything(self.start):
-            self.climb(True, self.quick())
+            self.climb(True, self.ledger.quick)
 
-    def quick(self) -> float:
-        """The effort of the first plans and of the exploration: QUICK of the time limit, at most
-        QUICK_SECONDS. A longer limit buys the improvement rounds, not a later first plan: from
-        12.5 s on, every limit's first plans take the same effort."""
-        return min(QUICK * self.time_limit, QUICK_SECONDS)
+    def improvable(self) -> bool:
+        """Whether improvement can change the plan: one is kept and it came from an attempt."""
+        return self.best is not None and self.best.record >= 0
 
-    def improve(self, share: float) -> None:
-        """Phase 2: the IMPROVE_COUNT fastest candidates so far, planned again at `share` of
-        the time limit per pass; those whose arena last overshot the budget come after the
-        others (more effort seldom changes how an arena fragments)."""
-        ranked = sorted(self.times, key=lambda c: (c in self.unplaced, self.times[c], c.name))[:IMPROVE_COUNT]
+    def improve(self, effort: float) -> None:
+        """Phase 2, one level: the IMPROVE_COUNT fastest candidates so far, planned again at
+        `effort` seconds a pass and placed with as much: one faster than the kept plan whose
+        arena overshot the budget gets its lowered target and a placement that packs tighter
+        (ResNet-18 b32 at 60%: recompute to 1.25x then swap, +7%, overshot by 0.05% at the
+        quick effort, where the kept swap plan is +48%)."""
+        ranked = sorted(self.times, key=lambda c: (self.times[c], c.name))[:IMPROVE_COUNT]
         for candidate in ranked:
             if self._stopping():
                 return
-            self.attempt(candidate, share * self.time_limit)
+            self.attempt(candidate, effort)
 
     def rescue(self) -> None:
-        """Phase 5, where no plan was kept and time is left: the plan whose arena came nearest
-        the budget (its live bytes fit: an attempt, or the start as it is) placed once more with
-        RESCUE of the time limit.
-        The attempts' placements (PLACE) are mostly the greedy and its local search; with
-        more time CP-SAT packs the arena, often down to its live bytes."""
-        if self.best is not None or self.nearest is None or self.deadline.expired or self.deadline.stopped:
+        """Phase 4, where no plan was kept: the plan whose arena came nearest the budget (its
+        live bytes fit: an attempt, or the start as it is) placed once more with `Ledger.rescue`
+        seconds, doubling while the ledger affords it and the arena still misses.
+        The attempts' placements are mostly the greedy and its local search; with more time
+        CP-SAT packs the arena, often down to its live bytes."""
+        if self.nearest is None:
             return
         _, plan, record = self.nearest
-        seconds = RESCUE * self.time_limit
         name, step_time = (self.tried[record]["candidate"], self.tried[record]["step_time_s"]) if record >= 0 \
             else ("the plan as it is", 0.0)
-        self.say(f"{self.label}placing {name} again ({seconds:.1f} s)")
-        arena = self._place(plan, record if record >= 0 else None, seconds)
-        if arena <= self.budget:
-            self._keep(Best(step_time, self.placed, record))
-        else:
-            self.smallest_arena = min(self.smallest_arena, arena)
+        for k in range(MAX_LEVELS):
+            seconds = self.ledger.rescue(k)
+            if self.best is not None or self.deadline.expired or not self.ledger.take(seconds):
+                return
+            self.say(f"{self.label}placing {name} again ({seconds:.1f} s)")
+            arena = self._place(plan, record if record >= 0 else None, seconds)
+            if arena <= self.budget:
+                self._keep(Best(step_time, self.placed, record))
+            else:
+                self.smallest_arena = min(self.smallest_arena, arena)
 
     def climb(self, drained: bool, effort: float) -> None:
         """Hill-climb the joint candidates' step time over the relaxations that lie under the
@@ -201,20 +267,28 @@ class Search:
         climb_relaxations(lambda relax: None if self._stopping() else
                           self.attempt(Candidate("joint", relax, drained), effort, FIRST_ROUNDS), grid)
 
-    def _stopping(self) -> bool:
-        """Whether to stop: on a stop (Ctrl-C), or once the time is up and a plan is kept, here
-        or by the search this one is a `fallback` to (until then the passes, out of time, still
-        give their heuristic answers: an answer comes)."""
-        return self.deadline.stopped or ((self.best is not None or self.fallback) and self.deadline.expired)
+    def _stopping(self, price: float = 0.0) -> bool:
+        """Whether to stop before work priced `price`: on a stop (Ctrl-C); or, once a plan is
+        kept here or by another search of the command, where the deadline has passed or the
+        ledger cannot afford it (until then the work is charged unasked, and passes out of
+        time still give their heuristic answers: an answer comes)."""
+        if self.deadline.stopped:
+            return True
+        if self.best is None and not self.deadline.planned:
+            self.ledger.charge(price)
+            return False
+        return self.deadline.expired or not self.ledger.take(price)
 
     # ---- one attempt ----
     def attempt(self, candidate: Candidate, effort: float, rounds: int = FIT_ROUNDS) -> float | None:
         """Plan `candidate` with `effort` seconds per pass; place it where it beats the best
-        so far, against lower targets while its arena overshoots (at most `rounds` plans).
-        Returns its step time (None where it does not fit its target, or the deadline passed)."""
+        so far, against lower targets while its arena overshoots (at most `rounds` plans, each
+        priced at its passes' effort and its placement's).
+        Returns its step time (None where it does not fit its target, or it was not afforded)."""
         fastest = None
+        price = len(candidate.steps(0)) * effort + self.ledger.place(effort)
         for _ in range(rounds if self.best is not None else max(rounds, FIT_ROUNDS)):   # all rounds for a first plan
-            if self._stopping():
+            if self._stopping(price):
                 break
             target = self._target(candidate)
             self.say(f"{self.label}{candidate.name} at {format_bytes(target)} ({effort:.1f} s a pass)"
@@ -229,12 +303,10 @@ class Search:
             self.times[candidate] = min(self.times.get(candidate, step_time), step_time)
             if self.best is not None and step_time >= self.best.step_time:
                 break           # slower than a placed plan: placing it cannot win
-            arena = self._place(plan, record)
+            arena = self._place(plan, record, self.ledger.place(effort))
             if arena <= self.budget:
-                self.unplaced.discard(candidate)
                 self._keep(Best(step_time, self.placed, record))
                 break
-            self.unplaced.add(candidate)
             if self.nearest is None or arena < self.nearest[0]:
                 self.nearest = (arena, plan, record)
             self._overshot(candidate, target, arena)
@@ -260,11 +332,8 @@ class Search:
         self.last_planned = plan
         return plan, len(self.tried) - 1
 
-    def _place(self, plan: Plan, record: int | None, seconds: float | None = None) -> int:
-        """Place `plan` (kept as self.placed) in `seconds` (PLACE of the time limit, within
-        PLACE_SECONDS); its arena, noted in its record."""
-        if seconds is None:
-            seconds = min(max(PLACE * self.time_limit, PLACE_SECONDS[0]), PLACE_SECONDS[1])
+    def _place(self, plan: Plan, record: int | None, seconds: float) -> int:
+        """Place `plan` (kept as self.placed) in `seconds`; its arena, noted in its record."""
         self.placed, _ = self.run("placement", lambda p: self.passes["placement"](
             dataclasses.replace(p, budget=self.budget), seconds, self.deadline), plan)
         arena = self.placed.notes["placement"]["arena_bytes"]
@@ -273,8 +342,14 @@ class Search:
         return arena
 
     def _place_as_is(self) -> bool:
-        """The start itself, placed, where its arena holds the budget (no added time)."""
-        arena = self._place(self.start, None)
+        """The start itself, placed, where its arena holds the budget (no added time): with
+        the quick placement's effort where a budget is given (the ledger is charged), else with
+        PLACE_SHARE of the time limit, within PLACE_SECONDS and PLACE_SHARE_SECONDS (nothing
+        else follows: a longer limit packs tighter)."""
+        seconds = self.ledger.place(self.ledger.quick) if self.budget is not None else \
+            min(max(PLACE_SHARE * self.time_limit, PLACE_SECONDS), PLACE_SHARE_SECONDS)
+        self.ledger.charge(seconds)
+        arena = self._place(self.start, None, seconds)
         if self.budget is None or arena <= self.budget:
             self._keep(Best(0.0, self.placed, -1))
             return True
@@ -328,7 +403,8 @@ class Search:
             self.tried[record]["chosen"] = True
         chosen = self.tried[record] if record >= 0 else None
         note = {"target_bytes": chosen["target_bytes"] if chosen else self.budget, "tried": self.tried,
-                "attempts": len(self.tried), "cut": self.deadline.cut, "history": self.history}
+                "attempts": len(self.tried), "cut": self.deadline.cut, "history": self.history,
+                "effort": self.ledger.to_dict()}
         return dataclasses.replace(plan, budget=self.budget, notes={**plan.notes, "fit": note})
 
     def failure(self, strategies) -> BudgetError:
@@ -337,7 +413,7 @@ class Search:
         budget = self.budget
         if self.smallest_arena is not None and self.lowest <= budget:
             hint = "; the time limit cut the search short: a longer --time-limit may place it" \
-                if self.deadline.cut else ""
+                if self.deadline.cut or self.ledger.closed else ""
             return BudgetError(f"the plan's live bytes fit the budget of {format_bytes(budget)} but its arena does "
                                f"not: the smallest arena over it is {format_bytes(self.smallest_arena)} "
                                f"({self.smallest_arena:,} B){hint}", self.smallest_arena)

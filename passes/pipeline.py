@@ -40,13 +40,13 @@ from memsched.units import format_bytes, parse_bytes, parse_percent
 
 from passes.rewrites.batch_split import batch_split_step, given_graph
 from passes.rewrites.concat_split import reuse_variants
-from passes.fit import DRAINED, IMPROVE, Search
+from passes.fit import DRAINED, MAX_LEVELS, Ledger, Search
 from passes.reuse import FUSED_KEY, baseline_aliases
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")
 PLACEMENT_FREE = ("order", "reuse")      # the strategies without a budget: no added time
 DEFAULT_TIME_LIMIT = 60.0                # seconds for the whole compile
-ORDER = 0.1                              # the order pass's share of the time limit
+ORDER = 0.1                              # the order pass's share of the time limit without a budget
 
 
 @dataclass
@@ -171,17 +171,23 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         finally:
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
 
-    def search(step: Plan, step_variants: dict[str, Graph], label: str, fallback: bool = False) -> Search:
-        """The fit search of `step` after reuse and order, its first plans made (none past the
-        deadline where another search holds a plan: `fallback`)."""
+    ledger = Ledger(time_limit)
+
+    def search(step: Plan, step_variants: dict[str, Graph], label: str) -> Search:
+        """The fit search of `step` after reuse and order, its first plans made. The order pass
+        gets ORDER of the time limit without a budget (its peak is the plan's), the ledger's
+        fixed effort with one (so that a longer limit starts the search from the same order)."""
         passes = _passes(data_parallel=data_parallel, variants=step_variants)
         start, peak = dataclasses.replace(step, budget=None), validate(step).peak_bytes
+        effort = ORDER * time_limit if budget_bytes is None else ledger.order
         for name in ("reuse", "order"):
             if name in strategies:
                 say(f"{label}{name} ({len(start.schedule)} steps)")
-                start, peak = run(name, lambda p, f=passes[name]: f(p, ORDER * time_limit, deadline), start)
+                if name == "order" and budget_bytes is not None:
+                    ledger.charge(effort)
+                start, peak = run(name, lambda p, f=passes[name]: f(p, effort, deadline), start)
         found = Search(start, peak, budget_bytes, strategies, passes, run, time_limit, deadline, costs, say, label,
-                       fallback)
+                       ledger)
         found.first_plans()
         return found
 
@@ -189,21 +195,13 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     if budget_bytes is not None:
         given = searches["given"]
         needs_more = given.best is None or \
-            (not deadline.expired and {"recompute", "swap"} & set(given.best.plan.notes))
+            (not deadline.expired and not ledger.closed and {"recompute", "swap"} & set(given.best.plan.notes))
         if train and {"recompute", "swap"} & set(strategies) and not deadline.stopped and needs_more:
             split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze, training_options),
                                      budget_bytes)
         if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
-            searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ",
-                                       fallback=given.best is not None)
-        for level, share in enumerate(IMPROVE):
-            ranked = [searches[n] for n in sorted(searches, key=lambda n: (_best_time(searches[n]), n))]
-            for found in ranked:
-                if not deadline.expired and found.best is not None and found.best.record >= 0:
-                    found.improve(share)
-            for found in ranked if level == 0 else ():
-                if not deadline.expired:
-                    found.explore()
+            searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ")
+        improvement_levels(searches, ledger, deadline)
         for found in searches.values():
             found.rescue()
     try:
@@ -225,6 +223,21 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     result.report["solver"]["wall_s"] = round(deadline.elapsed(), 3)
     result.report["time_limit_s"] = time_limit
     return result
+
+
+def improvement_levels(searches: dict[str, Search], ledger: Ledger, deadline: Deadline) -> None:
+    """The improvement levels over every search of the command, fastest first, while the
+    ledger affords them: level k re-plans each search's fastest candidates at `Ledger.level(k)`
+    seconds a pass; after level 1, the searches explore drained orders."""
+    for level in range(1, MAX_LEVELS + 1):
+        ranked = [searches[n] for n in sorted(searches, key=lambda n: (_best_time(searches[n]), n))]
+        if ledger.closed or deadline.expired or not any(found.improvable() for found in ranked):
+            return
+        for found in ranked:
+            if found.improvable():
+                found.improve(ledger.level(level))
+        for found in ranked if level == 1 else ():
+            found.explore()
 
 
 def _best_time(search: Search) -> float:

@@ -3,6 +3,7 @@ and Ctrl-C keeping the best plan found so far."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pty
@@ -13,6 +14,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import models
 from memsched.deadline import Deadline, unlimited
@@ -25,6 +28,13 @@ from passes.pipeline import compile as compile_plan
 from .conftest import ROOT
 
 SMALL = dict(batch=2, size=32, weights=False)     # a ResNet-18 whose training step needs recompute or swap at 50%
+
+
+@functools.cache
+def _compiled(time_limit: float):
+    """SMALL's step compiled at 50% with `time_limit` and no deadline (only the ledger ends it)."""
+    return compile_plan(lower(models.build("resnet18", **SMALL)), train=True, budget="50%", time_limit=time_limit,
+                        deadline=unlimited())
 
 
 def _plan_key(result) -> tuple:
@@ -55,13 +65,12 @@ def test_a_stopped_deadline_keeps_the_best_plan_so_far():
         if "best so far" in message:
             deadline.stop()
 
-    result = compile_plan(model, train=True, budget="50%", time_limit=5, deadline=deadline, progress=say)
+    result = compile_plan(model, train=True, budget="50%", time_limit=40, deadline=deadline, progress=say)
     tried = result.plan.notes["fit"]["tried"]
     assert result.report["solver"]["interrupted"] is True and result.report["solver"]["deadline_hit"] is True
     assert result.report["plan"]["arena_bytes"] <= result.report["budget_bytes"]
     assert [t["chosen"] for t in tried].count(True) == 1
-    whole = compile_plan(model, train=True, budget="50%", time_limit=5, deadline=unlimited())
-    assert len(tried) < len(whole.plan.notes["fit"]["tried"])
+    assert len(tried) < len(_compiled(40).plan.notes["fit"]["tried"])
 
 
 def test_deadline_caps_and_stops():
@@ -113,8 +122,8 @@ class _Placed:
 
 
 def _placement(efforts: list):
-    """A placement pass whose arena holds a budget of 1,000 B only with RESCUE of a 10 s time
-    limit (990 B; 1,100 B with less); the seconds of each call go to `efforts`."""
+    """A placement pass whose arena holds a budget of 1,000 B only with 2.5 s or more (990 B;
+    1,100 B with less); the seconds of each call go to `efforts`."""
     def placement(plan, seconds, deadline):
         efforts.append(seconds)
         return dataclasses.replace(plan, notes={"placement": {"arena_bytes": 990 if seconds >= 2.5 else 1100}})
@@ -123,26 +132,124 @@ def _placement(efforts: list):
 
 def test_the_rescue_places_the_nearest_attempt_again_with_more_time():
     """Where every attempt's arena overshot the budget, the one nearest it is placed once more
-    with RESCUE of the time limit and kept where that placement holds the budget; a search
-    that kept a plan, or whose time is up, places nothing again."""
+    with RESCUE_SECONDS, doubling while the ledger affords it, and kept where that placement
+    holds the budget; a search that kept a plan, or whose time is up, places nothing again."""
     efforts = []
 
-    def search(deadline) -> fit.Search:
+    def search(deadline, time_limit: float = 40) -> fit.Search:
         found = fit.Search(None, 1000, 1000, ("order", "reuse", "swap"), {"placement": _placement(efforts)},
-                           lambda name, apply, plan: (apply(plan), 0), 10, deadline)
+                           lambda name, apply, plan: (apply(plan), 0), time_limit, deadline)
         found.tried = [{"candidate": "swap", "target_bytes": 1000, "step_time_s": 1.5, "fits": True}]
         found.nearest, found.smallest_arena, found.lowest = (1100, _Placed(), 0), 1100, 980
         return found
 
     rescued = search(unlimited())
     rescued.rescue()
-    assert efforts == [fit.RESCUE * 10] and rescued.best.step_time == 1.5
+    assert efforts == [fit.RESCUE_SECONDS, 2 * fit.RESCUE_SECONDS] and rescued.best.step_time == 1.5
     assert rescued.result(rescued.strategies).notes["placement"]["arena_bytes"] == 990
     rescued.rescue()                                  # a plan is kept: nothing placed again
-    expired = Deadline(0)
-    late = search(expired)
+    assert len(efforts) == 2
+    late = search(Deadline(0))
     late.rescue()
-    assert efforts == [fit.RESCUE * 10] and late.best is None
+    assert len(efforts) == 2 and late.best is None
+    short = search(unlimited(), time_limit=20)        # the ledger (5 s) affords 2 s, not 4 s more
+    short.rescue()
+    assert efforts[2:] == [fit.RESCUE_SECONDS] and short.best is None and short.ledger.closed
+    assert "a longer --time-limit may place it" in str(short.failure(short.strategies))
+
+
+def test_the_ledger_closes_at_the_first_price_it_cannot_afford():
+    """Efforts are fixed from FLOOR_SECONDS of time limit on and shrink below it; the ledger
+    spends WORK_SHARE of the limit, and once it refuses it refuses everything after."""
+    assert fit.Ledger(10).quick == fit.Ledger(600).quick == fit.QUICK_SECONDS
+    assert fit.Ledger(600).level(3) == 4 * fit.IMPROVE_SECONDS
+    assert fit.Ledger(5).quick == fit.QUICK_SECONDS / 2 and fit.Ledger(5).order == fit.ORDER_SECONDS / 2
+    ledger = fit.Ledger(40)
+    assert ledger.budget == fit.WORK_SHARE * 40
+    share = ledger.budget * 0.6
+    assert ledger.take(share) and not ledger.take(share) and ledger.closed
+    assert not ledger.take(ledger.budget * 0.1)        # closed for good, even for what would fit
+    assert ledger.spent == share
+    ledger.charge(share)                               # the work a first plan needs is charged unasked
+    assert ledger.spent == 2 * share
+
+
+@dataclasses.dataclass
+class _FakePlan:
+    """A plan as the fit search sees it: a budget, notes (its step time and peak) and a hardware."""
+    budget: int | None = None
+    notes: dict = dataclasses.field(default_factory=dict)
+    hardware: None = None
+
+
+def _fake_passes(seed: int) -> dict:
+    """Recompute, swap and placement passes whose answers are pseudo-random in (seed, pass,
+    budget, effort, input): more effort may give a slower plan, a larger arena or none."""
+    import random
+
+    def planner(name: str):
+        def apply(plan, effort, deadline):
+            r = random.Random(repr((seed, name, plan.budget, round(effort, 6), plan.notes.get("time"))))
+            if r.random() < 0.2:
+                raise BudgetError("not this time", plan.budget + r.randrange(1, 200))
+            time_s = plan.notes.get("time", 1.0) + r.random()
+            return _FakePlan(plan.budget, {**plan.notes, name: {"overhead": time_s - 1.0}, "time": time_s,
+                                           "peak": plan.budget - r.randrange(100)}, None)
+        return apply
+
+    def placement(plan, seconds, deadline):
+        r = random.Random(repr((seed, plan.notes.get("time"), plan.budget, round(seconds, 6))))
+        return dataclasses.replace(plan, notes={**plan.notes, "placement": {
+            "arena_bytes": plan.notes["peak"] + r.randrange(-20, 120)}})
+
+    return {"recompute": planner("recompute"), fit.DRAINED: planner("recompute"), "swap": planner("swap"),
+            "placement": placement}
+
+
+def _fake_command(seed: int, time_limit: float, monkeypatch) -> fit.Search:
+    """The fit part of a compile (first plans, the improvement levels, the rescue) with the fake
+    passes and no deadline: only the ledger ends it."""
+    from types import SimpleNamespace
+
+    from passes.pipeline import improvement_levels
+
+    monkeypatch.setattr(fit, "simulate", lambda plan, hardware, costs: SimpleNamespace(step_time=plan.notes["time"]))
+    monkeypatch.setattr(fit, "drains_anything", lambda plan: seed % 2 == 0)
+    deadline, ledger = unlimited(), fit.Ledger(time_limit)
+    search = fit.Search(_FakePlan(None, {"time": 1.0, "peak": 2000}), 2000, 1000,
+                        ("order", "reuse", "recompute", "swap"), _fake_passes(seed),
+                        lambda name, apply, plan: (lambda p: (p, p.notes["peak"]))(apply(plan)), time_limit,
+                        deadline, ledger=ledger)
+    search.first_plans()
+    improvement_levels({"given": search}, ledger, deadline)
+    search.rescue()
+    return search
+
+
+@given(seed=st.integers(0, 10**6))
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_longer_limit_never_gives_a_slower_plan(seed, monkeypatch):
+    """From FLOOR_SECONDS on, the attempts of a shorter limit are a prefix of a longer one's
+    (counted effort, not the clock), so its plan is never slower: even with passes whose
+    answers get worse with more effort."""
+    limits = (fit.FLOOR_SECONDS, 15, 25, 40, 80, 160)
+    searches = [_fake_command(seed, limit, monkeypatch) for limit in limits]
+    for shorter, longer in zip(searches, searches[1:]):
+        key = [(t["candidate"], t["target_bytes"], t["effort_s"]) for t in shorter.tried]
+        assert key == [(t["candidate"], t["target_bytes"], t["effort_s"]) for t in longer.tried][:len(key)]
+        if shorter.best is not None:
+            assert longer.best is not None and longer.best.step_time <= shorter.best.step_time
+
+
+def test_a_longer_limit_gives_the_same_attempts_and_then_more():
+    """On a real step (ResNet-18's, at 50%) with no deadline: the attempts at 20 s are the
+    first of those at 40 s, and the plan is at least as fast."""
+    short, long = _compiled(20), _compiled(40)
+    tried = [[(t["candidate"], t["target_bytes"], t["effort_s"]) for t in r.plan.notes["fit"]["tried"]]
+             for r in (short, long)]
+    assert tried[0] == tried[1][:len(tried[0])] and len(tried[1]) > len(tried[0])
+    assert long.report["plan"]["step_time_s"] <= short.report["plan"]["step_time_s"]
+    assert short.plan.notes["fit"]["effort"]["closed"]
 
 
 class Terminal:
@@ -221,14 +328,14 @@ def test_a_second_ctrl_c_aborts_with_nothing_written(small_model, tmp_path):
 
 def test_the_rescue_places_the_start_again_where_its_live_bytes_fit():
     """With order and reuse alone, a start whose live bytes fit the budget but whose first
-    arena overshoots is placed once more with RESCUE of the time limit, and kept as it is."""
+    arena overshoots is placed once more by the rescue, and kept as it is."""
     efforts = []
     search = fit.Search(_Placed(), 980, 1000, ("order", "reuse"), {"placement": _placement(efforts)},
-                        lambda name, apply, plan: (apply(plan), 0), 10, unlimited())
+                        lambda name, apply, plan: (apply(plan), 0), 40, unlimited())
     search.first_plans()
-    assert search.best is None and efforts[-1] < fit.RESCUE * 10
+    assert search.best is None and efforts[-1] < 2.5
     search.rescue()
-    assert efforts[-1] == fit.RESCUE * 10 and search.best.step_time == 0.0 and search.best.record == -1
+    assert efforts[-1] >= 2.5 and search.best.step_time == 0.0 and search.best.record == -1
     assert search.result(search.strategies).notes["placement"]["arena_bytes"] == 990
 
 
