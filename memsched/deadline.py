@@ -13,6 +13,7 @@ searches running at that moment are told to stop through the callbacks they regi
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -22,8 +23,8 @@ from typing import Callable, Iterator
 class Deadline:
     """A wall-clock end (`time.perf_counter()` seconds) and whether anything was cut by it."""
 
-    def __init__(self, seconds: float | None = None):
-        self.started = time.perf_counter()
+    def __init__(self, seconds: float | None = None, already: float = 0.0):
+        self.started = time.perf_counter() - already    # `already`: seconds the command ran before
         self.end = math.inf if seconds is None else self.started + max(0.0, float(seconds))
         self.cut = False          # a search ended early because of this deadline
         self.stopped = False      # stop() was called (Ctrl-C)
@@ -76,6 +77,24 @@ class Deadline:
         finally:
             with self._lock:
                 self._stops.remove(stop)
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc/self/stat against CLOCK_BOOTTIME;
+    0 where that cannot be read): a command's time limit counts its interpreter's start-up
+    and imports too, as a user timing the command does."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")       # field 22: starttime, in ticks
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+def for_command(seconds: float | None) -> Deadline:
+    """The deadline of a whole command run from the shell: `seconds` from the process's start."""
+    return Deadline(seconds, already=process_age())
 
 
 def unlimited() -> Deadline:

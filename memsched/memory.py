@@ -250,14 +250,21 @@ def _check_alias(graph: Graph, op, output: str, source: str, ends: set[str]) -> 
 
 def _groups(residencies: list[Residency]) -> dict[tuple[str, int], list[Residency]]:
     """Storage buffer (its root residency's key) -> the residencies in it, in-place chains
-    and views followed."""
+    and views followed. Each chain is walked once: roots found are remembered, so a chain
+    of N in-place ops costs O(N), not O(N^2)."""
     by_key = {r.key: r for r in residencies}
+    root: dict[tuple[str, int], tuple[str, int]] = {}
     groups: dict[tuple[str, int], list[Residency]] = {}
     for r in residencies:
-        key = r.key
-        while (shared := by_key[key].shares_with) is not None:
+        path, key = [], r.key
+        while key not in root and (shared := by_key[key].shares_with) is not None:
+            path.append(key)
             key = shared
-        groups.setdefault(key, []).append(r)
+        top = root.get(key, key)
+        for walked in path:
+            root[walked] = top
+        root[r.key] = top
+        groups.setdefault(top, []).append(r)
     return groups
 
 
@@ -284,14 +291,28 @@ def _check_writers_own_buffers(groups: dict[tuple[str, int], list[Residency]], a
     for members in groups.values():
         if len(members) == 1:        # nothing else in its buffer to be overwritten
             continue
-        for r in members:
+        # members by start, with the two latest-ending among each prefix: a writer at step s
+        # clashes with the latest-ending other member started by s, found in O(log M)
+        members = sorted(members, key=lambda m: m.start)
+        starts = [m.start for m in members]
+        best: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        first = second = (-1, -1)          # (end + held, index)
+        for i, m in enumerate(members):
+            this = (m.end + (m.key in held), i)
+            if this > first:
+                first, second = this, first
+            elif this > second:
+                second = this
+            best.append((first, second))
+        for i, r in enumerate(members):
             if r.key not in writers or r.start != writers[r.key][1]:
                 continue
             step = r.start
-            for other in members:
-                if other.key != r.key and other.start <= step < other.end + (other.key in held):
-                    raise ScheduleError(f"'{r.tensor}' may not overwrite '{writers[r.key][0]}' in place at "
-                                        f"step {step}: '{other.tensor}' shares that storage and is read later")
+            first, second = best[bisect.bisect_right(starts, step) - 1]
+            end, j = second if first[1] == i else first
+            if j >= 0 and end > step:
+                raise ScheduleError(f"'{r.tensor}' may not overwrite '{writers[r.key][0]}' in place at "
+                                    f"step {step}: '{members[j].tensor}' shares that storage and is read later")
 
 
 def _timeline(residencies: list[Residency], n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:

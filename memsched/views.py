@@ -277,7 +277,13 @@ def print_tune(result: dict) -> None:
                       format_seconds(best["time_per_sample_s"]) if best else "-",
                       format_bytes(best["peak_bytes"]) if best else "-")
     out.print(table)
+    cut = [name for name, done in result.get("complete", {}).items() if not done]
+    if cut:
+        out.print(f"[yellow]the time limit ended the search for {_e(', '.join(cut))}: the largest batch shown "
+                  f"there is the largest that fitted so far; give --time-limit more seconds[/yellow]")
     for name, best in result["best"].items():
+        if best and best.get("measured") is None and "measured" in best:
+            out.print(f"{_e(name)} at batch {best['batch']}: not measured (past the time limit)")
         if best and best.get("measured"):
             m = best["measured"]
             out.print(f"measured {_e(name)} at batch {best['batch']} on {_e(m['provider'])}: "

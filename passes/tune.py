@@ -7,10 +7,17 @@ longer fits the device (or the budget), then bisection between the last fit and 
 miss (peak memory grows with the batch). Every batch tried is compiled with the pipeline and
 simulated; the rows keep peak, fit and predicted time per sample. The batch with the best
 predicted throughput is the fitting row with the least time per sample.
+
+The time limit is the whole search's: each batch's compile gets COMPILE_SHARE of it as its
+own (counted) effort, so the same limit gives the same rows, and the command's one deadline
+ends the search where it falls: no compile starts past it (nor one the time left cannot
+hold, judged by the last compile), and the result says which strategy sets were searched to
+the end (`complete`).
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -18,9 +25,9 @@ import onnx
 
 from memsched import frontend
 from memsched import hardware as hardware_mod
+from memsched.deadline import Deadline
 from memsched.errors import BudgetError, UserError
 from memsched.ir import Graph
-
 from memsched.units import parse_bytes
 
 from passes.pipeline import compile as compile_plan
@@ -29,6 +36,16 @@ from passes.pipeline import compile as compile_plan
 STRATEGY_SETS = {"none": (), "order,reuse": ("order", "reuse"),
                  "full": ("order", "reuse", "recompute", "swap")}
 MAX_BATCH = 1 << 16
+COMPILE_SHARE = 0.05    # of the search's time limit, each batch's compile's own (a search compiles ~10-40)
+
+
+def compile_time_limit(time_limit: float) -> float:
+    """The time limit of each batch's compile in a search given `time_limit` in all."""
+    return COMPILE_SHARE * time_limit
+
+
+class _OutOfTime(Exception):
+    """The search's deadline passed before another compile."""
 
 
 @dataclasses.dataclass
@@ -38,10 +55,12 @@ class TuneResult:
     best: dict[str, dict | None]         # strategy set -> its row with the least time per sample
     best_overall: dict | None
     capacity_bytes: int
+    complete: dict[str, bool] = dataclasses.field(default_factory=dict)   # set -> searched to the end
 
     def to_dict(self) -> dict:
         return {"capacity_bytes": self.capacity_bytes, "largest_batch": self.largest,
-                "best": self.best, "best_overall": self.best_overall, "rows": self.rows}
+                "best": self.best, "best_overall": self.best_overall, "complete": self.complete,
+                "rows": self.rows}
 
 
 def graph_builder(model: str, dims: dict[str, int] | None = None, batch_dim: str | None = None,
@@ -82,12 +101,15 @@ def _first_symbolic_dim(model: onnx.ModelProto) -> str | None:
 
 def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: str | int | None = None,
                strategy_sets: dict[str, tuple[str, ...]] | None = None, train: bool = True,
-               loss: str = "cross_entropy", optimizer: str = "sgd", time_limit: float = 5.0,
+               loss: str = "cross_entropy", optimizer: str = "sgd", time_limit: float = 60.0,
                max_batch: int = MAX_BATCH, progress: Callable[[str], None] | None = None,
                measure: str | None = None, measure_build: Callable[[int], Graph] | None = None,
-               measure_steps: int = 3) -> TuneResult:
-    """Search the batch size per strategy set; see the module docstring."""
+               measure_steps: int = 3, deadline: Deadline | None = None) -> TuneResult:
+    """Search the batch size per strategy set within `time_limit` seconds in all (or by
+    `deadline`); see the module docstring. A set whose search the deadline ends keeps what it
+    found: its largest batch is then the largest seen to fit (a lower bound)."""
     say = progress or (lambda message: None)
+    deadline = deadline or Deadline(time_limit)
     hw = hardware_mod.load(hardware)
     if budget is not None and str(budget).strip().endswith("%"):
         raise UserError("tune-batch needs an absolute budget (e.g. 12GiB): a percentage of the "
@@ -96,14 +118,23 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
     sets = strategy_sets or STRATEGY_SETS
     rows: list[dict] = []
     cache: dict[int, Graph] = {}
-    options = dict(train=train, loss=loss, optimizer=optimizer, time_limit=time_limit)
+    options = dict(train=train, loss=loss, optimizer=optimizer, time_limit=compile_time_limit(time_limit),
+                   deadline=deadline)
+
+    last = [0.0]        # seconds the last compile took: one that the time left cannot hold is not started
 
     def evaluate(name: str, strategies: tuple[str, ...], batch: int) -> dict:
+        if deadline.expired or deadline.left() < last[0]:
+            deadline.cut = True
+            raise _OutOfTime
+        began = time.perf_counter()
         say(f"{name}: batch {batch}")
         if batch not in cache:
             cache.clear()  # graphs are rebuilt per batch; keep one
             cache[batch] = build(batch)
         graph = cache[batch]
+        if deadline.expired:        # building the graph took the rest
+            raise _OutOfTime
         row = {"strategy": name, "batch": batch}
         try:
             result = compile_batch(graph, strategies, hw, capacity, **options)
@@ -118,10 +149,12 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
                        time_per_sample_s=report["plan"]["step_time_s"] / batch,
                        overhead=report["plan"]["overhead"])
         rows.append(row)
+        last[0] = time.perf_counter() - began
         return row
 
     largest: dict[str, int | None] = {}
     best: dict[str, dict | None] = {}
+    complete: dict[str, bool] = {}
     for name, strategies in sets.items():
         seen: dict[int, dict] = {}
 
@@ -129,18 +162,25 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
             if b not in seen:
                 seen[b] = evaluate(name, strategies, b)
             return seen[b]
-        largest[name] = search_largest(lambda b: row(b)["fits"], max_batch)
-        if largest[name] is not None:
-            refine_fastest(row, seen, largest[name])
+        try:
+            largest[name] = search_largest(lambda b: row(b)["fits"], max_batch)
+            if largest[name] is not None:
+                refine_fastest(row, seen, largest[name])
+            complete[name] = True
+        except _OutOfTime:
+            largest[name] = max((b for b, r in seen.items() if r["fits"]), default=None)
+            complete[name] = False
         best[name] = _fastest(list(seen.values()))
     if measure:
         for name, row in best.items():
-            if row is not None:
+            if row is not None and deadline.expired:
+                row["measured"] = None          # past the time limit: not measured
+            elif row is not None:
                 say(f"{name}: measuring batch {row['batch']} on {measure}")
                 row.update(measure_row(measure_build or build, row["batch"], sets[name], hw, capacity, measure,
                                        measure_steps, options))
     overall = _fastest(rows)
-    return TuneResult(rows, largest, best, overall, capacity)
+    return TuneResult(rows, largest, best, overall, capacity, complete)
 
 
 def compile_batch(graph: Graph, strategies: tuple[str, ...], hw, capacity: int, **options):

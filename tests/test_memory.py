@@ -234,3 +234,33 @@ def test_peak_bounds_on_random_dags(g):
     for step in range(len(g.ops)):
         assert prof.live_bytes[step] == sum(r.nbytes for r in prof.residencies if r.start <= step <= r.end)
     assert np.all(prof.live_bytes >= 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 4), st.booleans(), st.booleans()),
+                min_size=2, max_size=8))
+def test_the_in_place_writer_check_agrees_with_its_definition(members):
+    """Rule 4's last clause, checked in O(M log M) per buffer, refuses exactly the plans the
+    definition does: a writer at step s clashes with any other member of its buffer that
+    started by s and is read (or held) past s."""
+    from memsched.memory import Residency, _check_writers_own_buffers
+    residencies = [Residency(f"t{i}", 0, start, start + length, 4, "activation")
+                   for i, (start, length, _, _) in enumerate(members)]
+    events = [(r.key, (f"in{i}",), r.start, False) for i, (r, m) in enumerate(zip(residencies, members)) if m[2]]
+    held = {r.key for r, m in zip(residencies, members) if m[3]}
+    clash = any(other is not r and other.start <= r.start < other.end + (other.key in held)
+                for r, m in zip(residencies, members) if m[2] for other in residencies)
+    try:
+        _check_writers_own_buffers({residencies[0].key: residencies}, events, held)
+        refused = False
+    except ScheduleError:
+        refused = True
+    assert refused == clash
+
+
+def test_a_long_in_place_chain_is_one_buffer_in_any_order():
+    from memsched.memory import Residency, _groups
+    chain = [Residency("x", 0, 0, 1, 4, "activation")] + [
+        Residency(f"c{i}", 0, i, i + 1, 4, "activation", (f"c{i - 1}", 0) if i else ("x", 0)) for i in range(3000)]
+    groups = _groups(chain[::-1])
+    assert list(groups) == [("x", 0)] and len(groups[("x", 0)]) == 3001

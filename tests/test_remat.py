@@ -430,8 +430,8 @@ def test_to_node_link_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    (None, "no such file"),
-    ("{not json", "not valid JSON"),
+    (None, "no such node-link graph"),
+    ("{not json", "not a readable node-link graph"),
     ('{"nodes": 3}', "not a node-link graph"),
     (json.dumps({"nodes": [{"id": 0, "cost_cpu": 1}], "links": []}), "node 0 has no 'cost_ram'"),
     (json.dumps({"nodes": [{"id": 0, "cost_cpu": -1, "cost_ram": 4}], "links": []}), "finite number >= 0"),
@@ -657,7 +657,7 @@ print(json.dumps(counts))
 """
 
 
-@pytest.mark.parametrize("fraction", [0.4, 0.5])
+@pytest.mark.parametrize("fraction", [0.4, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_random_small_training_graphs_at_tight_budgets_never_abort(fraction):
     """remat.plan on 30 random 16-30-op training graphs at 40 % (and 50 %) of the peak, in a
     subprocess so that a native abort inside CP-SAT fails this test instead of killing
@@ -713,3 +713,24 @@ def test_a_large_graph_gets_a_fitting_plan_within_a_small_counted_work():
     again = remat.solve_greedy(problem, budget, work=greedy)
     assert again.schedule == result.runs[remat.GREEDY].schedule
     assert remat.FLOOR_STEPS <= greedy.spent * remat.STEPS_PER_SECOND <= remat.FLOOR_STEPS + longest
+
+
+def test_the_remat_command_stops_at_its_deadline_once_a_plan_fits():
+    """`final` (the remat command's own budget): past the deadline, a fitting sqrt(n) plan is
+    the answer and no heuristic runs its floor; a caller's inner solve (not final) still owes
+    its floors. Counted work, no clock: the deadline has passed before the call."""
+    from memsched.deadline import Deadline, Work
+    n, half = 4000, 2000
+    graph = nx.DiGraph()
+    graph.add_nodes_from((i, {"cost": 1.0 + i % 7, "size": 1000 + (i % 13) * 100}) for i in range(n))
+    graph.add_edges_from((i - 1, i) for i in range(1, n))
+    graph.add_edges_from((half - 1 - k, half + k) for k in range(1, half))      # backward reads forward
+    problem = remat.make_problem(graph)
+    budget = remat.budget_from_fraction(problem, 0.5)
+    spent = {}
+    for final in (True, False):
+        work = Work(1, Deadline(0.0))
+        result = remat.plan(problem, budget, time_limit_s=1, work=work, final=final)
+        assert result.peak_bytes <= budget
+        spent[final] = work.spent
+    assert spent[True] < 2 * n / remat.STEPS_PER_SECOND < remat.FLOOR_STEPS / remat.STEPS_PER_SECOND <= spent[False]

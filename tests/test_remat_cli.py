@@ -62,11 +62,12 @@ def test_remat_infeasible_budget_exits_3_naming_the_smallest_budget(tmp_path):
 
 
 def test_remat_user_errors_exit_1(tmp_path):
-    assert "no such file" in assert_one_line_error(
+    assert "no such node-link graph" in assert_one_line_error(
         run_cli("remat", tmp_path / "missing.json", "--budget-fraction", "0.8"), 1)
     bad = tmp_path / "bad.json"
     bad.write_text("{oops")
-    assert "not valid JSON" in assert_one_line_error(run_cli("remat", bad, "--budget-fraction", "0.8"), 1)
+    message = assert_one_line_error(run_cli("remat", bad, "--budget-fraction", "0.8"), 1)
+    assert "not a readable node-link graph" in message
     cyclic = tmp_path / "cyclic.json"
     cyclic.write_text(json.dumps({"nodes": [{"id": 0, "cost_cpu": 1, "cost_ram": 4},
                                             {"id": 1, "cost_cpu": 1, "cost_ram": 4}],

@@ -9,7 +9,8 @@ import pytest
 from memsched.hardware import load
 from memsched.onnx_utils import save_model_atomic
 from passes.pipeline import compile as compile_plan
-from passes.tune import graph_builder, search_largest, tune_batch
+from memsched.deadline import Deadline, unlimited
+from passes.tune import compile_time_limit, graph_builder, search_largest, tune_batch
 
 from .conftest import run_cli
 
@@ -33,19 +34,40 @@ def test_tune_batch_matches_brute_force():
     """Every batch from 1 to past the boundary compiled one by one: same largest and fastest batch."""
     hw = tiny_gpu(2.2)
     build = graph_builder("mlp")
-    result = tune_batch(build, hardware=hw, strategy_sets=SETS, time_limit=1)
+    result = tune_batch(build, hardware=hw, strategy_sets=SETS, time_limit=20, deadline=unlimited())
+    assert result.complete == {"none": True, "reuse": True}
     assert result.largest["none"] is None  # the baseline keeps every gradient: 3.07 MB even at batch 1
     unplanned = compile_plan(build(1), train=True, hardware=hw, strategies=())
     assert not unplanned.report["plan"]["peak_bytes"] <= hw.device_memory
     rows = {}
     for b in range(1, result.largest["reuse"] + 6):
-        report = compile_plan(build(b), train=True, hardware=hw, strategies=("reuse",), time_limit=1).report
+        report = compile_plan(build(b), train=True, hardware=hw, strategies=("reuse",),
+                              time_limit=compile_time_limit(20)).report
         rows[b] = (report["plan"]["peak_bytes"] <= hw.device_memory, report["plan"]["step_time_s"] / b)
     fits = [b for b, (ok, _) in rows.items() if ok]
     assert fits == list(range(1, max(fits) + 1)) and result.largest["reuse"] == max(fits)
     fastest = min(fits, key=lambda b: (rows[b][1], -b))
     assert result.best["reuse"]["batch"] == fastest
     assert result.best["reuse"]["time_per_sample_s"] == pytest.approx(rows[fastest][1], rel=1e-12)
+
+
+def test_the_deadline_ends_the_search_and_keeps_what_fitted():
+    """The search stops where its deadline falls (here: stopped as the fourth compile is
+    announced, as a clock would) and says so; the largest batch is then the largest seen to fit."""
+    hw = tiny_gpu(2.2)
+    deadline = Deadline(None)
+    compiles = []
+
+    def say(message):
+        compiles.append(message)
+        if len(compiles) == 4:
+            deadline.stop()
+    result = tune_batch(graph_builder("mlp"), hardware=hw, strategy_sets=SETS, time_limit=20, deadline=deadline,
+                        progress=say)
+    assert result.complete == {"none": True, "reuse": False} and len(result.rows) == 3
+    assert compiles[0] == "none: batch 1" and compiles[1] == "reuse: batch 1"
+    assert result.largest["reuse"] == max(r["batch"] for r in result.rows if r["fits"]) == 2
+    assert result.to_dict()["complete"] == {"none": True, "reuse": False}     # batch 1 did not fit: none is done
 
 
 def test_tune_batch_cli(tmp_path):
@@ -65,7 +87,7 @@ def test_tune_batch_cli(tmp_path):
 
 def test_measure_runs_the_chosen_batch_with_the_executor():
     result = run_cli("tune-batch", "mlp", "--hardware", "cpu", "--budget", "2.2MiB", "--strategies", "reuse",
-                     "--measure", "--time-limit", "1", "--json")
+                     "--measure", "--time-limit", "600", "--json")
     assert result.returncode == 0, result.stderr
     best = json.loads(result.stdout)["best"]["reuse"]
     measured = best["measured"]

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import math
 import random
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 
+from memsched.documents import read_document
 from memsched.deadline import Work
 from memsched.errors import BudgetError, UserError
 
@@ -153,10 +153,12 @@ def make_problem(graph: nx.DiGraph, order=None, pinned_bytes: int = 0,
     """
     if not isinstance(graph, nx.DiGraph) or graph.is_multigraph():
         raise RematInputError("the graph must be a networkx DiGraph")
-    if not nx.is_directed_acyclic_graph(graph):
+    try:
+        sorted_order = list(nx.topological_sort(graph)) if order is None else None   # also the cycle check
+    except nx.NetworkXUnfeasible:
         cycle = " -> ".join(repr(u) for u, _ in nx.find_cycle(graph))
-        raise RematInputError(f"the graph has a cycle: {cycle}")
-    order = list(nx.topological_sort(graph)) if order is None else list(order)
+        raise RematInputError(f"the graph has a cycle: {cycle}") from None
+    order = sorted_order if order is None else list(order)
     pos = {v: i for i, v in enumerate(order)}
     if len(pos) != len(order) or set(pos) != set(graph.nodes):
         raise RematInputError("the order must list every node of the graph exactly once")
@@ -187,18 +189,7 @@ def load_node_link(path, pinned_bytes: int = 0) -> RematProblem:
     `graph["order"]` when the file gives one, else a topological sort.
     """
     path = Path(path)
-    if path.exists() and not path.is_file():        # a FIFO blocks, /dev/zero never ends
-        raise RematInputError(f"{path}: not a regular file (a device, FIFO, socket or folder)")
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise RematInputError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise RematInputError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RematInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = read_document(path, "node-link graph", RematInputError)
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
         raise RematInputError(f"{path}: not a node-link graph (no 'nodes' list)")
     edges_key = "edges" if "edges" in data else "links"
@@ -997,7 +988,7 @@ def _cheapest(runs: dict[str, Result]) -> Result | None:
 
 def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, method: str = "auto",
          max_computations: int = 2, seeds: dict[str, list[list[int]]] | None = None,
-         work: Work | None = None) -> Result:
+         work: Work | None = None, final: bool = False) -> Result:
     """The cheapest schedule within `budget_bytes`, found anytime: feasibility first, then
     improvement while `time_limit_s` lasts, always keeping the best plan so far.
 
@@ -1022,7 +1013,9 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
     WHOLE_NODES nodes), and CP-SAT
     runs only where building its model (CPSAT_NODE_COST per node squared) is within what is
     left, or within CPSAT_FLOOR_S: on a 6,500-node problem the heuristics' plan is the
-    answer. Without it, steps 1 and 2 run whole.
+    answer. Without it, steps 1 and 2 run whole. `final`: `budget_bytes` is the command's own
+    budget (the `remat` command), so the first plan that fits it is the command's answer:
+    `work`'s deadline is then marked planned, and no floor runs past it.
     Raises BudgetInfeasible naming the smallest budget reached.
     """
     started = time.perf_counter()
@@ -1037,6 +1030,8 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
 
     def keep(name: str, result: Result) -> Result:
         runs[name] = replace(result, found_at=time.perf_counter() - started)
+        if final and result.fits and work is not None and work.deadline is not None:
+            work.deadline.planned = True
         return runs[name]
 
     wanted = METHODS if method in ("auto", CPSAT) else (method,)
