@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 from memsched.errors import MemschedError
@@ -21,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     install_sigterm_handler()       # temporaries are removed on the way out, as for Ctrl-C
     try:
-        args = parser.parse_args(argv)     # inside: a `type=` function may raise UserError (a bad value)
-        args.argv = list(argv) if argv is not None else sys.argv[1:]    # a launcher starts ranks with them
+        given = list(argv) if argv is not None else sys.argv[1:]
+        args = parser.parse_args(attach_negative_values(given))   # a `type=` may raise UserError (a bad value)
+        args.argv = given    # a launcher starts ranks with them
         return args.handler(args)
     except MemschedError as exc:
         print(f"memsched: error: {exc}", file=sys.stderr)
@@ -33,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print("memsched: terminated", file=sys.stderr)
         return 143
+    except OSError as exc:      # a full disk, a file it may not read or write: the system's reason
+        print(f"memsched: error: {os_error_line(exc)}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - a bug, but the user still gets one line
         if os.environ.get("MEMSCHED_DEBUG"):
             raise
@@ -80,17 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="a bundled model name (memsched models list) or an .onnx file with a symbolic batch")
     add_dim_option(p)
     p.add_argument("--batch-dim", help="the symbolic dimension that is the batch (default: the first one)")
-    p.add_argument("--size", type=int, help="input resolution (bundled image models)")
-    p.add_argument("--seq", type=int, help="sequence length (bundled transformers)")
+    p.add_argument("--size", type=positive_int("--size"), help="input resolution (bundled image models)")
+    p.add_argument("--seq", type=positive_int("--seq"), help="sequence length (bundled transformers)")
     p.add_argument("--hardware", default="v100-16gb", help="preset name or TOML/JSON profile (default v100-16gb)")
     p.add_argument("--budget", help="device bytes to fit instead of the device's memory, e.g. 12GiB")
     p.add_argument("--strategies", action="append", metavar="SET",
                    help="a strategy set to compare, e.g. order,reuse (repeatable; default: none, order,reuse, full)")
     p.add_argument("--loss", default="cross_entropy", choices=LOSSES)
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
-    p.add_argument("--time-limit", type=positive_seconds, default=5.0, metavar="S",
-                   help="seconds for the whole compile of each batch (default 5)")
-    p.add_argument("--max-batch", type=int, default=1 << 16, help="stop the search here")
+    p.add_argument("--time-limit", type=positive_seconds, default=60.0, metavar="S",
+                   help="seconds for the whole search (default 60); each batch's compile gets 5%% of it")
+    p.add_argument("--max-batch", type=positive_int("--max-batch"), default=1 << 16, help="stop the search here")
     p.add_argument("--plot", metavar="OUT.svg", help="write time per sample against batch size")
     p.add_argument("--measure", nargs="?", const="cpu", choices=["cpu", "cuda"],
                    help="run each strategy set's chosen batch with the executor on this device (default cpu)")
@@ -114,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, meta, what in (("--batch", "N", "batch size"), ("--size", "S", "input resolution"),
                              ("--seq", "L", "sequence length"), ("--classes", "K", "number of classes"),
                              ("--layers", "N", "transformer layers")):
-        p.add_argument(flag, type=int, metavar=meta, help=f"{what} (default: the model's)")
+        p.add_argument(flag, type=positive_int(flag), metavar=meta, help=f"{what} (default: the model's)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="weight and activation type")
     p.set_defaults(handler=cmd_models_export)
 
@@ -171,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-fraction", type=float, required=True, metavar="F",
                    help="budget as a fraction of the graph's peak without recomputation (e.g. 0.8)")
     p.add_argument("--time-limit", type=positive_seconds, default=30.0, metavar="S",
-                   help="CP-SAT seconds (default 30)")
+                   help="seconds for the whole command (default 30)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=cmd_remat)
 
@@ -273,6 +278,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def os_error_line(exc: OSError) -> str:
+    """'cannot open PATH: Permission denied': the file and the system's reason, as other tools
+    say it (a failed write is the writers' UserError, its temporary removed)."""
+    reason = exc.strerror or str(exc)
+    return f"cannot open {exc.filename}: {reason}" if exc.filename else reason
+
+
+def attach_negative_values(argv: list[str]) -> list[str]:
+    """`--budget -5%` as `--budget=-5%`: argparse reads a value that starts with '-' and is not a
+    plain number as an option ("expected one argument"); attached, the option's own check
+    refuses it with its reason."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[0-9.][^\s]*", token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def positive_int(what: str):
+    """argparse type for a count or size named `what`: an integer above 0 (not an integer:
+    argparse's usage error; 0 or less: a UserError, one line and exit 1)."""
+    def parse(text: str) -> int:
+        from memsched.errors import UserError
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        if value < 1:
+            raise UserError(f"{what} '{text}' must be a whole number of at least 1")
+        return value
+
+    parse.__name__ = "integer"      # argparse's usage error names the type
+    return parse
+
+
 def positive_seconds(text: str) -> float:
     """argparse type for a time limit: a finite number of seconds above 0.
 
@@ -347,10 +390,7 @@ def cmd_models_export(args) -> int:
                              classes=args.classes, dtype=args.dtype, **extra)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    try:
-        path = save_model_atomic(model, args.output)
-    except OSError as exc:
-        raise UserError(f"cannot write {args.output}: {exc.strerror or exc}") from exc
+    path = save_model_atomic(model, args.output)
     print(f"wrote {path}: {args.name}, {models.count_parameters(model):,} parameters")
     return 0
 
@@ -457,7 +497,7 @@ def cmd_simulate(args) -> int:
 def cmd_compile(args) -> int:
     from memsched import frontend
     from memsched.errors import UserError
-    from memsched.deadline import Deadline
+    from memsched.deadline import for_command
     from memsched.emit import write_plan
     from memsched.interrupt import stop_on_interrupt
     from memsched.views import progress, say_interrupted
@@ -466,7 +506,7 @@ def cmd_compile(args) -> int:
     check_outputs({"-o": args.output, "--report": args.report}, [args.model, args.costs, args.hardware])
     if not math.isfinite(args.bucket_mb) or args.bucket_mb <= 0:
         raise UserError(f"--bucket-mb must be a size above 0 MiB, not {args.bucket_mb:g}")
-    deadline = Deadline(args.time_limit)
+    deadline = for_command(args.time_limit)     # from the process's start: the whole command
     with progress(deadline) as say, stop_on_interrupt(deadline, say_interrupted):
         result = compile_plan(args.model, dims=frontend.parse_dims(args.dim), train=args.train, loss=args.loss,
                               optimizer=args.optimizer, lr=args.lr, freeze=tuple(args.freeze),
@@ -514,12 +554,15 @@ def cmd_report(args) -> int:
 
 
 def cmd_remat(args) -> int:
+    from memsched.deadline import Work, for_command
     from memsched.views import print_remat
     from passes.recompute import dag as remat
 
+    deadline = for_command(args.time_limit)       # the whole command, start-up and loading included
     problem = remat.load_node_link(args.graph)
     budget = remat.budget_from_fraction(problem, args.budget_fraction)
-    result = remat.plan(problem, budget, time_limit_s=args.time_limit)
+    left = max(deadline.left(), 1e-3)
+    result = remat.plan(problem, budget, time_limit_s=left, work=Work(left, deadline), final=True)
     summary = remat.summary(problem, result)
     if args.json:
         print_json(summary)
@@ -580,16 +623,18 @@ def cmd_tune_batch(args) -> int:
     from memsched.onnx_utils import write_text_atomic
     from memsched.views import print_tune, progress
     from passes.pipeline import parse_strategies
+    from memsched.deadline import for_command
     from passes.tune import STRATEGY_SETS, graph_builder, tune_batch
 
     check_outputs({"--plot": args.plot}, [args.model, args.hardware])
     sets = STRATEGY_SETS if not args.strategies else \
         {text: parse_strategies(text if text != "none" else ()) for text in args.strategies}
     build = graph_builder(args.model, frontend.parse_dims(args.dim), args.batch_dim, args.size, args.seq)
-    with progress() as say:
+    deadline = for_command(args.time_limit)
+    with progress(deadline) as say:
         result = tune_batch(build, hardware=args.hardware, budget=args.budget, strategy_sets=sets, loss=args.loss,
                             optimizer=args.optimizer, time_limit=args.time_limit, max_batch=args.max_batch,
-                            progress=say, measure=args.measure,
+                            progress=say, measure=args.measure, deadline=deadline,
                             measure_build=graph_builder(args.model, frontend.parse_dims(args.dim), args.batch_dim,
                                                         args.size, args.seq, weights=True) if args.measure else None)
     out = result.to_dict()

@@ -60,6 +60,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .documents import read_document
 from .errors import UserError
 from .hardware import Hardware
 from .ir import Graph, Op, Tensor, tensor_value
@@ -351,12 +352,7 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> "CostTable":
         path = Path(path)
-        if not path.is_file():
-            raise UserError(f"no such cost table: {path}")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path} is not a readable cost table: {exc}") from None
+        data = read_document(path, "cost table")
         if not isinstance(data, dict) or data.get("format") != "memsched-costs":
             raise UserError(f"{path} is not a memsched cost table (write one with `memsched profile`)")
         times = _seconds_table(data.get("times", {}), "times", path)

@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass, replace
 
 from .errors import UserError
-from .ir import Graph
+from .ir import Graph, metadata_json
 from .schedule import Plan
 from .simulate import Simulation
 
@@ -199,7 +199,14 @@ def plan_options(graph: Graph) -> dict:
     """What a data-parallel compile recorded in the graph: {'workers', 'bucket_bytes',
     'batch_inputs', 'worker_batch'}; {} for a plan compiled for one worker."""
     text = graph.metadata.get(PLAN_KEY)
-    return json.loads(text) if text else {}
+    if not text:
+        return {}
+    return metadata_json(text, PLAN_KEY, lambda v: (
+        isinstance(v, dict) and isinstance(v["workers"], int) and v["workers"] >= 1
+        and isinstance(v["bucket_bytes"], int) and v["bucket_bytes"] >= 1
+        and all(isinstance(n, str) and n in graph.tensors for n in v["batch_inputs"])
+        and (v["worker_batch"] is None or isinstance(v["worker_batch"], int) and v["worker_batch"] >= 1)),
+        "a JSON object of workers, bucket_bytes, batch_inputs (the step's inputs) and worker_batch")
 
 
 def record_options(graph: Graph, workers: int, bucket_bytes: int, batch_inputs: list[str]) -> None:
@@ -217,7 +224,10 @@ def batch_statistics(graph: Graph) -> list[str]:
     the step of the whole batch: every worker's batch is the same size, so a mean of means is
     the whole batch's mean, and the backward divides the sums by its own batch's count."""
     text = graph.metadata.get(BATCH_STATISTICS_KEY)
-    records = json.loads(text) if text else {}
+    records = {} if not text else metadata_json(text, BATCH_STATISTICS_KEY, lambda v: isinstance(v, dict) and all(
+        isinstance(r, dict) and all(isinstance(t, str) and t in graph.tensors for part in ("forward", "backward")
+                                    for t in r.get(part, [])) for r in v.values()),
+        "a JSON object of BatchNormalization names to their forward and backward statistics (the step's tensors)")
     return [t for record in records.values() for part in ("forward", "backward") for t in record.get(part, [])]
 
 

@@ -57,6 +57,7 @@ from .schedule import Plan
 
 BACKEND = "gloo"
 TIMEOUT_S = 300.0          # a rank that does not finish in this time fails the run
+STORE_WAIT_S = 60.0        # a rank waits at most this long (or its timeout) for rank 0's store
 COMM_REPEATS = 3           # timed runs of the buckets' all-reduces alone (median)
 
 
@@ -302,12 +303,78 @@ def rank_of(plan: Plan, overlap: bool = True, sync_batchnorm: bool = False, time
     torch.set_num_threads(1)             # torch computes nothing here: the cores are ONNX Runtime's
     own = not dist.is_initialized()
     if own:
-        dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout))
+        address = _store_address()
+        _reach_store(address, rank, min(timeout, STORE_WAIT_S))
+        try:
+            dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout))
+        except (RuntimeError, ValueError) as exc:      # torch's DistError family: C++ frames follow its first line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"rank {rank} cannot join the process group at {address[0]}:{address[1]}: "
+                            f"{first}") from None
     try:
         yield rank, workers, _Comm(plan, torch, dist, workers, overlap, sync_batchnorm), dist
     finally:
         if own:
             dist.destroy_process_group()
+
+
+def _store_address() -> tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT, checked: where rank 0's store listens."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"MASTER_ADDR and MASTER_PORT must name rank 0's host and a TCP port 1-65535 "
+                        f"(MASTER_ADDR={host!r}, MASTER_PORT={port!r})")
+    return host, int(port)
+
+
+def _reach_store(address: tuple[str, int], rank: int, wait: float) -> None:
+    """Rank 0: the store's port must be free to listen on (unless torchrun's agent already
+    hosts the store there). Other ranks: the store must answer within `wait` seconds (polled,
+    so SIGTERM and Ctrl-C act at once), else one line."""
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        try:
+            with socket.create_server(address, reuse_port=False):
+                return
+        except OSError as exc:
+            raise UserError(f"rank 0 cannot listen on {address[0]}:{address[1]} for the process group: "
+                            f"{exc.strerror or exc}; choose a free MASTER_PORT") from None
+    end = time.monotonic() + wait
+    while True:
+        try:
+            with socket.create_connection(address, timeout=1.0):
+                return
+        except OSError as exc:
+            if time.monotonic() >= end:
+                raise UserError(f"rank {rank} cannot reach rank 0's store at {address[0]}:{address[1]} within "
+                                f"{wait:g} s ({exc.strerror or exc}); is rank 0 running, and are MASTER_ADDR and "
+                                f"MASTER_PORT its own?") from None
+            time.sleep(0.2)
+
+
+def _die_with_parent() -> None:
+    """In a launched rank, before exec: the kernel sends it SIGTERM when its launcher dies
+    (Linux prctl PR_SET_PDEATHSIG), so no rank outlives a launcher that was killed."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)       # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _start_rank(args: list[str], env: dict, **popen) -> subprocess.Popen:
+    """One local rank's process, tied to this launcher's life (`_die_with_parent`)."""
+    return subprocess.Popen(args, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None, **popen)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Kill the ranks still running and reap every one."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -339,16 +406,12 @@ def launch_command(program: str, command: list[str], workers: int) -> int:
                    "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             log = tempfile.TemporaryFile(mode="w+") if rank else None      # a file: a pipe could fill and block
             logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, program, *command], env=env,
-                                          stdout=subprocess.DEVNULL if rank else None, stderr=log, text=True))
+            procs.append(_start_rank([sys.executable, program, *command], env,
+                                     stdout=subprocess.DEVNULL if rank else None, stderr=log, text=True))
         while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
             time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
+    finally:        # also on Ctrl-C and SIGTERM (cli.main's Terminated): no rank outlives the launcher
+        _stop(procs)
     errors = []
     for log in logs:
         if log is not None:
@@ -383,39 +446,44 @@ def launch(plan_path: str, workers: int, steps: int = 1, threads: int = 1, input
         raise UserError(f"--workers needs at least 1 worker, not {workers}")
     check_plan(read_plan(plan_path), workers)
     import_torch()                        # the one-line error before any process starts
-    port = free_port()
+    procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="memsched-dp-") as tmp:
-        summary_path = Path(tmp) / "summary.json"
-        procs = []
-        for rank in range(workers):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
-                   "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            args = [sys.executable, "-m", "memsched.distributed", str(plan_path), "--steps", str(steps),
-                    "--threads", str(threads), "--timeout", str(timeout), "--summary", str(summary_path)]
-            args += ["--inputs", str(inputs)] if inputs else []
-            args += ["--outputs", str(outputs)] if outputs else []
-            args += [] if overlap else ["--no-overlap"]
-            args += ["--sync-batchnorm"] if sync_batchnorm else []
-            procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-        deadline = time.monotonic() + timeout
-        failed = None
-        for rank, proc in enumerate(procs):
-            try:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                for p in procs:
-                    p.communicate()
-                raise UserError(f"rank {rank} did not finish within {timeout:g} s; the data-parallel run was "
-                                f"stopped") from None
-            if proc.returncode and failed is None:
-                lines = [line for line in out.strip().splitlines() if line.strip()]
-                failed = f"rank {rank} failed: {lines[-1] if lines else f'exit status {proc.returncode}'}"
-        if failed is not None:
-            raise UserError(failed.replace("memsched: error: ", ""))
-        return json.loads(summary_path.read_text())
+        try:
+            return _collect(procs, tmp, plan_path, workers, steps, threads, inputs, outputs, overlap, timeout,
+                            sync_batchnorm)
+        finally:     # also on Ctrl-C and SIGTERM: no rank outlives the launcher
+            _stop(procs)
+
+
+def _collect(procs: list, tmp: str, plan_path: str, workers: int, steps: int, threads: int, inputs, outputs,
+             overlap: bool, timeout: float, sync_batchnorm: bool) -> dict:
+    """`launch`'s body: start the ranks (into `procs`, which the caller stops) and gather them."""
+    port = free_port()
+    summary_path = Path(tmp) / "summary.json"
+    for rank in range(workers):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
+               "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        args = [sys.executable, "-m", "memsched.distributed", str(plan_path), "--steps", str(steps),
+                "--threads", str(threads), "--timeout", str(timeout), "--summary", str(summary_path)]
+        args += ["--inputs", str(inputs)] if inputs else []
+        args += ["--outputs", str(outputs)] if outputs else []
+        args += [] if overlap else ["--no-overlap"]
+        args += ["--sync-batchnorm"] if sync_batchnorm else []
+        procs.append(_start_rank(args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    failed = None
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise UserError(f"rank {rank} did not finish within {timeout:g} s; the data-parallel run was "
+                            f"stopped") from None
+        if proc.returncode and failed is None:
+            lines = [line for line in out.strip().splitlines() if line.strip()]
+            failed = f"rank {rank} failed: {lines[-1] if lines else f'exit status {proc.returncode}'}"
+    if failed is not None:
+        raise UserError(failed.replace("memsched: error: ", ""))
+    return json.loads(summary_path.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,9 @@ The file is a valid ONNX model that Netron shows as the step really runs:
 - everything else about the plan (the schedule with its frees and streams, aliases, arena
   offsets, what starts on the host, the budget, the renames) is one JSON document in
   `metadata_props` under `memsched.plan`, with a format version;
-- the document also holds `graph_sha256`, a digest of the scheduled graph as written (see
-  `graph_digest`), so a graph edited after compile is refused instead of run or reported.
+- the document also holds `graph_sha256`, a digest of the scheduled graph as written, of what
+  the document says runs and trains, and of the step's metadata (see `plan_digest`), so a plan
+  edited after compile is refused instead of run or reported.
 
 `read_plan` inverts this: the unscheduled Graph (original ops in their original order,
 kinds and phases intact, no clones or swap nodes) and the Plan's decisions. The metadata is
@@ -39,7 +40,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 from onnx.external_data_helper import _get_all_tensors
 
-from .errors import ScheduleError, UserError
+from .errors import ScheduleError, UserError, first_line
 from .frontend import read_model
 from .hardware import Hardware, preset_names
 from .hardware import from_dict as hardware_from_dict
@@ -49,7 +50,8 @@ from .onnx_utils import MEMSCHED_DOMAIN, checkable_view, save_model_atomic
 from .schedule import STEP_KINDS, Plan, Step
 
 PLAN_KEY = "memsched.plan"
-FORMAT_VERSION = 2     # 2: trained values (weights, states, hyperparameters) out of the digest
+FORMAT_VERSION = 3     # 2: trained values (weights, states, hyperparameters) out of the digest;
+                       # 3: the digest seals the document's schedule and outputs and the step's metadata
 SWAP_OPS = {"swap_out": "SwapOut", "swap_in": "SwapIn"}
 # initializer kinds whose values training changes: never in the digest
 VALUE_KINDS = ("parameter", "buffer", "optimizer_state", "hyperparameter")
@@ -78,8 +80,9 @@ def plan_to_onnx(plan: Plan, load_external_data: bool = True) -> onnx.ModelProto
         "opset_imports": dict(plan.graph.opset_imports),
         "renamed": renamed,
         "clones": clones,
-        "graph_sha256": graph_digest(model),
     }
+    document = json.loads(json.dumps(document, default=_json_default))    # as a reader will see it
+    document["graph_sha256"] = plan_digest(model, document)
     props = {p.key: p.value for p in model.metadata_props}
     props[PLAN_KEY] = json.dumps(document, default=_json_default, separators=(",", ":"))
     onnx.helper.set_model_props(model, props)
@@ -241,6 +244,7 @@ def plan_from_onnx(model: onnx.ModelProto, base_dir: str | None = None, source: 
         version = doc.get("version") if isinstance(doc, dict) else None
         raise UserError(f"the plan in {source} has format version {version!r}; this memsched reads "
                         f"version {FORMAT_VERSION}")
+    _check_document(doc, source)
     try:
         schedule = [Step(kind, target, tier, stream) for kind, target, tier, stream in doc["schedule"]]
         renamed: dict[str, str] = doc["renamed"]
@@ -255,10 +259,12 @@ def plan_from_onnx(model: onnx.ModelProto, base_dir: str | None = None, source: 
         raise UserError(f"the plan in {source} is malformed ({type(exc).__name__}: {exc})") from None
 
     _check_initializer_sizes(model, source)
-    if "graph_sha256" in doc and doc["graph_sha256"] != graph_digest(model):   # plans from before the digest lack it
+    if doc["graph_sha256"] != plan_digest(model, doc):
         raise UserError(f"the graph in {source} no longer matches the plan written with it (its sha256 "
-                        f"differs: ops, shapes or constants were edited; weights may change, these may not); "
+                        f"differs: ops, shapes, constants or memsched metadata were edited; weights may "
+                        f"change, these may not); "
                         f"compile the model again")
+    _check_shapes(model, source)
     scheduled = Graph.from_onnx(model, base_dir=base_dir)
     _check_nodes_match(scheduled, schedule, clones, renamed, source)
     original = {}
@@ -271,10 +277,77 @@ def plan_from_onnx(model: onnx.ModelProto, base_dir: str | None = None, source: 
         raise UserError(f"the plan in {source} lists ops its graph does not have (e.g. "
                         f"'{(missing or sorted(set(original) - set(graph_order)))[0]}'); was it edited by hand?")
     tensors = {name: t for name, t in scheduled.tensors.items() if name not in renamed}
+    unknown = sorted(set(plan_fields["on_host"]) - set(tensors)) or sorted(set(outputs) - set(tensors))
+    if unknown:
+        raise UserError(f"the plan in {source} names tensor '{unknown[0]}', which its graph does not have; "
+                        f"was it edited by hand?")
     metadata = {k: v for k, v in scheduled.metadata.items() if k != PLAN_KEY}
     graph = scheduled.replace(ops=[original[name] for name in graph_order], tensors=tensors, outputs=outputs,
                               opset_imports=opsets, metadata=metadata)
     return Plan(graph, schedule, **plan_fields)
+
+
+def _check_shapes(model: onnx.ModelProto, source: str) -> None:
+    """Every op's declared output shapes follow from its inputs (ONNX's strict inference on the
+    weightless view), and every tensor the ops touch has one: a graph edited and resealed (a
+    stride changed, an output dropped) is one line here, not an error of ONNX Runtime's."""
+    try:
+        onnx.shape_inference.infer_shapes(checkable_view(model), check_type=True, strict_mode=True,
+                                          data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        raise UserError(f"the graph in {source} is not consistent: {first_line(exc)}; was it edited by hand? "
+                        f"compile the model again") from None
+    shaped = {vi.name for vi in [*model.graph.value_info, *model.graph.output, *model.graph.input]
+              if vi.type.tensor_type.HasField("shape")} | {i.name for i in model.graph.initializer}
+    for node in model.graph.node:
+        for name in node.output:
+            if name and name not in shaped and node.op_type != "Constant":
+                raise UserError(f"the graph in {source} declares no shape for tensor '{name}' (output of "
+                                f"'{node.name}'); was it edited by hand? compile the model again")
+
+
+def _strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _string_map(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# each field of the plan document and what it must be
+_DOCUMENT_FIELDS = {
+    "schedule": ("a list of [kind, target, tier, stream]", lambda v: isinstance(v, list) and all(
+        isinstance(s, list) and len(s) == 4 and isinstance(s[0], str) and isinstance(s[1], str)
+        and (s[2] is None or isinstance(s[2], str)) and isinstance(s[3], str) for s in v)),
+    "aliases": ("an object of tensor names", _string_map),
+    "offsets": ("null or a list of [tensor, index, offset]", lambda v: v is None or isinstance(v, list) and all(
+        isinstance(o, list) and len(o) == 3 and isinstance(o[0], str) and _whole(o[1]) and _whole(o[2])
+        and o[2] >= 0 for o in v)),
+    "on_host": ("a list of tensor names", _strings),
+    "budget": ("null or a number of bytes above 0", lambda v: v is None or _whole(v) and v > 0),
+    "notes": ("an object", lambda v: isinstance(v, dict)),
+    "graph_order": ("a list of op names", _strings),
+    "outputs": ("a list of tensor names", _strings),
+    "opset_imports": ("an object of domains to versions", lambda v: isinstance(v, dict) and all(
+        _whole(x) and x > 0 for x in v.values())),
+    "renamed": ("an object of tensor names", _string_map),
+    "clones": ("an object of op names", _string_map),
+    "graph_sha256": ("the plan's sha256 digest", lambda v: isinstance(v, str)),
+}
+
+
+def _check_document(doc: dict, source: str) -> None:
+    """Every field of a plan document has the type memsched writes; else a UserError naming it."""
+    for key, (what, valid) in _DOCUMENT_FIELDS.items():
+        if key not in doc:
+            raise UserError(f"the plan in {source} has no '{key}'; was it edited by hand?")
+        if not valid(doc[key]):
+            raise UserError(f"the plan in {source} has a malformed '{key}' (it must be {what}); "
+                            f"was it edited by hand?")
 
 
 def _check_nodes_match(scheduled: Graph, schedule: list[Step], clones: dict[str, str],
@@ -302,6 +375,25 @@ def _check_nodes_match(scheduled: Graph, schedule: list[Step], clones: dict[str,
         if not ok:
             raise UserError(f"the plan in {source} does not match its nodes at event {index}: the "
                             f"metadata says {step}, the node is '{op.name}'; was it edited by hand?")
+
+
+# what the plan document says runs and what it trains: an edit to any of these is another plan
+SEALED_FIELDS = ("schedule", "aliases", "offsets", "on_host", "budget", "graph_order", "outputs",
+                 "opset_imports", "renamed", "clones")
+
+
+def plan_digest(model: onnx.ModelProto, document: dict) -> str:
+    """sha256 of the plan as written: `graph_digest` of its graph, the document's
+    SEALED_FIELDS, and the step's other memsched.* metadata (the training record: which
+    parameters are trained, with which loss and optimizer; the data-parallel options). A
+    plan whose metadata alone was edited (a parameter dropped from its outputs and its
+    trained list) no longer matches."""
+    digest = hashlib.sha256(graph_digest(model).encode())
+    digest.update(json.dumps({key: document.get(key) for key in SEALED_FIELDS}, sort_keys=True).encode())
+    extra = sorted((p.key, p.value) for p in model.metadata_props
+                   if p.key.startswith("memsched.") and p.key != PLAN_KEY)
+    digest.update(json.dumps(extra).encode())
+    return digest.hexdigest()
 
 
 def graph_digest(model: onnx.ModelProto) -> str:

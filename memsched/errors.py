@@ -24,3 +24,9 @@ class BudgetError(MemschedError):
     def __init__(self, message: str, smallest_feasible_bytes: int | None = None):
         super().__init__(message)
         self.smallest_feasible_bytes = smallest_feasible_bytes
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (a library's message often runs on with frames or dumps)."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

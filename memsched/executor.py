@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import os
 import re
 import shutil
 import tempfile
@@ -52,7 +53,7 @@ from onnx import helper, numpy_helper
 from .errors import ScheduleError, UserError
 from .ir import Graph, Op, _make_node, tensor_value
 from .cuda import device_memory, load_cudart
-from .measure import ProcessMemory, release_free_heap
+from .measure import ProcessMemory, release_free_heap, require_host_memory
 from .memory import MemoryProfile, Residency, buffer_groups, buffer_roots, check_placement, validate
 from .onnx_utils import MEMSCHED_DOMAIN
 from .ops import CONSTANT_OPS, HOISTED_OPS, VIEW_OPS, draws_random
@@ -213,6 +214,8 @@ class PlanRunner:
         self.planned_arena = check_placement(self.profile, plan.offsets)
         self.plan, self.graph = plan, plan.graph
         self.device, self.fallback = resolve_device(device)
+        if self.device != "cuda":
+            require_host_memory(self.planned_arena, "the plan's arena")
         if self.fallback is not None and not allow_fallback:
             raise UserError(f"cannot run on {device}: {self.fallback}; pass --allow-fallback to run on the CPU "
                             f"instead")
@@ -362,6 +365,7 @@ def prepare_inputs(graph: Graph, given: dict[str, np.ndarray] | None = None, see
     unknown = sorted(set(given) - set(graph.inputs))
     if unknown:
         raise UserError(f"the graph has no input named '{unknown[0]}' (inputs: {', '.join(graph.inputs)})")
+    require_host_memory(sum(graph.tensors[name].nbytes for name in graph.inputs), "the step's input data")
     rng = np.random.default_rng(seed)
     feeds = {}
     for name in graph.inputs:
@@ -1375,6 +1379,17 @@ class _Runtime:
                 raise UserError(f"cannot create the NVDIMM store in {directory}: {exc.strerror}") from None
             with handle:
                 mm = np.memmap(handle.name, dtype=np.uint8, mode="w+", shape=(max(nbytes, 1),))
+                try:      # the blocks now: a mapped sparse file past the free space dies of SIGBUS
+                    os.posix_fallocate(handle.fileno(), 0, max(nbytes, 1))
+                    full = None
+                except OSError as exc:
+                    full, mm = exc, None
+            if full is not None:
+                if self._tmpdir is not None:
+                    shutil.rmtree(self._tmpdir, ignore_errors=True)
+                    self._tmpdir = None
+                raise UserError(f"cannot reserve {nbytes:,} bytes for the NVDIMM store in {directory}: "
+                                f"{full.strerror or full}")
             self._mmaps.append(mm)
             self.stored += nbytes
             return mm

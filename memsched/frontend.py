@@ -10,6 +10,7 @@ a static shape and dtype.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .ir import Graph, op_summary
 from .onnx_utils import MEMSCHED_DOMAIN, TWO_GB, checkable_view, is_weight
 
@@ -45,7 +46,7 @@ def lower(model: onnx.ModelProto, dims: dict[str, int] | None = None, base_dir: 
     try:  # after inference: outputs declared without shapes are fine once inferred
         onnx.checker.check_model(view)
     except onnx.checker.ValidationError as exc:
-        raise UserError(f"not a valid ONNX model: {_first_line(exc)}") from None
+        raise UserError(f"not a valid ONNX model: {first_line(exc)}") from None
     graph = Graph.from_onnx(model, base_dir=base_dir)
     _check_complete(graph)
     return graph
@@ -62,7 +63,7 @@ def read_model(path: Path) -> onnx.ModelProto:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} is not a readable ONNX model (truncated or not ONNX): {_first_line(exc)}") from None
+        raise UserError(f"{path} is not a readable ONNX model (truncated or not ONNX): {first_line(exc)}") from None
     if not model.opset_import or not model.HasField("graph"):
         raise UserError(f"{path} is not an ONNX model (no graph or no opset); is it the right file?")
     if len(model.graph.node) == 0:
@@ -84,11 +85,6 @@ def parse_dims(items: list[str] | None) -> dict[str, int]:
 
 
 # ---- steps -------------------------------------------------------------------------------
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def _check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
     """Every external tensor's file lies in the model's folder, exists and holds the bytes it claims.
 
@@ -160,15 +156,19 @@ def _check_weight_size(init: TensorProto) -> None:
     if not is_weight(init) or init.data_location == TensorProto.EXTERNAL:
         return
     expected = int(np.prod(init.dims, dtype=np.int64))
+    shape = "x".join(map(str, init.dims)) or "scalar"
     stored = len(init.raw_data)              # a copy of the bytes: read once
     if stored:
-        held = stored // helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
-    else:
-        held = max(len(init.float_data), len(init.double_data), len(init.int32_data))
+        itemsize = helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        if stored != expected * itemsize:    # bytes, not values: a stray byte is damage too
+            raise UserError(f"not a valid ONNX model: initializer '{init.name}' declares shape {shape} "
+                            f"({expected * itemsize:,} bytes) but holds {stored:,} bytes; the file is "
+                            f"damaged, re-export the model")
+        return
+    held = max(len(init.float_data), len(init.double_data), len(init.int32_data))
     if held and held != expected:            # none: a header only (shape-only graphs built for planning)
-        raise UserError(f"not a valid ONNX model: initializer '{init.name}' declares shape "
-                        f"{'x'.join(map(str, init.dims)) or 'scalar'} ({expected:,} values) but holds "
-                        f"{held:,}; the file is damaged, re-export the model")
+        raise UserError(f"not a valid ONNX model: initializer '{init.name}' declares shape {shape} "
+                        f"({expected:,} values) but holds {held:,}; the file is damaged, re-export the model")
 
 
 def _inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -180,10 +180,17 @@ def _inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _check_domains(model: onnx.ModelProto) -> None:
+    """Standard ops only, and no convolution with fewer than one group: ONNX's own shape
+    inference divides by a ConvTranspose's group natively (SIGFPE)."""
     for index, node in enumerate(model.graph.node):
         if node.domain not in SUPPORTED_DOMAINS:
             raise UserError(f"unsupported op '{node.op_type}' from domain '{node.domain}' at node "
                             f"'{node.name or index}'; memsched handles standard ONNX ops only")
+        if node.op_type in ("Conv", "ConvTranspose") and not node.domain:
+            group = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "group"), 1)
+            if not isinstance(group, int) or group < 1:
+                raise UserError(f"{node.op_type} node '{node.name or index}' has group={group}; group must be at "
+                                f"least 1 and divide the channels")
 
 
 def subgraphs(attributes) -> list[onnx.GraphProto]:
@@ -281,7 +288,8 @@ def _infer_shapes(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelPro
         view = onnx.shape_inference.infer_shapes(checkable_view(model), check_type=True, strict_mode=False,
                                                  data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-        raise UserError(f"shape inference failed: {_first_line(exc)}") from None
+        raise UserError(f"shape inference failed: {first_line(exc)}") from None
+    _check_convolutions(view)
     graph = model.graph
     for field in ("value_info", "output", "node"):
         del getattr(graph, field)[:]
@@ -293,6 +301,17 @@ def _infer_shapes(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelPro
             del getattr(view.graph, field)[:]
             getattr(view.graph, field).extend(getattr(graph, field))
     return view
+
+
+def _known_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the graph's inputs and of every tensor shape inference shaped: what a run of the
+    model holds at the least."""
+    total = 0
+    for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
+        if _fully_shaped(vi):
+            dtype = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+            total += math.prod(d.dim_value for d in vi.type.tensor_type.shape.dim) * np.dtype(dtype).itemsize
+    return total
 
 
 def _unknown_tensors(model: onnx.ModelProto) -> list[str]:
@@ -312,8 +331,13 @@ def _probe_shapes(model: onnx.ModelProto, names: list[str], base_dir: str | None
     """Run the model once on zeros with `names` as extra outputs and record their shapes.
 
     ONNX's own inference gives up on shape arithmetic such as Shape->Gather->Concat->Reshape
-    in some exports; a real run knows. Models past 2 GB cannot be probed in memory."""
+    in some exports; a real run knows. Models past 2 GB cannot be probed in memory, nor models
+    whose inputs and shaped tensors alone pass PROBE_MAX_BYTES (a run would need at least that
+    much host memory, and the time to fill it)."""
     from .ort import probe_session
+
+    if _known_bytes(model) > PROBE_MAX_BYTES:
+        return
 
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
@@ -351,13 +375,55 @@ def _probe_shapes(model: onnx.ModelProto, names: list[str], base_dir: str | None
             model.graph.value_info.append(info)
 
 
+# numpy's (and so ONNX Runtime's Python side's) most dimensions of an array
+MAX_RANK = 32
+# the largest model (its inputs and shaped tensors) run once to learn the shapes inference leaves unknown
+PROBE_MAX_BYTES = 1 << 30
+# the largest tensor planned: sums over a step's tensors stay far inside 64-bit integers
+MAX_TENSOR_BYTES = 2 ** 48
+
+
+def _check_convolutions(view: onnx.ModelProto) -> None:
+    """A convolution's `group` divides its input and output channels, and its kernel's channel
+    axis matches, where inference knows the shapes (ONNX's inference leaves such an output
+    unshaped and ONNX Runtime fails at run time; the backward divides by it). `group` < 1 is
+    refused before inference, by `_check_domains`."""
+    shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+              for vi in list(view.graph.input) + list(view.graph.value_info) if vi.type.tensor_type.HasField("shape")}
+    shapes.update({init.name: list(init.dims) for init in view.graph.initializer})
+    for index, node in enumerate(view.graph.node):
+        if node.op_type not in ("Conv", "ConvTranspose") or node.domain or len(node.input) < 2:
+            continue
+        x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
+        if not x or not w or len(x) < 2 or len(w) < 2 or None in (x[1], w[0], w[1]):
+            continue
+        group = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "group"), 1)
+        channels = x[1]
+        if node.op_type == "Conv":
+            valid = channels % group == 0 and w[0] % group == 0 and w[1] * group == channels
+        else:
+            valid = channels % group == 0 and w[0] == channels
+        if not valid:
+            raise UserError(f"{node.op_type} node '{node.name or index}' has group={group} for {channels} input "
+                            f"channels and a kernel of shape {'x'.join(map(str, w))}; group must divide the "
+                            f"channels, the kernel holding channels/group of them")
+
+
 def _check_complete(graph: Graph) -> None:
     """Every tensor an op touches has a static shape and a dtype; name the first that has not.
-    No tensor has a negative dimension."""
+    No tensor has a negative dimension, more than MAX_RANK of them or more than
+    MAX_TENSOR_BYTES."""
     for t in graph.tensors.values():
-        if t.shape is not None and any(d < 0 for d in t.shape):
+        if t.shape is None:
+            continue
+        if any(d < 0 for d in t.shape):
             raise UserError(f"tensor '{t.name}' has a negative dimension (shape {list(t.shape)}); a dimension "
                             f"is a size, 0 or more")
+        if len(t.shape) > MAX_RANK:
+            raise UserError(f"tensor '{t.name}' has {len(t.shape)} dimensions; memsched handles at most {MAX_RANK}")
+        if math.prod(t.shape) * (t.itemsize if t.dtype else 1) > MAX_TENSOR_BYTES:
+            raise UserError(f"tensor '{t.name}' of shape {'x'.join(map(str, t.shape))} holds more than "
+                            f"{MAX_TENSOR_BYTES >> 40} TiB; memsched plans tensors up to that size")
     for op in graph.ops:
         for name in op.present_inputs:
             if name not in graph.tensors:
@@ -366,8 +432,9 @@ def _check_complete(graph: Graph) -> None:
             t = graph.tensors[name]
             if t.shape is None or not t.dtype:
                 raise UserError(f"the shape of tensor '{name}' (output of {op_summary(op)}) is unknown "
-                                f"after shape inference; bind symbolic dims with --dim NAME=VALUE or "
-                                f"re-export with static shapes")
+                                f"after shape inference (and a probe run, for models up to "
+                                f"{PROBE_MAX_BYTES >> 30} GiB of shaped tensors); bind symbolic dims with "
+                                f"--dim NAME=VALUE or re-export with static shapes")
     for name in graph.outputs:
         if name not in graph.tensors:
             raise UserError(f"graph output '{name}' is never produced")

@@ -17,12 +17,11 @@ reads it. So GPU<->NVDIMM is bounded by both.
 """
 from __future__ import annotations
 
-import json
 import math
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .documents import read_document
 from .errors import UserError
 from .units import MAX_BYTES, parse_bytes
 
@@ -187,15 +186,7 @@ def load(spec: "str | Hardware") -> Hardware:
 
 def load_file(path: str | Path) -> Hardware:
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"no such hardware profile: {path}")
-    try:
-        if path.suffix.lower() == ".toml":
-            data = tomllib.loads(path.read_text())
-        else:
-            data = json.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} is not a readable hardware profile: {exc}") from None
+    data = read_document(path, "hardware profile")
     return from_dict(data, default_name=path.stem, where=str(path))
 
 
@@ -257,7 +248,10 @@ def _number(value, key: str, where: str) -> float:
     """A JSON/TOML number (not a string, not a bool), finite: 'Infinity' and 'NaN' parse but mean nothing here."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UserError(f"{where}: '{key}' must be a number, not {value!r}")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:         # an integer of hundreds of digits
+        x = math.inf
     if not math.isfinite(x):
         raise UserError(f"{where}: '{key}' must be a finite number, not {value!r}")
     return x

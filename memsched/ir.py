@@ -13,13 +13,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from functools import cache, cached_property
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import networkx as nx
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .errors import UserError
 from .onnx_utils import IR_VERSION, OPSET
 
 TENSOR_KINDS = ("input", "parameter", "buffer", "activation", "gradient", "param_grad",
@@ -33,6 +34,33 @@ FIXED_KINDS = ("hyperparameter", "constant")
 
 _KINDS_KEY = "memsched.kinds"
 _PHASES_KEY = "memsched.phases"
+
+
+def metadata_json(text: str, key: str, valid: Callable[[Any], bool], what: str):
+    """The JSON value of metadata field `key`, when `valid` accepts it; else a UserError that
+    names the field and says what it must be (the one reader of memsched.* metadata)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = None
+    else:
+        try:
+            if valid(value):
+                return value
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+            pass
+    raise metadata_error(key, what)
+
+
+def metadata_error(key: str, what: str) -> UserError:
+    """The error for a memsched.* metadata field that is not `what`."""
+    return UserError(f"the model's metadata '{key}' is not {what}; remove it or compile the model again")
+
+
+def name_map(text: str, key: str, allowed: tuple[str, ...]) -> dict[str, str]:
+    """A metadata field that maps names to one of `allowed` (`memsched.kinds`, `memsched.phases`)."""
+    return metadata_json(text, key, lambda v: isinstance(v, dict) and all(x in allowed for x in v.values()),
+                         f"a JSON object of names to one of {', '.join(allowed)}")
 
 
 @cache
@@ -182,8 +210,8 @@ class Graph:
         """Lower a (shape-inferred) ModelProto. Unknown shapes stay None; the front end checks."""
         g = model.graph
         metadata = {p.key: p.value for p in model.metadata_props}
-        kinds = json.loads(metadata.pop(_KINDS_KEY, "{}"))
-        phases = json.loads(metadata.pop(_PHASES_KEY, "{}"))
+        kinds = name_map(metadata.pop(_KINDS_KEY, "{}"), _KINDS_KEY, TENSOR_KINDS)
+        phases = name_map(metadata.pop(_PHASES_KEY, "{}"), _PHASES_KEY, PHASES)
 
         types: dict[str, tuple[tuple[int, ...] | None, int]] = {}
         for vi in list(g.value_info) + list(g.input) + list(g.output):
@@ -365,7 +393,7 @@ def _without_data(model: onnx.ModelProto) -> onnx.ModelProto:
 def tensor_kinds(model: onnx.ModelProto) -> dict[str, str]:
     """The kind of each initializer of `model` as `Graph.from_onnx` gives it (its lowering's
     default, or the `memsched.kinds` metadata), without lowering the model."""
-    kinds = json.loads({p.key: p.value for p in model.metadata_props}.get(_KINDS_KEY, "{}"))
+    kinds = name_map({p.key: p.value for p in model.metadata_props}.get(_KINDS_KEY, "{}"), _KINDS_KEY, TENSOR_KINDS)
     buffers = {n.input[i] for n in model.graph.node if n.op_type == "BatchNormalization"
                for i in (3, 4) if len(n.input) > i}
     default = {init.name: ("constant" if not _is_float(init.data_type) else

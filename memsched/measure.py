@@ -55,6 +55,7 @@ from .onnx_utils import make_model
 from .ort import PROVIDERS, bind_values, make_session
 from .ort import version as ort_version
 from .schedule import default_schedule
+from .units import format_bytes
 
 MIN_TIMED_SECONDS = 0.02     # keep timing a fast op until this much time is covered ...
 MAX_RUNS = 200               # ... or this many runs
@@ -525,6 +526,23 @@ def release_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):       # not glibc: nothing to release this way
         pass
+
+
+def host_memory_bytes() -> int | None:
+    """This host's physical memory (sysconf), or None where it cannot be read."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def require_host_memory(nbytes: int, what: str) -> None:
+    """A UserError before `what` allocates `nbytes` that this host's memory cannot hold (the
+    allocator's own answer would be a MemoryError, or a process the kernel kills)."""
+    total = host_memory_bytes()
+    if total is not None and nbytes > total:
+        raise UserError(f"{what} needs {format_bytes(nbytes)} ({nbytes:,} B); this host has "
+                        f"{format_bytes(total)} of memory")
 
 
 class ProcessMemory:

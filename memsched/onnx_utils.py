@@ -16,6 +16,7 @@ from typing import Callable
 import onnx
 from onnx import TensorProto, external_data_helper, helper
 
+from .errors import UserError
 from .outputs import check_writable, finish_mode, temp_path, unlink_quietly
 
 OPSET = 17          # what torch.onnx.export writes by default; LayerNormalization exists
@@ -128,8 +129,10 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, source_di
             onnx.save_model(model, tmp)
         finish_mode(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         unlink_quietly(tmp, *([tmp_data] if tmp_data is not None else []))
+        if isinstance(exc, OSError):
+            raise write_error(path, exc) from None
         raise
     unlink_quietly(*(path.parent / name for name in previous if name != data_name))
     return path
@@ -154,10 +157,17 @@ def write_file_atomic(path: str | os.PathLike, write: Callable[[str], None]) -> 
         write(tmp)
         finish_mode(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         unlink_quietly(tmp)
+        if isinstance(exc, OSError):
+            raise write_error(path, exc) from None
         raise
     return path
+
+
+def write_error(path: str | os.PathLike, exc: OSError) -> UserError:
+    """A failed write as one line naming the output (a full disk's ENOSPC names no file)."""
+    return UserError(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def _external_files(path: Path) -> list[str]:

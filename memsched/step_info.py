@@ -9,11 +9,10 @@ builder (passes.training) writes, for the trainer, the inference export and the 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from .errors import UserError
-from .ir import Graph
+from .ir import Graph, metadata_error, metadata_json
 
 TRAINING_KEY = "memsched.training"
 FORWARD_KEY = "memsched.forward"
@@ -53,18 +52,33 @@ def step_info(graph: Graph) -> StepInfo:
     raw = graph.metadata.get(TRAINING_KEY)
     if raw is None:
         raise UserError("the plan is not a training step (compile the model with --train)")
-    info = json.loads(raw)
+    info = metadata_json(raw, TRAINING_KEY, lambda v: isinstance(v, dict), "a JSON object")
     if "hyperparameters" not in info:
         raise UserError("the plan was compiled by an older memsched whose learning rate is a constant of the "
                         "step; compile the model again to train with it")
+    try:
+        return _step_info(info, graph)
+    except (TypeError, KeyError, IndexError, ValueError, AttributeError):
+        raise metadata_error(TRAINING_KEY, "a JSON object of the step's loss, optimizer, parameters and "
+                                           "hyperparameters, naming the step's tensors") from None
+
+
+def _step_info(info: dict, graph: Graph) -> StepInfo:
+    """The StepInfo the training record `info` describes; raises TypeError, KeyError,
+    IndexError or ValueError where a field has another type or names a tensor `graph` lacks."""
     betas = info.get("betas", [0.9, 0.999])
     values = {"lr": info["lr"], "momentum": info.get("momentum", 0.0), "beta1": betas[0], "beta2": betas[1],
               "eps": info.get("eps", 1e-8), "weight_decay": info.get("weight_decay", 0.0)}
     tensors = {name: list(ts) for name, ts in info["hyperparameters"].items()}
-    return StepInfo(loss=info["loss"], optimizer=info["optimizer"], parameters=list(info["parameters"]),
-                    hyperparameters={name: float(values[name]) for name in tensors},
-                    hyperparameter_tensors=tensors, buffers=list(info.get("buffers", [])),
-                    extra_inputs=list(info.get("inputs", [])))
+    result = StepInfo(loss=info["loss"], optimizer=info["optimizer"], parameters=list(info["parameters"]),
+                      hyperparameters={name: float(values[name]) for name in tensors},
+                      hyperparameter_tensors=tensors, buffers=list(info.get("buffers", [])),
+                      extra_inputs=list(info.get("inputs", [])))
+    named = [*result.parameters, *result.buffers, *result.extra_inputs, *(t for ts in tensors.values() for t in ts)]
+    if not isinstance(result.loss, str) or not isinstance(result.optimizer, str) or any(
+            not isinstance(n, str) or n not in graph.tensors for n in named):
+        raise ValueError("a field names no tensor of the step")
+    return result
 
 
 def forward_proto(graph: Graph):

@@ -34,6 +34,8 @@ def parse_percent(text: str, what: str = "percentage") -> float:
     `what` names the value in the error ('budget')."""
     body = str(text).strip()
     try:
+        if not body.isascii():      # float() reads '４０'; sizes ('１２GiB') refuse such digits too
+            raise ValueError(body)
         percent = float(body.removesuffix("%"))
     except ValueError:
         raise UserError(f"cannot read {what} '{body}' as a percentage; write e.g. 40%") from None

@@ -32,8 +32,13 @@ def model_step(plan: Plan, model: str | os.PathLike) -> Graph:
     from passes.training.registry import FLOAT_TYPES
     from passes.rewrites.batch_split import given_graph
 
+    from memsched.emit import PLAN_KEY
+
     path = Path(model)
     proto = read_model(path)
+    if any(p.key == PLAN_KEY for p in proto.metadata_props):
+        raise UserError(f"{path} is a memsched plan; --against takes the model the plan was compiled from "
+                        f"(a plan agrees with itself)")
     _check_model_inputs(proto, plan.graph, path)
     forward = lower(proto, _plan_dims(proto, plan.graph, path), base_dir=str(path.parent))
     if TRAINING_KEY not in plan.graph.metadata or TRAINING_KEY in forward.metadata:

@@ -282,20 +282,23 @@ __all__ = ["place", "cnn_graph", "mlp_train_graph", "order_plan", "reuse_plan", 
            "training_graph", "small_model", "SMALL_MODELS", "compute"]
 
 
-def edit_plan_metadata(path, edit) -> None:
+def edit_plan_metadata(path, edit, reseal: bool = False) -> None:
     """Rewrite the `memsched.plan` JSON of an emitted file in place, as a user with a text
-    editor would: `edit(document)` changes the dict."""
+    editor would: `edit(document)` changes the dict. With `reseal`, the digest is computed
+    again afterwards, as a deliberate tamperer would (to reach the checks behind it)."""
     import json
 
     import onnx
 
-    from memsched.emit import PLAN_KEY
+    from memsched.emit import PLAN_KEY, plan_digest
 
     model = onnx.load(str(path))
     for prop in model.metadata_props:
         if prop.key == PLAN_KEY:
             document = json.loads(prop.value)
             edit(document)
+            if reseal:
+                document["graph_sha256"] = plan_digest(model, document)
             prop.value = json.dumps(document)
     onnx.save_model(model, str(path))
 

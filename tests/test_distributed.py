@@ -123,3 +123,94 @@ def test_missing_torch_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed", None)
     with pytest.raises(UserError, match=r"install 'memsched\[distributed\]'"):
         import_torch()
+
+
+# ---- processes: ranks that cannot meet, launchers that die ---------------------------------
+def _rank(path, rank: int, port, timeout: float = 2.0):
+    import os
+    import subprocess
+
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return subprocess.run([sys.executable, "-m", "memsched.distributed", str(path), "--timeout", str(timeout),
+                           "--summary", str(path) + ".json"], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_rank_that_cannot_meet_its_group_is_one_line(tmp_path):
+    import socket
+
+    from memsched.distributed import free_port
+
+    path = write_plan(compiled(mlp(WORKERS * BATCH), tmp_path, WORKERS), tmp_path / "plan.onnx")
+    lonely = _rank(path, 1, free_port())                          # nobody listens there
+    assert lonely.returncode == 1 and lonely.stderr.count("\n") == 1
+    assert "rank 1 cannot reach rank 0's store at 127.0.0.1:" in lonely.stderr and "within 2 s" in lonely.stderr
+    with socket.create_server(("127.0.0.1", 0)) as taken:         # another program has the port
+        busy = _rank(path, 0, taken.getsockname()[1])
+    assert busy.returncode == 1 and busy.stderr.count("\n") == 1
+    assert "rank 0 cannot listen on 127.0.0.1:" in busy.stderr and "choose a free MASTER_PORT" in busy.stderr
+    for port in ("abc", "0", "70000"):
+        bad = _rank(path, 0, port)
+        assert bad.returncode == 1 and f"MASTER_PORT={port!r}" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def _children(pid: int) -> set[int]:
+    from pathlib import Path
+
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _alive(pids) -> set[int]:
+    """Those of `pids` still running (a zombie is not)."""
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
+def test_no_rank_outlives_its_launcher(tmp_path, signal_name):
+    """SIGTERM to `run --workers 2` stops its ranks on the way out; SIGKILL (no way out) stops
+    them too, through the kernel (PR_SET_PDEATHSIG). Waits are bounded polls, not timings."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from .conftest import ROOT
+
+    path = write_plan(compiled(mlp(WORKERS * BATCH), tmp_path, WORKERS), tmp_path / "plan.onnx")
+    launcher = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "run", str(path), "--workers", "2",
+                                 "--steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):                           # the ranks start (up to 60 s on a loaded machine)
+            ranks = _children(launcher.pid)
+            if len(ranks) == 2:
+                break
+            time.sleep(0.1)
+        assert len(ranks) == 2, launcher.stderr.read() if launcher.poll() is not None else "no ranks started"
+        launcher.send_signal(getattr(signal, signal_name))
+        launcher.wait(timeout=60)
+        for _ in range(300):
+            if not _alive(ranks):
+                break
+            time.sleep(0.1)
+        assert not _alive(ranks), f"ranks {sorted(_alive(ranks))} outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _alive(_children(launcher.pid)):
+            os.kill(pid, signal.SIGKILL)

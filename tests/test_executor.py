@@ -149,7 +149,8 @@ def test_float16_networks_run_bit_identical(name):
     assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
 
 
-SLOW_TRAINING = {"vgg16", "resnet18", "resnet50", "mobilenetv2"}   # 10-60 s each on 2 cores
+# 6-60 s each on 2 cores
+SLOW_TRAINING = {"vgg16", "resnet18", "resnet50", "mobilenetv2", "bert-base", "unet3d", "gpt2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TRAINING else n
@@ -166,6 +167,7 @@ def test_every_training_step_and_strategy_runs_bit_identical(name):
         _assert_measured_equals_planned(result, plan)
 
 
+@pytest.mark.slow
 def test_adam_training_step_runs_bit_identical():
     plan = strategy_plans(training_graph("gpt2", optimizer="adam"))["swap"]
     result = run_plan(plan, check=True, steps=3)
@@ -182,7 +184,10 @@ def test_batch_norm_in_training_mode_runs_bit_identical():
 # ---- wrong plans are stopped before anything runs ------------------------------------------
 @pytest.fixture
 def no_sessions(monkeypatch):
-    """Any ONNX Runtime session built from here on fails the test."""
+    """Any ONNX Runtime session built from here on fails the test (ONNX Runtime's own
+    once-per-process warm-up aside, done first so the test does not depend on test order)."""
+    ort.warm_environment()
+
     def refuse(*args, **kwargs):
         raise AssertionError("a session was built for a plan that should have been rejected")
     monkeypatch.setattr(onnxruntime, "InferenceSession", refuse)
@@ -229,7 +234,7 @@ def test_hand_edited_emitted_plan_is_caught_naming_the_tensor(tmp_path, no_sessi
         at = [s[0:2] for s in doc["schedule"]].index(["recompute", "relu"])
         doc["schedule"].insert(at + 1, ["free", "r", None, "compute"])
 
-    edit_plan_metadata(path, free_too_early)
+    edit_plan_metadata(path, free_too_early, reseal=True)
     with pytest.raises(ScheduleError, match="tensor 'r' is read by op 'rT'"):
         run_plan(read_plan(path))
 
@@ -252,6 +257,25 @@ def test_bad_options():
         run_plan(PLANS["mlp-order"], device="tpu")
     with pytest.raises(UserError, match="cannot create the NVDIMM store"):
         run_plan(PLANS["mlp-swap"], nvdimm_dir="/nonexistent/memsched")
+
+
+@pytest.mark.parametrize("given_dir", [True, False])
+def test_an_nvdimm_store_on_a_full_filesystem_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, given_dir):
+    """The store's blocks are reserved before it is mapped: a mapped sparse file past the free
+    space ends the process with SIGBUS at its first write."""
+    import errno
+    import tempfile
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("memsched.executor.os.posix_fallocate", full)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))      # where a store folder of its own goes
+    store = tmp_path / "store"
+    store.mkdir()
+    with pytest.raises(UserError, match=r"cannot reserve [0-9,]+ bytes for the NVDIMM store in .*: No space left"):
+        run_plan(PLANS["mlp-swap"], nvdimm_dir=str(store) if given_dir else None)
+    assert list(store.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["store"]
 
 
 # ---- the check can fail -------------------------------------------------------------------
@@ -304,7 +328,7 @@ def test_cli_run_json(cli, emitted):
     assert report["swapped_bytes"] == {"dram": MLP.tensors["a"].nbytes, "nvdimm": MLP.tensors["W1"].nbytes}
 
 
-@pytest.mark.parametrize("strategy", ["recompute", "swap"])
+@pytest.mark.parametrize("strategy", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_cli_run_checks_an_emitted_training_plan(cli, tmp_path, strategy):
     import json
 
@@ -381,7 +405,7 @@ def test_cli_run_text(cli, emitted):
 def test_cli_run_rejects_a_hand_edited_plan_in_one_line(cli, tmp_path):
     path = write_plan(PLANS["mlp-order"], tmp_path / "scheduled.onnx")
     edit_plan_metadata(path, lambda doc: doc["schedule"].insert(
-        [s[1] for s in doc["schedule"]].index("mm2") + 1, ["free", "r", None, "compute"]))
+        [s[1] for s in doc["schedule"]].index("mm2") + 1, ["free", "r", None, "compute"]), reseal=True)
     proc = cli("run", path, "--check")
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith("memsched: error: tensor 'r' is read by op 'rT'")
@@ -566,3 +590,19 @@ def test_a_batch_an_op_writes_over_is_copied_into_the_arena(monkeypatch):
     assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
     assert plan.offsets[("x", 0)] in writes
     assert feeds["x"].min() < 0       # the caller's batch kept its negative values: Relu ran on the copy
+
+
+def test_a_plan_larger_than_the_host_is_one_line_before_any_allocation(monkeypatch, no_sessions):
+    """The arena (and the made-up inputs) are checked against the host's memory first: a plan
+    too large for the host is one line naming both sizes, not a MemoryError. (The host's size
+    is patched down, as a plan of a TiB would need it to be.)"""
+    from memsched import measure
+
+    plan = PLANS["mlp-order"]
+    arena = max(offset + plan.graph.tensors[t].nbytes for (t, _), offset in plan.offsets.items())
+    monkeypatch.setattr(measure, "host_memory_bytes", lambda: arena - 1)
+    with pytest.raises(UserError, match=r"the plan's arena needs .* B\); this host has"):
+        run_plan(plan)
+    monkeypatch.setattr(measure, "host_memory_bytes", lambda: 1)
+    with pytest.raises(UserError, match=r"the step's input data needs .*; this host has 1 B"):
+        run_plan(plan)

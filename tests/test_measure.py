@@ -122,6 +122,7 @@ def test_every_bundled_training_step_profiles(name):
     assert all(t >= 0 for t in table.times.values())
 
 
+@pytest.mark.slow
 def test_cli_profile_train_on_bert(cli, tmp_path):
     import json
 

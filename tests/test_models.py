@@ -113,7 +113,8 @@ def test_small_model_runs_with_static_logits(name):
 
 # -- parameter counts -------------------------------------------------------------------
 # Counted on the materialised default-size graph (VGG-16, the largest, builds in ~3 s).
-@pytest.mark.parametrize("name", sorted(REFERENCE_PARAMETERS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "vgg16" else n
+                                  for n in sorted(REFERENCE_PARAMETERS)])
 def test_parameter_count_matches_reference(name):
     model = models.build(name)
     assert all(t.raw_data for t in model.graph.initializer)

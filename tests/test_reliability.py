@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -16,7 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from cli import positive_seconds
+from cli import attach_negative_values, positive_seconds
 from memsched import frontend, hardware, onnx_utils
 from memsched.cost import CostTable
 from memsched.emit import read_plan, write_plan
@@ -297,7 +298,7 @@ def test_sizes_must_be_at_least_a_byte_and_at_most_an_exbibyte(text):
         parse_bytes(text)
 
 
-@pytest.mark.parametrize("text", ["inf%", "nan%", "0%", "-5%", "1e30%", "101%", "x%"])
+@pytest.mark.parametrize("text", ["inf%", "nan%", "0%", "-5%", "1e30%", "101%", "x%", "４０%"])
 def test_bad_percentages_are_refused(text):
     with pytest.raises(UserError, match="percentage"):
         parse_percent(text)
@@ -323,6 +324,27 @@ def test_time_limit_that_is_not_a_number_is_a_usage_error():
 
 def test_time_limit_accepts_positive_seconds():
     assert positive_seconds("0.5") == 0.5
+
+
+def test_a_negative_value_after_its_option_is_read_as_its_value(tmp_path):
+    """argparse would take '-5%' for an option ("expected one argument")."""
+    assert attach_negative_values(["compile", "m.onnx", "--budget", "-5%", "--lr", "-1e-3", "-o", "p.onnx"]) == \
+        ["compile", "m.onnx", "--budget=-5%", "--lr=-1e-3", "-o", "p.onnx"]
+    assert attach_negative_values(["--budget=-5%", "-o", "p.onnx"]) == ["--budget=-5%", "-o", "p.onnx"]
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    one_line_error(run_cli("compile", model, "--budget", "-5%"), "budget '-5%' must be a percentage above 0%")
+
+
+@pytest.mark.parametrize("command, option", [
+    (["tune-batch", "resnet18", "--size"], "--size"), (["tune-batch", "bert-base", "--seq"], "--seq"),
+    (["tune-batch", "mlp", "--max-batch"], "--max-batch"),
+    (["models", "export", "mlp", "-o", "{tmp}/x.onnx", "--batch"], "--batch"),
+])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_sizes_and_counts_below_one_are_one_line(tmp_path, command, option, value):
+    command = [part.format(tmp=tmp_path) for part in command]
+    one_line_error(run_cli(*command, value), f"{option} '{value}' must be a whole number of at least 1")
+    assert not (tmp_path / "x.onnx").exists()
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -394,6 +416,26 @@ def _edit_model(path, edit) -> None:
     onnx.save_model(model, str(path))
 
 
+def _drop_an_output(model):
+    del model.graph.output[1]
+
+
+def _stretch_a_tensor(model):
+    info = next(vi for vi in model.graph.value_info if len(vi.type.tensor_type.shape.dim) == 2)
+    info.type.tensor_type.shape.dim[1].dim_value += 1
+
+
+@pytest.mark.parametrize("edit, message", [(_drop_an_output, "declares no shape for tensor"),
+                                           (_stretch_a_tensor, "is not consistent: .*differ")])
+def test_a_resealed_graph_edit_is_one_line_everywhere(plan_file, edit, message):
+    """A deliberate tamperer who edits the graph and reseals the digest still meets a check:
+    the ops' shapes must follow from their inputs, and every tensor must have one."""
+    _edit_model(plan_file, edit)
+    edit_plan_metadata(plan_file, lambda doc: None, reseal=True)
+    for command in (["report", plan_file], ["run", plan_file, "--check"]):
+        assert re.search(message, one_line_error(run_cli(*command), "was it edited by hand?"))
+
+
 def test_plan_with_a_reshaped_initializer_is_refused(plan_file):
     def reshape(model):
         init = next(i for i in model.graph.initializer if i.name == "W1")
@@ -402,13 +444,47 @@ def test_plan_with_a_reshaped_initializer_is_refused(plan_file):
     one_line_error(run_cli("report", plan_file), "initializer 'W1'", "declares shape")
 
 
+def _set(key, value):
+    return lambda doc: doc.__setitem__(key, value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set("budget", "abc"), "malformed 'budget'"), (_set("budget", [1]), "malformed 'budget'"),
+    (_set("budget", -4), "malformed 'budget'"), (_set("on_host", ["nosuch"]), "names tensor 'nosuch'"),
+    (_set("on_host", "W1"), "malformed 'on_host'"),
+    (_set("opset_imports", {"": "17"}), "malformed 'opset_imports'"), (_set("notes", "x"), "malformed 'notes'"),
+    (_set("schedule", [["compute", 7, None, "compute"]]), "malformed 'schedule'"),
+    (_set("offsets", [["a", 0, -64]]), "malformed 'offsets'"),
+    (_set("outputs", ["loss", "nosuch"]), "names tensor 'nosuch'"),
+    (lambda doc: doc.pop("renamed"), "has no 'renamed'"),
+])
+def test_plan_metadata_of_the_wrong_type_is_one_line_naming_the_field(plan_file, edit, message):
+    edit_plan_metadata(plan_file, edit, reseal=True)
+    with pytest.raises(UserError, match=message):
+        read_plan(plan_file)
+
+
+@pytest.mark.parametrize("key, first", [("memsched.kinds", "metadata 'memsched.kinds'"),
+                                        ("memsched.phases", "no longer matches")])     # the digest seals phases
+def test_plan_with_garbage_kinds_or_phases_is_one_line(plan_file, key, first):
+    def garble(model):
+        for prop in model.metadata_props:
+            if prop.key == key:
+                prop.value = "{not json"
+    _edit_model(plan_file, garble)
+    one_line_error(run_cli("report", plan_file), first)
+    if first == "no longer matches":
+        edit_plan_metadata(plan_file, lambda doc: None, reseal=True)
+    one_line_error(run_cli("report", plan_file), f"metadata '{key}'")
+
+
 def test_plan_whose_swapout_tier_disagrees_is_refused(plan_file):
     def retier(model):
         node = next(n for n in model.graph.node if n.op_type == "SwapOut")
         node.attribute[0].s = b"nvdimm" if node.attribute[0].s == b"dram" else b"dram"
     _edit_model(plan_file, retier)
     one_line_error(run_cli("report", plan_file), "no longer matches")
-    edit_plan_metadata(plan_file, lambda doc: doc.pop("graph_sha256"))     # as a plan from before the digest
+    edit_plan_metadata(plan_file, lambda doc: None, reseal=True)     # as a deliberate tamperer would
     one_line_error(run_cli("report", plan_file), "says tier")
 
 
@@ -483,6 +559,7 @@ def test_control_flow_reading_only_its_inputs_compiles_and_runs_forward(tmp_path
 
 
 # ---- 6: measured costs for rewritten ops ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_profile_then_compile_with_the_costs_prices_the_fused_updates(tmp_path):
     model, costs, plan = tmp_path / "m.onnx", tmp_path / "costs.json", tmp_path / "plan.onnx"
     assert run_cli("models", "export", "mlp", "-o", model, "--batch", "8").returncode == 0
@@ -563,3 +640,102 @@ def test_thread_counts_beyond_the_cores_are_one_line(tmp_path):
         one_line_error(run_cli("run", plan, "--threads", threads), f"--threads must be 0 (every core) to {cores}")
     one_line_error(run_cli("profile", model, "-o", tmp_path / "c.json", "--threads", "100000"), "--threads must be")
     assert run_cli("run", plan, "--threads", str(cores)).returncode == 0
+
+
+# ---- a full disk and unreadable files -------------------------------------------------------------------------
+# runs the CLI with `open` patched: writes into FOLDER fail as a full disk fails (ENOSPC, no file
+# named), reads of files in FOLDER as an unreadable file does (these tests run as root, whom no
+# permission bit stops)
+FAULTY_DISK = """
+import builtins, errno, sys
+sys.path.insert(0, {root!r})
+folder, fault, argv = {folder!r}, {fault!r}, {argv!r}
+real_open = builtins.open
+class FullDisk:
+    def __init__(self, f): self.f = f
+    def write(self, data): raise OSError(errno.ENOSPC, "No space left on device")
+    def __getattr__(self, name): return getattr(self.f, name)
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.f.close()
+def faulty_open(file, mode="r", *args, **kwargs):
+    inside = isinstance(file, (str, bytes)) or hasattr(file, "__fspath__")
+    inside = inside and str(file).startswith(folder)
+    writes = any(c in mode for c in "wax+")
+    if inside and not writes and fault == "unreadable":
+        raise PermissionError(errno.EACCES, "Permission denied", str(file))
+    f = real_open(file, mode, *args, **kwargs)
+    return FullDisk(f) if inside and writes and fault == "full" else f
+builtins.open = faulty_open
+import cli
+sys.exit(cli.main(argv))
+"""
+
+
+def _faulty_run(folder, fault: str, *argv) -> subprocess.CompletedProcess:
+    code = FAULTY_DISK.format(root=str(ROOT), folder=str(folder), fault=fault, argv=[str(a) for a in argv])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def mlp_files(tmp_path_factory):
+    """A model and its compiled plan, outside the folders the faults touch."""
+    folder = tmp_path_factory.mktemp("inputs")
+    model = onnx_utils.save_model_atomic(mlp_model(), folder / "m.onnx")
+    assert run_cli("compile", model, "--train", "--loss", "mse", "-o", folder / "plan.onnx").returncode == 0
+    return model, folder / "plan.onnx"
+
+
+@pytest.mark.parametrize("command", [
+    ["compile", "{model}", "--train", "--loss", "mse", "-o", "{out}/plan.onnx"],
+    ["compile", "{model}", "--train", "--loss", "mse", "--json", "-o", "{out}/plan.onnx"],
+    ["train-graph", "{model}", "--loss", "mse", "-o", "{out}/step.onnx"],
+    ["report", "{plan}", "--html", "{out}/report.html"],
+    ["tune-batch", "mlp", "--time-limit", "600", "--max-batch", "4", "--plot", "{out}/batch.svg"],
+])
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, mlp_files, command):
+    model, plan = mlp_files
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [part.format(model=model, plan=plan, out=out) for part in command]
+    line = one_line_error(_faulty_run(out, "full", *argv), "cannot write", "No space left on device")
+    assert str(out) in line
+    assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("command", [["inspect", "{model}"], ["compile", "{model}", "--train", "--loss", "mse"],
+                                     ["run", "{plan}"], ["report", "{plan}"]])
+def test_an_unreadable_input_is_one_line_naming_it(tmp_path, mlp_files, command):
+    model, plan = mlp_files
+    argv = [part.format(model=model, plan=plan) for part in command]
+    line = one_line_error(_faulty_run(model.parent, "unreadable", *argv), "Permission denied")
+    assert str(model.parent) in line
+
+
+# ---- hostile JSON and TOML -------------------------------------------------------------------------------------
+HOSTILE = {"400 digits": "{\"x\": 1" + "0" * 400 + "}", "5,000 digits": "{\"x\": 1" + "0" * 5000 + "}",
+           "nested 100,000 deep": "[" * 100000 + "]" * 100000, "not UTF-8": b"\xff\xfe{}"}
+
+
+@pytest.mark.parametrize("content", HOSTILE.values(), ids=HOSTILE.keys())
+@pytest.mark.parametrize("suffix, command", [
+    (".json", ["hardware", "show", "{path}"]), (".toml", ["hardware", "show", "{path}"]),
+    (".json", ["remat", "{path}", "--budget-fraction", "0.5"]),
+    (".json", ["simulate", "{model}", "--costs", "{path}"]),
+])
+def test_hostile_json_and_toml_are_one_line(tmp_path, content, suffix, command):
+    """An integer past Python's digit limit, nesting past the recursion limit, bytes that are
+    not text: OverflowError, ValueError, RecursionError and UnicodeDecodeError before."""
+    path = tmp_path / f"doc{suffix}"
+    if suffix == ".toml" and isinstance(content, str) and content.startswith("{"):
+        content = "x = 1" + content.split("1", 1)[1].rstrip("}")        # the same integer in TOML
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    result = run_cli(*[part.format(path=path, model=model) for part in command])
+    assert result.returncode == 1 and "internal error" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and str(path) in result.stderr, result.stderr
+
+
+def test_a_hardware_number_past_a_float_is_refused():
+    base = hardware.load("v100-16gb").to_dict()
+    with pytest.raises(UserError, match="memory_bandwidth' must be a finite number"):
+        hardware.from_dict({**base, "memory_bandwidth": 10 ** 400})     # float() of it: OverflowError

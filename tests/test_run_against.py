@@ -101,9 +101,9 @@ def test_plan_with_scaled_weights_passes_its_own_check_but_not_against_the_model
     one_line_error(run_cli("run", edited, "--check", "--against", model), "check failed")
 
 
-def test_plan_with_an_edited_op_and_no_digest_fails_against_the_model(mlp, tmp_path):
-    """A plan without `graph_sha256` (as from before the digest) with Relu turned into Sigmoid
-    agrees with itself; the model shows the edit."""
+def test_plan_with_an_edited_op_and_a_new_digest_fails_against_the_model(mlp, tmp_path):
+    """A plan with Relu turned into Sigmoid and its digest computed again agrees with itself;
+    the model shows the edit."""
     model, plan = mlp
     edited = tmp_path / "edited.onnx"
     onnx_utils.save_model_atomic(onnx.load(str(plan)), edited)
@@ -111,7 +111,7 @@ def test_plan_with_an_edited_op_and_no_digest_fails_against_the_model(mlp, tmp_p
     def sigmoid(model):
         next(n for n in model.graph.node if n.op_type == "Relu").op_type = "Sigmoid"
     _edit(edited, sigmoid)
-    edit_plan_metadata(edited, lambda doc: doc.pop("graph_sha256"))
+    edit_plan_metadata(edited, lambda doc: None, reseal=True)
     assert run_cli("run", edited, "--check").returncode == 0
     one_line_error(run_cli("run", edited, "--check", "--against", model), "check failed", "output 'loss'")
 
@@ -126,8 +126,33 @@ def test_plan_whose_step_was_built_with_other_options_is_caught(mlp, tmp_path, k
     edited = tmp_path / "edited.onnx"
     onnx_utils.save_model_atomic(onnx.load(str(plan)), edited)
     _edit(edited, _edit_training(key, value))
+    one_line_error(run_cli("run", edited, "--check"), "no longer matches")     # the digest sees the edit
+    edit_plan_metadata(edited, lambda doc: None, reseal=True)     # a deliberate tamperer reseals it
     assert run_cli("run", edited, "--check").returncode == 0      # the plan still agrees with itself
     one_line_error(run_cli("run", edited, "--check", "--against", model), message)
+
+
+def test_a_plan_edited_only_in_its_metadata_is_refused(mlp, tmp_path):
+    """A parameter dropped from the plan's outputs and from its trained list, the graph
+    untouched: multi-step runs would never train it. The digest covers both."""
+    model, plan = mlp
+    edited = tmp_path / "edited.onnx"
+    onnx_utils.save_model_atomic(onnx.load(str(plan)), edited)
+
+    def untrain(model):
+        prop = next(p for p in model.metadata_props if p.key == TRAINING_KEY)
+        info = json.loads(prop.value)
+        info["parameters"] = [name for name in info["parameters"] if name != "fc3.bias"]
+        prop.value = json.dumps(info)
+    _edit(edited, untrain)
+    edit_plan_metadata(edited, lambda doc: doc["outputs"].remove("fc3.bias.updated"))
+    for args in (["report", edited], ["run", edited, "--check"], ["run", edited, "--check", "--against", model]):
+        one_line_error(run_cli(*args), "no longer matches")
+
+
+def test_a_plan_is_no_witness_of_itself(mlp):
+    _, plan = mlp
+    one_line_error(run_cli("run", plan, "--check", "--against", plan), "is a memsched plan")
 
 
 def test_malformed_training_options_are_one_line(mlp, tmp_path):
@@ -135,6 +160,7 @@ def test_malformed_training_options_are_one_line(mlp, tmp_path):
     edited = tmp_path / "edited.onnx"
     onnx_utils.save_model_atomic(onnx.load(str(plan)), edited)
     _edit(edited, _edit_training("lr", "fast"))
+    edit_plan_metadata(edited, lambda doc: None, reseal=True)
     one_line_error(run_cli("run", edited, "--check", "--against", model), "memsched.training", "'lr'")
 
 

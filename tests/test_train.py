@@ -287,7 +287,7 @@ def test_a_plan_holding_other_weights_is_the_same_plan(mlp_model, tmp_path):
     constant = next(init for init in model.graph.initializer if init.name.startswith("memsched.const"))
     constant.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(constant) + 1, constant.name))
     onnx.save(model, tmp_path / "edited.onnx")
-    with pytest.raises(UserError, match="ops, shapes or constants were edited"):
+    with pytest.raises(UserError, match="ops, shapes, constants or memsched metadata were edited"):
         read_plan(tmp_path / "edited.onnx")
 
 
