@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 
 from memsched.errors import MemschedError
@@ -20,7 +21,7 @@ OPTIMIZERS = ["none", "sgd", "momentum", "adam", "adamw"]
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    install_sigterm_handler()       # temporaries are removed on the way out, as for Ctrl-C
+    previous = install_sigterm_handler()       # temporaries are removed on the way out, as for Ctrl-C
     try:
         given = list(argv) if argv is not None else sys.argv[1:]
         args = parser.parse_args(attach_negative_values(given))   # a `type=` may raise UserError (a bad value)
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memsched: internal error: {type(exc).__name__}: {exc} "
               f"(set MEMSCHED_DEBUG=1 for a traceback)", file=sys.stderr)
         return 1
+    finally:        # a caller in the same process (a test, a notebook) gets its own handler back
+        signal.signal(signal.SIGTERM, previous)
+        if argv is None:      # the program itself: a Ctrl-C from here on finds the work over, and
+            signal.signal(signal.SIGINT, signal.SIG_IGN)    # must not kill the process (exit -2) on its way out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,11 +38,12 @@ class Terminated(BaseException):
     and every `except BaseException`/`finally` cleanup on the way out runs."""
 
 
-def install_sigterm_handler() -> None:
-    """Make SIGTERM raise `Terminated` in the main thread, so temporaries are removed on the way out."""
+def install_sigterm_handler():
+    """Make SIGTERM raise `Terminated` in the main thread, so temporaries are removed on the way
+    out; returns the handler it replaced (for `signal.signal` to put back)."""
     def handler(signum, frame):
         raise Terminated()
-    signal.signal(signal.SIGTERM, handler)
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def check_outputs(outputs: Mapping[str, PathLike | None], inputs: Iterable[PathLike | None] = ()) -> None:
@@ -56,6 +57,7 @@ def check_outputs(outputs: Mapping[str, PathLike | None], inputs: Iterable[PathL
     direct = [Path(p) for p in inputs if p is not None and str(p) != ""]
     sources = [(source, f"the input {source}") for source in direct]
     sources += [(data, f"the external data of the input {source}") for source in direct
+                if any(_may_be_data_of(path, source) for _, path in given)
                 for data in _external_data_files(source)]
     seen: dict[str, str] = {}
     for option, path in given:
@@ -68,6 +70,21 @@ def check_outputs(outputs: Mapping[str, PathLike | None], inputs: Iterable[PathL
         if key in seen:
             raise UserError(f"{seen[key]} and {option} both name {path}; give each output its own path")
         seen[key] = option
+
+
+def _may_be_data_of(path: Path, source: Path) -> bool:
+    """Whether output `path` could be an external-data file of model `source`: it lies in the
+    model's folder tree (where memsched reads data files from), or it is an existing file with
+    another name (a hard link). Only then is the model parsed for its data files, which for a
+    large model costs seconds."""
+    try:
+        if os.stat(path).st_nlink > 1:
+            return True
+    except OSError:
+        pass
+    folder = os.path.realpath(source.parent)
+    where = os.path.realpath(path.parent)
+    return where == folder or where.startswith(folder + os.sep)
 
 
 def _external_data_files(source: Path) -> list[Path]:

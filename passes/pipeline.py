@@ -177,7 +177,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         """The fit search of `step` after reuse and order, its first plans made. The order pass
         gets ORDER of the time limit without a budget (its peak is the plan's), the ledger's
         fixed effort with one (so that a longer limit starts the search from the same order)."""
-        passes = _passes(data_parallel=data_parallel, variants=step_variants)
+        passes = _passes(data_parallel=data_parallel, variants=step_variants, costs=costs)
         start, peak = dataclasses.replace(step, budget=None), validate(step).peak_bytes
         effort = ORDER * time_limit if budget_bytes is None else ledger.order
         for name in ("reuse", "order"):
@@ -313,9 +313,11 @@ def strategies_of(plan: Plan) -> tuple[str, ...]:
     return tuple(s for s in STRATEGIES if s in plan.notes)
 
 
-def _passes(data_parallel: bool = False, variants: dict[str, Graph] | None = None) -> dict[str, Callable]:
+def _passes(data_parallel: bool = False, variants: dict[str, Graph] | None = None,
+            costs: CostTable | None = None) -> dict[str, Callable]:
     """Strategy name -> pass as `f(plan, seconds, deadline)`; imported on use so loading the
-    pipeline stays cheap.
+    pipeline stays cheap. `costs`: the measured cost table recompute and swap price by (as
+    fit and the report do), where given.
     `data_parallel`: the step all-reduces every gradient, so reuse fuses no update into its
     dW Gemm, and reuse and order leave the updates last (passes.reuse.updates_last);
     `variants`: rewritten training steps reuse may pick instead (passes.rewrites.concat_split)."""
@@ -330,9 +332,10 @@ def _passes(data_parallel: bool = False, variants: dict[str, Graph] | None = Non
 
     return {"order": lambda plan, limit, deadline: last(order_pass(plan, limit, deadline=deadline)),
             "reuse": lambda plan, limit, deadline: last(reuse_pass(plan, not data_parallel, variants)),
-            "recompute": lambda plan, limit, deadline: recompute_pass(plan, limit, deadline=deadline),
-            DRAINED: lambda plan, limit, deadline: recompute_pass(plan, limit, drained=True, deadline=deadline),
-            "swap": lambda plan, limit, deadline: swap_pass(plan, limit, deadline=deadline),
+            "recompute": lambda plan, limit, deadline: recompute_pass(plan, limit, deadline=deadline, costs=costs),
+            DRAINED: lambda plan, limit, deadline: recompute_pass(plan, limit, drained=True, deadline=deadline,
+                                                                  costs=costs),
+            "swap": lambda plan, limit, deadline: swap_pass(plan, limit, deadline=deadline, costs=costs),
             "placement": place_pass}
 
 

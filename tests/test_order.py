@@ -268,15 +268,13 @@ def test_min_cut_proves_what_the_structure_cannot():
     assert notes["status"] == "optimal" and notes["peak_bytes"] == 258
 
 
-def test_large_graph_returns_within_its_time_limit():
+def test_a_large_graph_is_ordered_by_windows():
+    """(How long it takes is bench/bench_time_limits.py's question, not a test's.)"""
     layers = [((i % 3 + 1) * 4096, (i % 5 + 1) * 1024) for i in range(700)]
     g = training_chain(layers, 4096)
     assert len(g.ops) == 4899
     limit = 6.0
-    started = time.perf_counter()
     plan = order_pass(reuse_pass(Plan.initial(g)), time_limit=limit)
-    elapsed = time.perf_counter() - started
-    assert elapsed < 3 * limit
     notes = plan.notes["order"]
     assert notes["cpsat"]["mode"] == "windows"
     assert notes["lower_bound_bytes"] <= notes["peak_bytes"] <= notes["input_peak_bytes"]
@@ -286,12 +284,9 @@ def test_large_graph_returns_within_its_time_limit():
     validate(placed)
 
 
-def test_time_limit_is_kept_on_a_large_random_graph():
+def test_a_short_limit_on_a_large_random_graph_still_orders_it():
     graph = random_dag(3, 2000, max_bytes=10**6)
-    limit = 1.0
-    started = time.perf_counter()
-    plan = order_pass(Plan.initial(graph), time_limit=limit)
-    assert time.perf_counter() - started < 3 * limit + 2      # + one heuristic start past the limit
+    plan = order_pass(Plan.initial(graph), time_limit=1.0)
     notes = plan.notes["order"]
     assert notes["heuristic_peaks"]["given"] == notes["input_peak_bytes"]
     assert validate(plan).peak_bytes == notes["peak_bytes"] <= notes["input_peak_bytes"]

@@ -626,3 +626,24 @@ def test_fit_climbs_only_relaxations_under_the_start_peak():
     relaxations = {float(n.split()[2].rstrip("x,")) for n in tried if n.startswith("recompute to")}
     assert relaxations and all(peak > int(r * target) for r in relaxations)
     assert search.best is not None and all(t["peak_bytes"] <= t["target_bytes"] for t in search.tried if t["fits"])
+
+
+def test_a_measured_cost_table_prices_the_replays(graphs):
+    """With `--costs`, recompute prices what it replays by the table (as fit and the report
+    do), not by the hardware's roofline: the problem's node costs are the table's, and so is
+    the plan's added compute. Each op here costs its position in the table (1, 2, ... ms)."""
+    from memsched.cost import CostTable
+    from passes import pipeline
+    from passes.recompute.planner import to_problem
+
+    plan = reused(graphs("gpt2"))
+    table = CostTable({op.name: 1e-3 * (i + 1) for i, op in enumerate(plan.graph.ops)})
+    problem = to_problem(plan, table)
+    priced = {v: c for v, c in zip(problem.ids, problem.cost) if v in table.times}
+    assert priced == {name: table.times[name] for name in priced} and len(priced) == len(plan.graph.ops)
+    assert priced != {v: c for v, c in zip(to_problem(plan).ids, to_problem(plan).cost) if v in table.times}
+    budget = int(FRACTION["gpt2"] * analyze_plan(plan).peak_bytes)
+    run = pipeline._passes(costs=table)["recompute"]
+    notes = run(dataclasses.replace(plan, budget=budget), 3, None).notes["recompute"]
+    assert notes["recomputed_ops"]
+    assert notes["added_compute_s"] == pytest.approx(sum(table.times[name] for name in notes["recomputed_ops"]))

@@ -75,7 +75,7 @@ import time
 import numpy as np
 
 from memsched import hardware as hardware_mod
-from memsched.cost import op_time
+from memsched.cost import CostTable, op_time
 from memsched.deadline import Deadline, Work, unlimited
 from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.ir import Graph, Op
@@ -108,7 +108,7 @@ END = ("end",)              # id of the sink that holds graph outputs to the end
 
 
 def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", drained: bool = False,
-                   deadline: Deadline | None = None) -> Plan:
+                   deadline: Deadline | None = None, costs: CostTable | None = None) -> Plan:
     """`plan` with recompute steps so that its judged peak is within `plan.budget`, at the least
     added compute time found within `time_limit` seconds; notes["recompute"] says how.
 
@@ -116,7 +116,8 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
     it after order/reuse, before swap and placement). `method`: "auto" (all solvers and the
     seeds), or one of `dag.METHODS` alone (for benchmarks; "cpsat" keeps the seeds).
     `drained`: plan on the drained base orders too (`base_orders`). The search ends before
-    the command's `deadline` too, and at once once it is stopped (Ctrl-C).
+    the command's `deadline` too, and at once once it is stopped (Ctrl-C). `costs`: a measured
+    cost table that prices the replays and the step, instead of the hardware's roofline.
     Raises BudgetError naming the smallest peak reached when no plan fits.
     """
     outer = deadline or unlimited()
@@ -131,7 +132,7 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
     graph, budget = plan.graph, int(plan.budget)
     input_peak = analyze(graph, plan.schedule, plan.aliases, plan.on_host).peak_bytes
     if input_peak <= budget:   # nothing to replay: the same keys as below
-        step_time = simulate(plan, hw).step_time
+        step_time = simulate(plan, hw, costs).step_time
         notes = {"status": "optimal", "method": dag.CHECKPOINT_ALL, "base_order": "given", "recomputed_ops": [],
                  "recomputations": 0, "added_compute_s": 0.0, "step_time_before_s": step_time,
                  "step_time_after_s": step_time, "overhead": 0.0, "budget_bytes": budget, "peak_bytes": input_peak,
@@ -148,7 +149,7 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
     bases = dict(list(bases.items())[:max(1, min(len(bases), int(searched / greedy)))])
     for name, base in bases.items():
         base_plan = _with_order(plan, base)
-        base_problem = to_problem(base_plan)
+        base_problem = to_problem(base_plan, costs)
         found, base_rounds = search(base_problem, base_plan, budget, searched / len(bases), method, outer)
         rounds += [{"base_order": name, **r} for r in base_rounds]
         if found is not None and (best is None or found[0].total_cost < best[0].total_cost):
@@ -163,13 +164,13 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
     result, schedule, aliases, peak, _ = best
     new_plan = dataclasses.replace(plan, schedule=schedule, aliases=aliases, offsets=None)
     validate(new_plan)   # the judge has the last word (raises if anything is off)
-    before, after = simulate(plan, hw).step_time, simulate(new_plan, hw).step_time
+    before, after = simulate(plan, hw, costs).step_time, simulate(new_plan, hw, costs).step_time
     replays = [step.target for step in schedule if step.kind == "recompute"]
     lower = result.lower_bound
     notes = {
         "status": result.status, "method": result.method, "base_order": base_name,
         "recomputed_ops": sorted(set(replays)), "recomputations": len(replays),
-        "added_compute_s": sum(op_time(graph.op_by_name[name], graph, hw) for name in replays),
+        "added_compute_s": sum(op_time(graph.op_by_name[name], graph, costs or hw) for name in replays),
         "step_time_before_s": before, "step_time_after_s": after,
         "overhead": after / before - 1 if before else 0.0,
         "budget_bytes": budget, "peak_bytes": peak, "input_peak_bytes": input_peak,
@@ -280,7 +281,7 @@ def replay_blocker(graph: Graph, op: Op) -> str | None:
 
 
 # ---- the mapping -----------------------------------------------------------------------------
-def to_problem(plan: Plan) -> dag.RematProblem:
+def to_problem(plan: Plan, costs: CostTable | None = None) -> dag.RematProblem:
     """The plan's compute schedule as a RematProblem (see the module docstring).
 
     Ids: op names for ops; ("input", name) for graph inputs; ("output", name) for the outputs
@@ -288,8 +289,10 @@ def to_problem(plan: Plan) -> dag.RematProblem:
     output read (so each output dies at its own last reader, as the judge has it; the op's
     node holds all its outputs only at its own step); END for the sink. An op reading a
     static tensor that an update overwrites in place (`plan.aliases`) may be replayed only
-    before that update (its deadline): after it, the judge would keep the old value too."""
+    before that update (its deadline): after it, the judge would keep the old value too.
+    Op times: `costs` where given, else the plan's hardware (`memsched.cost.op_time`)."""
     graph, hw = plan.graph, _hardware(plan)
+    source = costs if costs is not None else hw
     order = compute_order(plan.schedule)
     if order is None:
         raise ScheduleError("the recompute pass needs a schedule of compute steps only")
@@ -317,10 +320,10 @@ def to_problem(plan: Plan) -> dag.RematProblem:
         if op.present_outputs and op.present_outputs[0] in shared:   # one buffer with its source
             view = op.present_outputs[0]
             reads = tuple(v for t in op.present_inputs if t in node_of for v in node_of[t])
-            add(name, op_time(op, graph, hw), 0, reads, frozen)
+            add(name, op_time(op, graph, source), 0, reads, frozen)
             node_of[view] = reads   # its shape too: a replay of the view reads it again
             continue
-        v = add(name, op_time(op, graph, hw), sum(graph.tensors[t].nbytes for t in outputs),
+        v = add(name, op_time(op, graph, source), sum(graph.tensors[t].nbytes for t in outputs),
                 [v for t in op.present_inputs if t in node_of for v in node_of[t]], frozen)
         if len(op.present_outputs) == 1:
             node_of.update(dict.fromkeys(op.present_outputs, (v,)))
