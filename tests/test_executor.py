@@ -328,7 +328,8 @@ def test_cli_run_json(cli, emitted):
     assert report["swapped_bytes"] == {"dram": MLP.tensors["a"].nbytes, "nvdimm": MLP.tensors["W1"].nbytes}
 
 
-@pytest.mark.parametrize("strategy", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["recompute", "swap"])
 def test_cli_run_checks_an_emitted_training_plan(cli, tmp_path, strategy):
     import json
 
@@ -440,7 +441,7 @@ def test_cli_failed_check_exits_1_with_one_line(judges_bypassed, tmp_path, capsy
     assert err.startswith("memsched: error: check failed: output '") and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", ["cnn", "bert-base"])
+@pytest.mark.parametrize("name", ["cnn", pytest.param("bert-base", marks=pytest.mark.slow)])
 def test_float16_training_steps_run_and_follow_the_float32_step(name):
     """The loss's, MaxPool's and the embedding's gradients scatter-add; a float16 model adds in
     float32 (ONNX Runtime's CPU provider has no float16 add), so its backward runs, checks

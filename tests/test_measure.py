@@ -112,8 +112,11 @@ def test_ops_of_one_signature_share_a_session_whatever_tensor_fills_each_input()
     assert np.isfinite(list(table.times.values())).all()
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("vgg16", "resnet50", "unet3d")
-                                  else n for n in sorted(SMALL_MODELS)])
+SLOW_PROFILES = ("vgg16", "resnet50", "unet3d", "mobilenetv2")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PROFILES else n
+                                  for n in sorted(SMALL_MODELS)])
 def test_every_bundled_training_step_profiles(name):
     """`memsched profile MODEL --train` on every bundled model: each op of the step is timed."""
     graph = training_graph(name)

@@ -690,7 +690,7 @@ def mlp_files(tmp_path_factory):
     ["compile", "{model}", "--train", "--loss", "mse", "--json", "-o", "{out}/plan.onnx"],
     ["train-graph", "{model}", "--loss", "mse", "-o", "{out}/step.onnx"],
     ["report", "{plan}", "--html", "{out}/report.html"],
-    ["tune-batch", "mlp", "--time-limit", "600", "--max-batch", "4", "--plot", "{out}/batch.svg"],
+    ["tune-batch", "mlp", "--time-limit", "20", "--max-batch", "4", "--plot", "{out}/batch.svg"],
 ])
 def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, mlp_files, command):
     model, plan = mlp_files

@@ -654,7 +654,8 @@ print(json.dumps(counts))
 """
 
 
-@pytest.mark.parametrize("fraction", [0.4, pytest.param(0.5, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.4, 0.5])
 def test_random_small_training_graphs_at_tight_budgets_never_abort(fraction):
     """remat.plan on 30 random 16-30-op training graphs at 40 % (and 50 %) of the peak, in a
     subprocess so that a native abort inside CP-SAT fails this test instead of killing

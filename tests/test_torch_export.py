@@ -215,7 +215,8 @@ def hf_model(kind: str):
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("kind", ["bert", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_hugging_face_models_train(tmp_path, kind):
     from passes.pipeline import compile as compile_plan
 
