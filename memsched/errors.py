@@ -27,6 +27,9 @@ class BudgetError(MemschedError):
 
 
 def first_line(exc: BaseException) -> str:
-    """An exception's first line (a library's message often runs on with frames or dumps)."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    """An exception's first line (a library's message often runs on with frames or dumps); a
+    line that ends in a colon takes the next one too, so no sentence stops mid-way."""
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not text:
+        return type(exc).__name__
+    return f"{text[0]} {text[1]}" if text[0].endswith(":") and len(text) > 1 else text[0]

@@ -38,6 +38,8 @@ def lower(model: onnx.ModelProto, dims: dict[str, int] | None = None, base_dir: 
     """Bind dims, infer shapes and lower an in-memory model (initializer data may be external)."""
     model = _inline_functions(model)
     _check_domains(model)
+    _check_nodes(model)
+    _check_order(model.graph)
     _check_captures(model)
     _bind_dims(model, dict(dims or {}))
     for init in model.graph.initializer:
@@ -46,6 +48,7 @@ def lower(model: onnx.ModelProto, dims: dict[str, int] | None = None, base_dir: 
     try:  # after inference: outputs declared without shapes are fine once inferred
         onnx.checker.check_model(view)
     except onnx.checker.ValidationError as exc:
+        _explain_empty_inputs(model)
         raise UserError(f"not a valid ONNX model: {first_line(exc)}") from None
     graph = Graph.from_onnx(model, base_dir=base_dir)
     _check_complete(graph)
@@ -193,6 +196,62 @@ def _check_domains(model: onnx.ModelProto) -> None:
                                 f"least 1 and divide the channels")
 
 
+# ops whose `strides` and `dilations` divide a window's steps: each must be at least 1
+WINDOWED_OPS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "ConvInteger", "QLinearConv"}
+
+
+def _check_nodes(model: onnx.ModelProto) -> None:
+    """Before ONNX's shape inference, which names no node for it: every window stride and
+    dilation is at least 1."""
+    for index, node in enumerate(model.graph.node):
+        if node.op_type in WINDOWED_OPS and not node.domain:
+            for a in node.attribute:
+                if a.name in ("strides", "dilations") and any(v < 1 for v in a.ints):
+                    raise UserError(f"{node.op_type} node '{node.name or index}' has {a.name}={list(a.ints)}; "
+                                    f"each must be at least 1")
+
+
+def _explain_empty_inputs(model: onnx.ModelProto) -> None:
+    """Where ONNX's inference or checker failed: a node that leaves an input its schema
+    requires empty is named (ONNX says "Field 'shape' of 'type' is required but missing").
+    Only on that path: some exporters leave a required input empty that inference tolerates
+    (Resize's roi at opset 11)."""
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    for index, node in enumerate(model.graph.node):
+        where = f"{node.op_type} node '{node.name or index}'"
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opsets.get(node.domain or "", 1), node.domain or "")
+        except onnx.defs.SchemaError:
+            continue            # unknown ops: the checker names them
+        for i, formal in enumerate(schema.inputs):
+            if formal.option == onnx.defs.OpSchema.FormalParameterOption.Single and \
+                    (i >= len(node.input) or not node.input[i]):
+                raise UserError(f"{where} leaves its required input {i} ('{formal.name}') empty")
+
+
+def _check_order(graph: onnx.GraphProto) -> None:
+    """Nodes in topological order, as ONNX requires: a cycle is named with its nodes, an
+    acyclic graph out of order with the first node that reads ahead."""
+    made = {out: index for index, node in enumerate(graph.node) for out in node.output if out}
+    late = next(((i, name) for i, node in enumerate(graph.node) for name in node.input
+                 if name and made.get(name, -1) >= i), None)
+    if late is None:
+        return
+    import networkx as nx
+
+    nodes = graph.node
+    edges = nx.DiGraph((made[name], i) for i, node in enumerate(nodes) for name in node.input if name in made)
+    try:
+        cycle = nx.find_cycle(edges)
+    except nx.NetworkXNoCycle:
+        i, name = late
+        maker = nodes[made[name]].name or made[name]
+        raise UserError(f"node '{nodes[i].name or i}' reads '{name}' before node '{maker}' makes it; ONNX "
+                        f"wants the nodes in topological order: export the model again") from None
+    names = " -> ".join(f"'{nodes[u].name or u}'" for u, _ in cycle)
+    raise UserError(f"the graph has a cycle: {names} -> '{nodes[cycle[0][0]].name or cycle[0][0]}'")
+
+
 def subgraphs(attributes) -> list[onnx.GraphProto]:
     """The subgraphs among an op's attribute values (If's branches, a Loop's or Scan's body)."""
     found = []
@@ -288,6 +347,7 @@ def _infer_shapes(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelPro
         view = onnx.shape_inference.infer_shapes(checkable_view(model), check_type=True, strict_mode=False,
                                                  data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        _explain_empty_inputs(model)
         raise UserError(f"shape inference failed: {first_line(exc)}") from None
     _check_convolutions(view)
     graph = model.graph

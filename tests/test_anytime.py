@@ -55,6 +55,7 @@ def test_the_same_compile_gives_the_same_plan():
     assert first.report["plan"]["arena_bytes"] <= first.report["budget_bytes"]
 
 
+@pytest.mark.slow
 def test_a_stopped_deadline_keeps_the_best_plan_so_far():
     """A deadline stopped once the first plan fits (as Ctrl-C does) ends the search there:
     the plan returned is that first one, marked as interrupted, and it holds the budget."""

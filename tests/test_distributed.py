@@ -149,8 +149,6 @@ def test_a_rank_that_cannot_meet_its_group_is_one_line(tmp_path):
         busy = _rank(path, 0, taken.getsockname()[1])
     assert busy.returncode == 1 and busy.stderr.count("\n") == 1
     assert "rank 0 cannot listen on 127.0.0.1:" in busy.stderr and "choose a free MASTER_PORT" in busy.stderr
-    bad = _rank(path, 0, "abc")
-    assert bad.returncode == 1 and "MASTER_PORT='abc'" in bad.stderr and bad.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("port", ["abc", "0", "70000", "", "８０"])

@@ -266,3 +266,34 @@ def test_the_shape_probe_runs_small_models_only(monkeypatch):
     monkeypatch.setattr("memsched.ort.probe_session", refuse)
     with pytest.raises(UserError, match=r"tensor 'idx' .* is unknown after shape inference \(and a probe run"):
         frontend.lower(_nonzero_model(1000))
+
+
+def _chain(nodes, opset: int = 17) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return make_model(graph, opset=opset)
+
+
+@pytest.mark.parametrize("nodes, message", [
+    ([helper.make_node("Relu", ["b"], ["a"], name="n1"), helper.make_node("Relu", ["a"], ["b"], name="n2"),
+      helper.make_node("Add", ["x", "b"], ["y"], name="n3")], r"the graph has a cycle: 'n\d' -> 'n\d' -> 'n\d'"),
+    ([helper.make_node("Relu", ["a"], ["y"], name="late"), helper.make_node("Relu", ["x"], ["a"], name="early")],
+     "node 'late' reads 'a' before node 'early' makes it"),
+    ([helper.make_node("MaxPool", ["x"], ["y"], name="pool", kernel_shape=[2, 2], strides=[0, 1])],
+     r"MaxPool node 'pool' has strides=\[0, 1\]; each must be at least 1"),
+    ([helper.make_node("Add", ["x", ""], ["y"], name="add")],
+     r"Add node 'add' leaves its required input 1 \('B'\) empty"),
+])
+def test_cycles_strides_and_empty_inputs_are_named(nodes, message):
+    """What ONNX's checker reported as "Field 'shape' of 'type' is required but missing" or cut
+    mid-sentence is named here, before it."""
+    with pytest.raises(UserError, match=message):
+        frontend.lower(_chain(nodes))
+
+
+def test_a_message_ending_in_a_colon_keeps_its_next_line():
+    from memsched.errors import first_line
+
+    assert first_line(ValueError("however input 'y' of node:\nname: n2 OpType: Relu\nmore")) == \
+        "however input 'y' of node: name: n2 OpType: Relu"
+    assert first_line(ValueError("one line\nframes")) == "one line"

@@ -19,8 +19,7 @@ from .conftest import run_cli
 from .graphs import random_onnx_model
 
 BUDGETS = ("70%", "40%")
-FAST_SEEDS = (2,)
-SLOW_SEEDS = (0, *range(3, 23))
+SLOW_SEEDS = tuple(range(23))
 BATCH = 64      # activations outweigh the few hundred bytes of weights, so most budgets can be met
 
 
@@ -47,11 +46,10 @@ def compile_and_check(folder, seed: int, budget: str) -> int:
     return 0
 
 
-@pytest.mark.parametrize("seed", FAST_SEEDS)
-def test_random_models_compile_within_the_budget_and_run(tmp_path, seed):
-    codes = [compile_and_check(tmp_path, seed, budget) for budget in BUDGETS]
-    if seed == 2:       # this seed's plan fits at 70%: the run and check paths are exercised (at 40%
-        assert codes[0] == 0   # it fits or not by where the time limit cuts the search on a loaded machine)
+def test_a_random_model_compiles_within_the_budget_and_runs(tmp_path):
+    """Seed 2's plan fits at 70%: the compile, run and check paths are exercised (every seed at
+    every budget runs under -m slow)."""
+    assert compile_and_check(tmp_path, 2, "70%") == 0
 
 
 @pytest.mark.slow

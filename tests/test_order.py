@@ -268,6 +268,7 @@ def test_min_cut_proves_what_the_structure_cannot():
     assert notes["status"] == "optimal" and notes["peak_bytes"] == 258
 
 
+@pytest.mark.slow
 def test_a_large_graph_is_ordered_by_windows():
     """(How long it takes is bench/bench_time_limits.py's question, not a test's.)"""
     layers = [((i % 3 + 1) * 4096, (i % 5 + 1) * 1024) for i in range(700)]

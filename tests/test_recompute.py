@@ -109,6 +109,7 @@ def test_plan_fits_the_budget_by_the_judge_with_forward_replays(graphs, name):
     assert out.notes["recompute"]["overhead"] > 0
 
 
+@pytest.mark.slow
 def test_composes_with_order_before_and_placement_after(graphs):
     plan = order_pass(reused(graphs("gpt2")), time_limit=2)
     budget = int(0.8 * analyze_plan(plan).peak_bytes)
