@@ -34,7 +34,7 @@ def test_tune_batch_matches_brute_force():
     """Every batch from 1 to past the boundary compiled one by one: same largest and fastest batch."""
     hw = tiny_gpu(2.2)
     build = graph_builder("mlp")
-    result = tune_batch(build, hardware=hw, strategy_sets=SETS, time_limit=20, deadline=unlimited())
+    result = tune_batch(build, hardware=hw, strategy_sets=SETS, time_limit=4, deadline=unlimited())
     assert result.complete == {"none": True, "reuse": True}
     assert result.largest["none"] is None  # the baseline keeps every gradient: 3.07 MB even at batch 1
     unplanned = compile_plan(build(1), train=True, hardware=hw, strategies=())
@@ -42,7 +42,7 @@ def test_tune_batch_matches_brute_force():
     rows = {}
     for b in range(1, result.largest["reuse"] + 6):
         report = compile_plan(build(b), train=True, hardware=hw, strategies=("reuse",),
-                              time_limit=compile_time_limit(20)).report
+                              time_limit=compile_time_limit(4)).report
         rows[b] = (report["plan"]["peak_bytes"] <= hw.device_memory, report["plan"]["step_time_s"] / b)
     fits = [b for b, (ok, _) in rows.items() if ok]
     assert fits == list(range(1, max(fits) + 1)) and result.largest["reuse"] == max(fits)
