@@ -1,4 +1,4 @@
-"""Write a Plan as a scheduled ONNX graph, and read one back (DESIGN.md, "Emitted ONNX").
+"""Write a Plan as a scheduled ONNX graph, and read one back (docs/design.md, the file format).
 
 The file is a valid ONNX model that Netron shows as the step really runs:
 - nodes in schedule order; a recomputation is a clone of its op named `<op>.recompute<k>`

@@ -1,4 +1,4 @@
-"""Errors that reach the user as one line and an exit code (DESIGN.md: 1 user error, 3 budget)."""
+"""Errors that reach the user as one line and an exit code (README, "Exit codes": 1 user error, 3 budget)."""
 from __future__ import annotations
 
 

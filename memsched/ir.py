@@ -26,7 +26,7 @@ from .onnx_utils import IR_VERSION, OPSET
 TENSOR_KINDS = ("input", "parameter", "buffer", "activation", "gradient", "param_grad",
                 "optimizer_state", "hyperparameter", "output", "constant")
 PHASES = ("forward", "loss", "backward", "update")
-# Tensors backed by an initializer stay resident for the whole step (DESIGN.md memory model).
+# Tensors backed by an initializer stay resident for the whole step (docs/design.md, the memory model).
 STATIC_KINDS = ("parameter", "buffer", "optimizer_state", "hyperparameter", "constant")
 # Static tensors no op of the step overwrites: constants, and hyperparameters (a trainer
 # writes them before each step; every update of the step reads the same value).

@@ -1,4 +1,4 @@
-"""The memory model: the one judge of every schedule (DESIGN.md, "The memory model is the judge").
+"""The memory model: the one judge of every schedule (docs/design.md).
 
 Rules, stated once:
 1. Steps are numbered 0..n-1 in schedule order. A tensor occupies device memory in

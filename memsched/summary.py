@@ -9,7 +9,7 @@ from .schedule import default_schedule
 
 
 def inspect_graph(graph: Graph, top: int = 10) -> dict:
-    """A JSON-able summary (DESIGN.md keys: ops, tensors, parameter_bytes, peak_bytes)."""
+    """A JSON-able summary (docs/json.md keys: ops, tensors, parameter_bytes, peak_bytes)."""
     profile = analyze(graph, default_schedule(graph))
     step = profile.peak_step
     params = graph.parameters()
@@ -46,7 +46,7 @@ def predicted_step_time(plan, device: str) -> tuple[float | None, str | None]:
 
 
 def run_summary(result, path: str | None = None, predicted: tuple[float | None, str | None] = (None, None)) -> dict:
-    """What `memsched run` reports (DESIGN.md keys: provider, steps, measured, predicted, check).
+    """What `memsched run` reports (docs/json.md keys: provider, steps, measured, predicted, check).
 
     `predicted` holds the memory model's bytes and the simulator's step time (and profile)
     from `predicted_step_time`, for the device that really ran."""

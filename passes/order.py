@@ -82,7 +82,7 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     outer = deadline or unlimited()
     time_limit = outer.cap(max(0.0, float(time_limit)))
     start = time.perf_counter()
-    deadline = start + time_limit
+    ends_at = start + time_limit         # this pass's own end (a perf_counter reading)
     order = compute_order(plan.schedule)
     if order is None:
         raise ScheduleError("the order pass needs a schedule of compute steps only; run it before "
@@ -100,7 +100,7 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     lower = bounds.value
 
     # the search stops a little early: the wrap-up (a judge call, the notes) fits in the limit
-    search = Search(problem, judge, best, deadline - WRAP_UP_SHARE * budget, lower, outer, SEARCH_SHARE * budget)
+    search = Search(problem, judge, best, ends_at - WRAP_UP_SHARE * budget, lower, outer, SEARCH_SHARE * budget)
     if peaks[first] <= lower:
         search.ended = "the start meets the lower bound"
     elif len(order) <= WHOLE_GRAPH_OPS:

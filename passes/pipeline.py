@@ -1,4 +1,4 @@
-"""compile(): the whole flow of DESIGN.md in one call -- load, (train), plan, place, simulate.
+"""compile(): the whole flow of docs/design.md in one call -- load, (train), plan, place, simulate.
 
     model --frontend--> Graph --training step (train)--> Graph
       baseline = the graph's own order, updates in place (what PyTorch eager does)
@@ -14,7 +14,7 @@ the time limit as its effort (so the same input gives the same plan), and the de
 cuts what would run past it. Both forms of the step make their first plans before either is
 improved, so a fitting plan exists early; stopping the deadline (Ctrl-C) keeps the best.
 
-The result carries both plans and the report dict (the `compile`/`report` JSON of DESIGN.md).
+The result carries both plans and the report dict (the `compile`/`report` JSON of docs/json.md).
 """
 from __future__ import annotations
 
@@ -343,7 +343,7 @@ def _passes(data_parallel: bool = False, variants: dict[str, Graph] | None = Non
 def build_report(graph: Graph, hw, budget_bytes: int | None, strategies, baseline_profile: MemoryProfile,
                  baseline_sim: Simulation, plan: Plan, profile: MemoryProfile, sim: Simulation,
                  timings: dict[str, float], model) -> dict:
-    """The DESIGN.md `compile` JSON, plus what each pass did."""
+    """The `compile` JSON of docs/json.md, plus what each pass did."""
     notes = plan.notes
     recomputed = sorted({s.target for s in plan.schedule if s.kind == "recompute"})
     overhead = sim.step_time / baseline_sim.step_time - 1 if baseline_sim.step_time else 0.0

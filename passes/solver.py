@@ -1,4 +1,4 @@
-"""CP-SAT settings shared by the planning passes (DESIGN.md, Contracts: "Solvers").
+"""CP-SAT settings shared by the planning passes (docs/design.md).
 
 Every solve gets a wall-clock limit (never hang), `num_workers` from the cores present and a
 fixed seed. `interleave_search` makes CP-SAT's parallel search reproducible, and a

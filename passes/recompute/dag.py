@@ -1089,7 +1089,7 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
 
 
 def summary(problem: RematProblem, result: Result) -> dict:
-    """The result as JSON-ready data (DESIGN.md's `remat` keys, then extras)."""
+    """The result as JSON-ready data (docs/json.md's `remat` keys, then extras)."""
     return {
         "nodes": problem.n, "budget_bytes": result.budget_bytes, "peak_bytes": result.peak_bytes,
         "total_cost": result.total_cost, "overhead": result.overhead, "seconds": result.seconds,
