@@ -87,6 +87,15 @@ def check_plan(plan: Plan, workers: int) -> dict:
         raise UserError(f"the plan was compiled for {options['workers']} workers (--data-parallel), not {workers}")
     if not options["batch_inputs"]:
         raise UserError("the plan records no per-sample input to split among the workers")
+    graph, rows = plan.graph, options["worker_batch"]
+    per_sample = [n for n in graph.inputs if not graph.tensors[n].is_static and graph.tensors[n].shape
+                  and graph.tensors[n].shape[0] == rows]       # data_parallel.batch_inputs' rule
+    left_out = sorted(set(per_sample) - set(options["batch_inputs"]))
+    if left_out or set(options["batch_inputs"]) - set(per_sample):
+        name = left_out[0] if left_out else sorted(set(options["batch_inputs"]) - set(per_sample))[0]
+        raise UserError(f"the plan's data-parallel record does not match its inputs at '{name}' (per-sample "
+                        f"inputs have {rows} rows a worker); every rank would read the wrong rows: compile "
+                        f"it again")
     swapped = sorted({s.target for s in plan.schedule if s.kind in ("swap_out", "free")
                       and plan.graph.tensors[s.target].kind == "param_grad"})
     if swapped:

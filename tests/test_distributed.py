@@ -224,3 +224,19 @@ def test_no_rank_outlives_its_launcher(tmp_path, signal_name):
             launcher.kill()
         for pid in _alive(_children(launcher.pid)):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_record_that_leaves_a_per_sample_input_out_is_refused(tmp_path):
+    """A data-parallel record (resealed by hand) listing only the labels as per-sample would
+    run every rank on the same rows of the data: refused before any rank starts."""
+    import json
+
+    from memsched.data_parallel import PLAN_KEY
+    from memsched.distributed import check_plan
+
+    plan = compiled(mlp(WORKERS * BATCH), tmp_path, WORKERS)
+    check_plan(plan, WORKERS)
+    record = json.loads(plan.graph.metadata[PLAN_KEY])
+    plan.graph.metadata[PLAN_KEY] = json.dumps({**record, "batch_inputs": ["labels"]})
+    with pytest.raises(UserError, match="does not match its inputs at 'input'"):
+        check_plan(plan, WORKERS)
