@@ -136,6 +136,7 @@ def _rank(path, rank: int, port, timeout: float = 2.0):
                            "--summary", str(path) + ".json"], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_meet_its_group_is_one_line(tmp_path):
     import socket
 

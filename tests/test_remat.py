@@ -690,6 +690,7 @@ def test_linearized_graphs_at_08_fit_under_a_one_minute_limit(nodes):
     assert result.overhead < 0.08
 
 
+@pytest.mark.slow
 def test_a_large_graph_gets_a_fitting_plan_within_a_small_counted_work():
     """With a caller's `Work`, on a problem over WHOLE_NODES nodes, each heuristic stops at
     its counted steps (FLOOR_STEPS where the work is less), never at the clock, and CP-SAT,

@@ -169,6 +169,7 @@ def test_offsets_are_dropped_when_the_schedule_changes():
     assert swap_pass(plan, time_limit=FAST).offsets is None
 
 
+@pytest.mark.slow
 def test_compile_with_swap_through_the_cli(tmp_path):
     # LeNet-300-100 training step after reuse (fused updates, in place: 58% of the baseline,
     # whose updates run in place too): at 53% of the baseline the swap pass moves tensors to
