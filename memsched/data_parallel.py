@@ -235,11 +235,14 @@ def batch_inputs(forward: Graph, step: Graph) -> list[str]:
     """The training step's per-sample inputs: the forward model's data inputs with a leading
     axis (the batch) and the inputs the loss adds (labels, targets) with the same leading axis."""
     data = [n for n in forward.inputs if not forward.tensors[n].is_static and forward.tensors[n].shape]
-    if not data:
-        return []
-    batch = forward.tensors[data[0]].shape[0]
+    return per_sample_inputs(step, forward.tensors[data[0]].shape[0]) if data else []
+
+
+def per_sample_inputs(step: Graph, rows: int) -> list[str]:
+    """The step's inputs that carry `rows` samples: not static, with a leading axis of `rows`
+    (what a data-parallel record must list, and `distributed.check_plan` checks it does)."""
     return [n for n in step.inputs if not step.tensors[n].is_static and step.tensors[n].shape
-            and step.tensors[n].shape[0] == batch and (n in data or n not in forward.inputs)]
+            and step.tensors[n].shape[0] == rows]
 
 
 def worker_forward(forward: Graph, workers: int) -> Graph:

@@ -49,9 +49,9 @@ from pathlib import Path
 import numpy as np
 from onnx import helper
 
-from .data_parallel import (INTERCONNECT, Bucket, batch_statistics, data_parallel, gradient_buckets, plan_options,
-                            readers)
-from .errors import MemschedError, UserError
+from .data_parallel import (INTERCONNECT, Bucket, batch_statistics, data_parallel, gradient_buckets,
+                            per_sample_inputs, plan_options, readers)
+from .errors import MemschedError, UserError, first_line
 from .executor import prepare_inputs, run_plan
 from .schedule import Plan
 
@@ -87,13 +87,10 @@ def check_plan(plan: Plan, workers: int) -> dict:
         raise UserError(f"the plan was compiled for {options['workers']} workers (--data-parallel), not {workers}")
     if not options["batch_inputs"]:
         raise UserError("the plan records no per-sample input to split among the workers")
-    graph, rows = plan.graph, options["worker_batch"]
-    per_sample = [n for n in graph.inputs if not graph.tensors[n].is_static and graph.tensors[n].shape
-                  and graph.tensors[n].shape[0] == rows]       # data_parallel.batch_inputs' rule
-    left_out = sorted(set(per_sample) - set(options["batch_inputs"]))
-    if left_out or set(options["batch_inputs"]) - set(per_sample):
-        name = left_out[0] if left_out else sorted(set(options["batch_inputs"]) - set(per_sample))[0]
-        raise UserError(f"the plan's data-parallel record does not match its inputs at '{name}' (per-sample "
+    rows = options["worker_batch"]
+    differ = sorted(set(per_sample_inputs(plan.graph, rows)) ^ set(options["batch_inputs"]))
+    if differ:
+        raise UserError(f"the plan's data-parallel record does not match its inputs at '{differ[0]}' (per-sample "
                         f"inputs have {rows} rows a worker); every rank would read the wrong rows: compile "
                         f"it again")
     swapped = sorted({s.target for s in plan.schedule if s.kind in ("swap_out", "free")
@@ -317,9 +314,8 @@ def rank_of(plan: Plan, overlap: bool = True, sync_batchnorm: bool = False, time
         try:
             dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout))
         except (RuntimeError, ValueError) as exc:      # torch's DistError family: C++ frames follow its first line
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"rank {rank} cannot join the process group at {address[0]}:{address[1]}: "
-                            f"{first}") from None
+                            f"{first_line(exc)}") from None
     try:
         yield rank, workers, _Comm(plan, torch, dist, workers, overlap, sync_batchnorm), dist
     finally:
@@ -377,6 +373,12 @@ def _start_rank(args: list[str], env: dict, **popen) -> subprocess.Popen:
     return subprocess.Popen(args, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None, **popen)
 
 
+def _rank_env(rank: int, workers: int, port: int) -> dict[str, str]:
+    """The environment of local rank `rank` of `workers`, as torchrun sets it (loopback store)."""
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
+            "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     """Kill the ranks still running and reap every one."""
     for p in procs:
@@ -411,11 +413,9 @@ def launch_command(program: str, command: list[str], workers: int) -> int:
     procs, logs = [], []
     try:
         for rank in range(workers):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
-                   "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             log = tempfile.TemporaryFile(mode="w+") if rank else None      # a file: a pipe could fill and block
             logs.append(log)
-            procs.append(_start_rank([sys.executable, program, *command], env,
+            procs.append(_start_rank([sys.executable, program, *command], _rank_env(rank, workers, port),
                                      stdout=subprocess.DEVNULL if rank else None, stderr=log, text=True))
         while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
             time.sleep(0.05)
@@ -470,15 +470,14 @@ def _collect(procs: list, tmp: str, plan_path: str, workers: int, steps: int, th
     port = free_port()
     summary_path = Path(tmp) / "summary.json"
     for rank in range(workers):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
-               "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         args = [sys.executable, "-m", "memsched.distributed", str(plan_path), "--steps", str(steps),
                 "--threads", str(threads), "--timeout", str(timeout), "--summary", str(summary_path)]
         args += ["--inputs", str(inputs)] if inputs else []
         args += ["--outputs", str(outputs)] if outputs else []
         args += [] if overlap else ["--no-overlap"]
         args += ["--sync-batchnorm"] if sync_batchnorm else []
-        procs.append(_start_rank(args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(_start_rank(args, _rank_env(rank, workers, port), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     failed = None
     for rank, proc in enumerate(procs):

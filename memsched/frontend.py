@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper
 
 from .errors import UserError, first_line
-from .ir import Graph, op_summary
+from .ir import Graph, _itemsize, op_summary
 from .onnx_utils import MEMSCHED_DOMAIN, TWO_GB, checkable_view, is_weight
 
 SUPPORTED_DOMAINS = ("", "ai.onnx", MEMSCHED_DOMAIN)
@@ -183,17 +183,11 @@ def _inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _check_domains(model: onnx.ModelProto) -> None:
-    """Standard ops only, and no convolution with fewer than one group: ONNX's own shape
-    inference divides by a ConvTranspose's group natively (SIGFPE)."""
+    """Standard ops only."""
     for index, node in enumerate(model.graph.node):
         if node.domain not in SUPPORTED_DOMAINS:
             raise UserError(f"unsupported op '{node.op_type}' from domain '{node.domain}' at node "
                             f"'{node.name or index}'; memsched handles standard ONNX ops only")
-        if node.op_type in ("Conv", "ConvTranspose") and not node.domain:
-            group = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "group"), 1)
-            if not isinstance(group, int) or group < 1:
-                raise UserError(f"{node.op_type} node '{node.name or index}' has group={group}; group must be at "
-                                f"least 1 and divide the channels")
 
 
 # ops whose `strides` and `dilations` divide a window's steps: each must be at least 1
@@ -201,14 +195,20 @@ WINDOWED_OPS = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "Co
 
 
 def _check_nodes(model: onnx.ModelProto) -> None:
-    """Before ONNX's shape inference, which names no node for it: every window stride and
-    dilation is at least 1."""
+    """Before ONNX's shape inference, which names no node for them (and divides by a
+    ConvTranspose's group natively: SIGFPE): every window stride and dilation is at least 1,
+    and a convolution has at least one group."""
     for index, node in enumerate(model.graph.node):
-        if node.op_type in WINDOWED_OPS and not node.domain:
-            for a in node.attribute:
-                if a.name in ("strides", "dilations") and any(v < 1 for v in a.ints):
-                    raise UserError(f"{node.op_type} node '{node.name or index}' has {a.name}={list(a.ints)}; "
-                                    f"each must be at least 1")
+        if node.op_type not in WINDOWED_OPS or node.domain:
+            continue
+        where = f"{node.op_type} node '{node.name or index}'"
+        if node.op_type in ("Conv", "ConvTranspose"):
+            group = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "group"), 1)
+            if not isinstance(group, int) or group < 1:
+                raise UserError(f"{where} has group={group}; group must be at least 1 and divide the channels")
+        for a in node.attribute:
+            if a.name in ("strides", "dilations") and any(v < 1 for v in a.ints):
+                raise UserError(f"{where} has {a.name}={list(a.ints)}; each must be at least 1")
 
 
 def _explain_empty_inputs(model: onnx.ModelProto) -> None:
@@ -369,8 +369,8 @@ def _known_bytes(model: onnx.ModelProto) -> int:
     total = 0
     for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
         if _fully_shaped(vi):
-            dtype = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
-            total += math.prod(d.dim_value for d in vi.type.tensor_type.shape.dim) * np.dtype(dtype).itemsize
+            total += math.prod(d.dim_value for d in vi.type.tensor_type.shape.dim) * \
+                _itemsize(vi.type.tensor_type.elem_type)
     return total
 
 
@@ -447,7 +447,7 @@ def _check_convolutions(view: onnx.ModelProto) -> None:
     """A convolution's `group` divides its input and output channels, and its kernel's channel
     axis matches, where inference knows the shapes (ONNX's inference leaves such an output
     unshaped and ONNX Runtime fails at run time; the backward divides by it). `group` < 1 is
-    refused before inference, by `_check_domains`."""
+    refused before inference, by `_check_nodes`."""
     shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
               for vi in list(view.graph.input) + list(view.graph.value_info) if vi.type.tensor_type.HasField("shape")}
     shapes.update({init.name: list(init.dims) for init in view.graph.initializer})

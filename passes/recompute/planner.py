@@ -170,7 +170,8 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
     notes = {
         "status": result.status, "method": result.method, "base_order": base_name,
         "recomputed_ops": sorted(set(replays)), "recomputations": len(replays),
-        "added_compute_s": sum(op_time(graph.op_by_name[name], graph, costs or hw) for name in replays),
+        "added_compute_s": sum(op_time(graph.op_by_name[name], graph, costs if costs is not None else hw)
+                              for name in replays),
         "step_time_before_s": before, "step_time_after_s": after,
         "overhead": after / before - 1 if before else 0.0,
         "budget_bytes": budget, "peak_bytes": peak, "input_peak_bytes": input_peak,
