@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from json_report import emit  # noqa: E402
 
-import models  # noqa: E402
+from memsched import models  # noqa: E402
 from memsched.errors import BudgetError  # noqa: E402
 from memsched.frontend import lower  # noqa: E402
-from passes.pipeline import compile as compile_plan  # noqa: E402
+from memsched.passes.pipeline import compile as compile_plan  # noqa: E402
 
 PROFILE = "v100-16gb"
 # name -> (bundled model, build options): training steps of about 900 to 10,000 ops (GPT-2 with

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import onnx  # noqa: E402
 
-import models  # noqa: E402
+from memsched import models  # noqa: E402
 from memsched.distributed import launch  # noqa: E402
 from memsched.emit import write_plan  # noqa: E402
-from models.cnn import plain_cnn  # noqa: E402
-from passes.pipeline import compile as compile_plan  # noqa: E402
+from memsched.models.cnn import plain_cnn  # noqa: E402
+from memsched.passes.pipeline import compile as compile_plan  # noqa: E402
 
 BATCH = 64          # the global batch, divided among the workers
 

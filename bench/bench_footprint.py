@@ -259,7 +259,7 @@ def bench_model(name: str, directory: Path, steps: int, threads: int, rounds: in
     from memsched.emit import write_plan
     from memsched.errors import MemschedError
     from memsched.memory import analyze_plan, check_placement
-    from passes.pipeline import compile as compile_plan
+    from memsched.passes.pipeline import compile as compile_plan
 
     graph = small_training_step(name)
     entry = {"model": name, "size": SIZES[name], "ops": len(graph.ops), "plans": []}

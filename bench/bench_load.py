@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, from " + ", ".join(CASES))
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
-    import models
+    from memsched import models
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="memsched-bench-load-") as scratch:

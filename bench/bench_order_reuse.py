@@ -29,15 +29,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import models  # noqa: E402
+from memsched import models  # noqa: E402
 from memsched.frontend import lower  # noqa: E402
 from memsched.memory import analyze, analyze_plan, validate  # noqa: E402
 from memsched.ops import VIEW_OPS  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
-from passes.order import order_pass  # noqa: E402
-from passes.placement import place_pass  # noqa: E402
-from passes.pipeline import training_steps  # noqa: E402
-from passes.reuse import choose_aliases, reuse_pass  # noqa: E402
+from memsched.passes.order import order_pass  # noqa: E402
+from memsched.passes.placement import place_pass  # noqa: E402
+from memsched.passes.pipeline import training_steps  # noqa: E402
+from memsched.passes.reuse import choose_aliases, reuse_pass  # noqa: E402
 
 
 def training_graph(name: str, batch: int, model=None):

@@ -32,7 +32,7 @@ from memsched.cost import op_cost, op_time  # noqa: E402
 from memsched.measure import Timer, cpu_clock, make_session, np_dtype, profile_graph, random_inputs  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
 from memsched.simulate import simulate  # noqa: E402
-from passes.calibration import REFERENCE_SIZES, reference_graph  # noqa: E402
+from memsched.passes.calibration import REFERENCE_SIZES, reference_graph  # noqa: E402
 
 LARGE_SIZES = {"mlp": dict(batch=256), "vgg16": dict(batch=4, size=64), "resnet18": dict(batch=8, size=64),
                "resnet50": dict(batch=4, size=64), "mobilenetv2": dict(batch=8, size=96),

@@ -26,16 +26,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import models  # noqa: E402
+from memsched import models  # noqa: E402
 from memsched.errors import BudgetError  # noqa: E402
 from memsched.frontend import lower  # noqa: E402
 from memsched.ir import Graph  # noqa: E402
 from memsched.memory import analyze_plan  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
-from passes.order import order_pass  # noqa: E402
-from passes.pipeline import training_steps  # noqa: E402
-from passes.recompute.planner import recompute_pass  # noqa: E402
-from passes.reuse import reuse_pass  # noqa: E402
+from memsched.passes.order import order_pass  # noqa: E402
+from memsched.passes.pipeline import training_steps  # noqa: E402
+from memsched.passes.recompute.planner import recompute_pass  # noqa: E402
+from memsched.passes.reuse import reuse_pass  # noqa: E402
 
 HARDWARE = "v100-16gb"
 FULL = {

@@ -2,24 +2,29 @@
 0.9 and 0.8 of the no-recomputation peak. Prints one JSON object on stdout (progress on
 stderr). `--quick` runs a few small cases with a short limit. `--rlg` runs instead the
 linearised graphs (`passes.recompute.graphs.linearized`, the shape of Moccasin's RLG graphs) of 250 and
-1,000 nodes at 0.8 for the seeds given, each row saying how long `plan` took to its first
-plan that fits and how cheap that plan was, against the end of the time limit.
+1,000 nodes at 0.8 and 0.9 (`--fractions`) for the seeds given through the `memsched remat`
+command, each row saying how long the whole command took (from outside), when its first
+fitting plan came and how cheap its answer was, beside Moccasin's published overhead for the
+same size and fraction.
 
-    python bench/bench_remat.py [--quick | --rlg [--seeds 0 1 ...]] [--time-limit S] [--only NAME ...]
+    python bench/bench_remat.py [--quick | --rlg [--seeds 0 1 ...] [--fractions 0.8 0.9]]
+        [--time-limit S] [--only NAME ...]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from passes.recompute import dag as remat  # noqa: E402
-from passes.recompute import graphs  # noqa: E402
+from memsched.passes.recompute import dag as remat  # noqa: E402
+from memsched.passes.recompute import graphs  # noqa: E402
 
 FULL_CASES = {
     "chain-100": lambda: graphs.chain(100, seed=0),
@@ -36,7 +41,9 @@ QUICK_CASES = {
 }
 FRACTIONS = (0.9, 0.8)
 RLG_NODES = (250, 1000)
-RLG_FRACTION = 0.8
+RLG_FRACTIONS = (0.8, 0.9)
+# Moccasin's published overhead on its RLG graphs (Bartan et al., ICML 2023), (nodes, fraction) -> ratio
+MOCCASIN_PUBLISHED = {(250, 0.8): 0.049, (250, 0.9): 0.009, (1000, 0.8): 0.034, (1000, 0.9): 0.007}
 
 
 def method_summary(run: remat.Result | None, full_peak: int) -> dict:
@@ -81,41 +88,57 @@ def bench_case(name: str, problem: remat.RematProblem, fraction: float, time_lim
     return row
 
 
-def anytime_row(name: str, problem: remat.RematProblem, fraction: float, time_limit: float) -> dict:
-    """How `plan` gets there: the first fitting plan (seconds from the start, overhead) and the
-    final one, with what each phase produced."""
+def command_row(name: str, problem: remat.RematProblem, fraction: float, limit: float, folder: Path) -> dict:
+    """`memsched remat GRAPH.json --budget-fraction F --time-limit LIMIT --json` as a user runs it:
+    the whole command's wall time from outside, and its answer (the first fitting plan's time
+    and overhead from the methods' `found_at`)."""
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(remat.to_node_link(problem)))
     started = time.perf_counter()
-    row, result = planned(name, problem, fraction, time_limit)
-    if result is None:
+    proc = subprocess.run([sys.executable, "-m", "memsched", "remat", str(path), "--budget-fraction", str(fraction),
+                           "--time-limit", str(limit), "--json"], capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    row = {"graph": name, "nodes": problem.n, "fraction": fraction, "command_wall_s": round(wall, 2),
+           "wall_over_limit": round(wall / limit, 3), "exit": proc.returncode}
+    if proc.returncode != 0:
+        row.update(feasible=False, error=proc.stderr.strip().splitlines()[-1:])
         return row
-    fitting = sorted((r for r in result.runs.values() if r.fits), key=lambda r: r.found_at)
-    first = fitting[0]
-    row.update(
-        feasible=True, first_fit_method=first.method, first_fit_seconds=round(first.found_at, 2),
-        first_fit_overhead=round(first.overhead, 6), winner=result.method, status=result.status,
-        overhead=round(result.overhead, 6), seconds=round(time.perf_counter() - started, 2),
-        lower_bound_overhead=(round(result.lower_bound / problem.base_cost - 1, 6)
-                              if result.lower_bound is not None else None),
-        runs={m: {"fits": r.fits, "overhead": round(r.overhead, 6), "found_at": round(r.found_at, 2),
-                  "peak_fraction_of_budget": round(r.peak_bytes / row["budget_bytes"], 4)}
-              for m, r in result.runs.items()})
+    out = json.loads(proc.stdout)
+    fitting = sorted((m for m in out["methods"].values() if m["fits"]), key=lambda m: m["found_at"])
+    row.update(feasible=True, budget_bytes=out["budget_bytes"], peak_bytes=out["peak_bytes"], winner=out["method"],
+               status=out["status"], overhead=round(out["overhead"], 6),
+               lower_bound_overhead=(round(out["lower_bound"] / out["base_cost"] - 1, 6)
+                                     if out["lower_bound"] is not None else None),
+               first_fit_seconds=round(fitting[0]["found_at"], 2), first_fit_overhead=round(fitting[0]["overhead"], 6),
+               methods={k: {"fits": m["fits"], "overhead": round(m["overhead"], 6), "found_at": round(m["found_at"], 2)}
+                        for k, m in out["methods"].items()})
     return row
 
 
-def main_rlg(seeds, limit: float) -> int:
+def main_rlg(seeds, fractions, limit: float) -> int:
     rows = []
-    for nodes in RLG_NODES:
-        for seed in seeds:
-            name = f"linearized-{nodes}-seed{seed}"
-            row = anytime_row(name, graphs.linearized(nodes, seed=seed), RLG_FRACTION, limit)
-            rows.append(row)
-            print(f"{name} n={row['nodes']}: first fit {row.get('first_fit_overhead')} at "
-                  f"{row.get('first_fit_seconds')} s, end {row.get('overhead')} at {row['seconds']} s",
-                  file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        for nodes in RLG_NODES:
+            for fraction in fractions:
+                for seed in seeds:
+                    name = f"linearized-{nodes}-seed{seed}"
+                    row = command_row(name, graphs.linearized(nodes, seed=seed), fraction, limit, Path(folder))
+                    published = MOCCASIN_PUBLISHED.get((nodes, fraction))
+                    row.update(moccasin_published_overhead=published,
+                               at_or_below_moccasin=(published is not None and row.get("overhead") is not None
+                                                     and row["overhead"] <= published))
+                    rows.append(row)
+                    print(f"{name} n={row['nodes']} F={fraction}: first fit {row.get('first_fit_overhead')} at "
+                          f"{row.get('first_fit_seconds')} s, end {row.get('overhead')}, "
+                          f"command {row['command_wall_s']} s (Moccasin {published})", file=sys.stderr, flush=True)
     print(json.dumps({
         "benchmark": "remat-rlg", "generator": "passes.recompute.graphs.linearized(nodes, seed, skips=4)",
-        "fraction": RLG_FRACTION, "time_limit_s": limit, "cpu_count": os.cpu_count(), "cases": rows,
+        "command": "memsched remat GRAPH.json --budget-fraction F --time-limit S --json",
+        "fractions": list(fractions), "time_limit_s": limit, "cpu_count": os.cpu_count(),
+        "load_average_1min": round(os.getloadavg()[0], 2), "cases": rows,
         "feasible_everywhere": all(r["feasible"] for r in rows),
+        "at_or_below_moccasin_everywhere": all(r["at_or_below_moccasin"] for r in rows),
+        "worst_wall_over_limit": max(r["wall_over_limit"] for r in rows),
     }, indent=2))
     return 0
 
@@ -125,11 +148,13 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few small cases, 5 s limit")
     parser.add_argument("--time-limit", type=float, default=None, help="CP-SAT seconds per case (60; quick: 5)")
     parser.add_argument("--only", nargs="*", default=None, help="case names to run")
-    parser.add_argument("--rlg", action="store_true", help="linearised graphs of 250 and 1,000 nodes at 0.8")
+    parser.add_argument("--rlg", action="store_true", help="linearised graphs of 250 and 1,000 nodes")
     parser.add_argument("--seeds", nargs="*", type=int, default=[0], help="graph seeds for --rlg (0)")
+    parser.add_argument("--fractions", nargs="*", type=float, default=list(RLG_FRACTIONS),
+                        help="budget fractions for --rlg (0.8 0.9)")
     args = parser.parse_args(argv)
     if args.rlg:
-        return main_rlg(args.seeds, args.time_limit or 60.0)
+        return main_rlg(args.seeds, args.fractions, args.time_limit or 60.0)
     cases = QUICK_CASES if args.quick else FULL_CASES
     limit = args.time_limit or (5.0 if args.quick else 60.0)
     if args.only:

@@ -29,14 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import onnx  # noqa: E402
 
-import models  # noqa: E402
+from memsched import models  # noqa: E402
 from memsched import hardware as hardware_mod  # noqa: E402
 from memsched.errors import BudgetError  # noqa: E402
 from memsched.ir import Graph  # noqa: E402
 from memsched.memory import analyze  # noqa: E402
 from memsched.schedule import default_schedule  # noqa: E402
-from passes import pipeline  # noqa: E402
-from passes.training import build_training_step  # noqa: E402
+from memsched.passes import pipeline  # noqa: E402
+from memsched.passes.training import build_training_step  # noqa: E402
 
 PROFILE = "v100-16gb"
 OVERHEAD_TARGET = 0.15

@@ -75,7 +75,7 @@ def busy() -> None:
 
 def run_case(limit: float, argv: list) -> dict:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, argv)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "memsched", *map(str, argv)], capture_output=True, text=True,
                           timeout=max(600, 20 * limit))
     wall = time.perf_counter() - started
     row = {"limit_s": limit, "wall_s": round(wall, 2), "ratio": round(wall / limit, 3), "exit": proc.returncode}

@@ -43,7 +43,7 @@ from memsched.inference import export_inference  # noqa: E402
 from memsched.ort import reference_session  # noqa: E402
 from memsched.torch import export_for_training  # noqa: E402
 from memsched.trainer import Trainer  # noqa: E402
-from passes.pipeline import compile as compile_plan  # noqa: E402
+from memsched.passes.pipeline import compile as compile_plan  # noqa: E402
 from tests import digits  # noqa: E402
 
 BATCH, LR = 64, 0.05
@@ -143,7 +143,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        from models.mlp import mlp
+        from memsched.models.mlp import mlp
 
         model = mlp(batch=BATCH, size=8)
         onnx.save(model, folder / "mlp.onnx")

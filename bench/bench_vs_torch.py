@@ -30,13 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models  # noqa: E402
+from memsched import models  # noqa: E402
 from memsched.frontend import lower  # noqa: E402
 from memsched.memory import validate  # noqa: E402
 from memsched.schedule import Plan  # noqa: E402
-from passes.training import build_training_step  # noqa: E402
-from passes.pipeline import compile as compile_plan  # noqa: E402
-from passes.reuse import baseline_aliases  # noqa: E402
+from memsched.passes.training import build_training_step  # noqa: E402
+from memsched.passes.pipeline import compile as compile_plan  # noqa: E402
+from memsched.passes.reuse import baseline_aliases  # noqa: E402
 
 # name -> the models.build options of the table
 CASES = {"resnet18": {"batch": 32, "size": 224}, "resnet50": {"batch": 16, "size": 224},

@@ -240,7 +240,7 @@ def compile_case(label: str, hardware: str, directory: Path, time_limit: float) 
     """Compile every plan of case `label` for `hardware` into `directory`: the manifest's entry."""
     from memsched.emit import write_plan
     from memsched.errors import MemschedError
-    from passes.pipeline import compile as compile_plan
+    from memsched.passes.pipeline import compile as compile_plan
 
     model, size, plans = CASES[label]
     graph = small_training_step(model, size)

@@ -42,8 +42,14 @@ class Deadline:
 
     @property
     def expired(self) -> bool:
-        """Whether the time is up; a caller that stops work because of it marks the cut."""
-        if self.stopped or time.perf_counter() >= self.end:
+        """Whether the time is up (a plain reading: nothing is marked)."""
+        return self.stopped or time.perf_counter() >= self.end
+
+    def cuts(self) -> bool:
+        """Whether the time is up, for a caller that stops its work if so: the deadline is then
+        marked as having cut something (`cut`), so the result is reported as possibly different
+        from run to run."""
+        if self.expired:
             self.cut = True
             return True
         return False
@@ -115,7 +121,7 @@ class Work:
 
     def ok(self) -> bool:
         """Whether another step may run: budget left and the deadline not passed."""
-        return self.left > 0 and not (self.deadline is not None and self.deadline.expired)
+        return self.left > 0 and not (self.deadline is not None and self.deadline.cuts())
 
     def spend(self, seconds: float) -> None:
         self.left -= seconds

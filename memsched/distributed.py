@@ -401,8 +401,8 @@ def _rank_and_world() -> tuple[int, int]:
     return rank, workers
 
 
-def launch_command(program: str, command: list[str], workers: int) -> int:
-    """Run Python script `program` (the command line's own file) with arguments `command` as
+def launch_command(command: list[str], workers: int) -> int:
+    """Run memsched's command line (`python -m memsched`) with arguments `command` as
     `workers` local ranks (loopback, gloo): rank 0's output is the command's, the others' is
     kept to name a failure. A rank that fails stops the others; returns rank 0's exit status,
     or raises UserError naming the rank that failed first."""
@@ -415,7 +415,7 @@ def launch_command(program: str, command: list[str], workers: int) -> int:
         for rank in range(workers):
             log = tempfile.TemporaryFile(mode="w+") if rank else None      # a file: a pipe could fill and block
             logs.append(log)
-            procs.append(_start_rank([sys.executable, program, *command], _rank_env(rank, workers, port),
+            procs.append(_start_rank([sys.executable, "-m", "memsched", *command], _rank_env(rank, workers, port),
                                      stdout=subprocess.DEVNULL if rank else None, stderr=log, text=True))
         while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
             time.sleep(0.05)

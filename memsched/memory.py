@@ -38,6 +38,7 @@ import heapq
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -361,15 +362,24 @@ def buffer_roots(profile: MemoryProfile) -> dict[tuple[str, int], tuple[str, int
     return {r.key: root for root, members in buffer_groups(profile).items() for r in members}
 
 
-def buffers(profile: MemoryProfile) -> list[tuple[tuple[str, int], int, int, int]]:
-    """Storage buffers to place: (key, first step, last step, bytes); in-place chains merged."""
+class Buffer(NamedTuple):
+    """One storage buffer to place in the arena: a residency `key` (its chain's root), the first
+    and last steps it is live, and its bytes."""
+    key: tuple[str, int]
+    first: int
+    last: int
+    nbytes: int
+
+
+def buffers(profile: MemoryProfile) -> list[Buffer]:
+    """Storage buffers to place; in-place chains merged into their root's."""
     roots = buffer_roots(profile)
     spans: dict[tuple[str, int], list[int]] = {}
     for r in profile.residencies:
         k = roots[r.key]
         span = spans.setdefault(k, [r.start, r.end, r.nbytes])
         span[0], span[1], span[2] = min(span[0], r.start), max(span[1], r.end), max(span[2], r.nbytes)
-    return [(k, s, e, b) for k, (s, e, b) in spans.items()]
+    return [Buffer(k, s, e, b) for k, (s, e, b) in spans.items()]
 
 
 def check_placement(profile: MemoryProfile, offsets: dict[tuple[str, int], int]) -> int:

@@ -13,7 +13,7 @@ from memsched import frontend
 from memsched.errors import UserError
 from memsched.ir import Graph
 
-from passes.pipeline import load_graph
+from memsched.passes.pipeline import load_graph
 
 REFERENCE_SIZES = {"mlp": dict(batch=64), "vgg16": dict(batch=2, size=32), "resnet18": dict(batch=4, size=64),
                    "resnet50": dict(batch=2, size=64), "mobilenetv2": dict(batch=4, size=64),
@@ -29,7 +29,7 @@ DEFAULT_REFERENCES = tuple(REFERENCE_SIZES)
 def reference_graph(name: str, options: dict | None = None) -> Graph:
     """The training step (cross-entropy, SGD) of bundled model `name`, at its reference size
     unless `options` are given."""
-    import models
+    from memsched import models
 
     if options is None:
         if name not in REFERENCE_SIZES:

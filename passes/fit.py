@@ -251,7 +251,7 @@ class Search:
             else ("the plan as it is", 0.0)
         for k in range(MAX_LEVELS):
             seconds = self.ledger.rescue(k)
-            if self.best is not None or self.deadline.expired or not self.ledger.take(seconds):
+            if self.best is not None or self.deadline.cuts() or not self.ledger.take(seconds):
                 return
             self.say(f"{self.label}placing {name} again ({seconds:.1f} s)")
             arena = self._place(plan, record if record >= 0 else None, seconds)
@@ -277,7 +277,7 @@ class Search:
         if self.best is None and not self.deadline.planned:
             self.ledger.charge(price)
             return False
-        return self.deadline.expired or not self.ledger.take(price)
+        return self.deadline.cuts() or not self.ledger.take(price)
 
     # ---- one attempt ----
     def attempt(self, candidate: Candidate, effort: float, rounds: int = FIT_ROUNDS) -> float | None:
@@ -430,8 +430,8 @@ def drains_anything(plan: Plan) -> bool:
     """Whether draining (`passes.order.drain`) changes any of the recompute pass's base
     orders of `plan`: if not, the drained candidates would plan the same steps again (a
     drained order equal to one before it is dropped from the bases)."""
-    from passes.recompute.planner import base_orders
-    from passes.reuse import compute_order
+    from memsched.passes.recompute.planner import base_orders
+    from memsched.passes.reuse import compute_order
 
     return any(name.endswith("+drain") for name in base_orders(plan, compute_order(plan.schedule), drained=True))
 

@@ -51,8 +51,8 @@ from memsched.memory import analyze
 from memsched.ops import VIEW_OPS
 from memsched.schedule import Plan, order_schedule
 
-from passes.reuse import alias_table, choose_aliases, compute_order, training_order
-from passes.solver import solve
+from memsched.passes.reuse import alias_table, choose_aliases, compute_order, training_order
+from memsched.passes.solver import solve
 
 WHOLE_GRAPH_OPS = 120      # one CP-SAT model up to this many ops, windows beyond
 WHOLE_FIRST_OPS = 400      # up to this many ops, a whole-graph model gets half the time before the windows

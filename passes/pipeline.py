@@ -38,10 +38,10 @@ from memsched.schedule import Plan
 from memsched.simulate import Simulation, simulate
 from memsched.units import format_bytes, parse_bytes, parse_percent
 
-from passes.rewrites.batch_split import batch_split_step, given_graph
-from passes.rewrites.concat_split import reuse_variants
-from passes.fit import DRAINED, MAX_LEVELS, Ledger, Search
-from passes.reuse import FUSED_KEY, baseline_aliases
+from memsched.passes.rewrites.batch_split import batch_split_step, given_graph
+from memsched.passes.rewrites.concat_split import reuse_variants
+from memsched.passes.fit import DRAINED, MAX_LEVELS, Ledger, Search
+from memsched.passes.reuse import FUSED_KEY, baseline_aliases
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")
 PLACEMENT_FREE = ("order", "reuse")      # the strategies without a budget: no added time
@@ -97,7 +97,7 @@ def load_graph(model: "str | Path | Graph", dims: dict[str, int] | None = None, 
     further optimizer options, momentum, weight_decay, betas, eps)."""
     graph = model if isinstance(model, Graph) else frontend.load(model, dims)
     if train:
-        from passes.training import build_training_step
+        from memsched.passes.training import build_training_step
 
         graph = build_training_step(graph, loss=loss, optimizer=optimizer, lr=lr, freeze=tuple(freeze),
                                     **(options or {}))
@@ -195,7 +195,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     if budget_bytes is not None:
         given = searches["given"]
         needs_more = given.best is None or \
-            (not deadline.expired and not ledger.closed and {"recompute", "swap"} & set(given.best.plan.notes))
+            (not deadline.cuts() and not ledger.closed and {"recompute", "swap"} & set(given.best.plan.notes))
         if train and {"recompute", "swap"} & set(strategies) and not deadline.stopped and needs_more:
             split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze, training_options),
                                      budget_bytes)
@@ -231,7 +231,7 @@ def improvement_levels(searches: dict[str, Search], ledger: Ledger, deadline: De
     seconds a pass; after level 1, the searches explore drained orders."""
     for level in range(1, MAX_LEVELS + 1):
         ranked = [searches[n] for n in sorted(searches, key=lambda n: (_best_time(searches[n]), n))]
-        if ledger.closed or deadline.expired or not any(found.improvable() for found in ranked):
+        if ledger.closed or deadline.cuts() or not any(found.improvable() for found in ranked):
             return
         for found in ranked:
             if found.improvable():
@@ -321,11 +321,11 @@ def _passes(data_parallel: bool = False, variants: dict[str, Graph] | None = Non
     `data_parallel`: the step all-reduces every gradient, so reuse fuses no update into its
     dW Gemm, and reuse and order leave the updates last (passes.reuse.updates_last);
     `variants`: rewritten training steps reuse may pick instead (passes.rewrites.concat_split)."""
-    from passes.order import order_pass
-    from passes.placement import place_pass
-    from passes.recompute.planner import recompute_pass
-    from passes.reuse import reuse_pass, updates_last
-    from passes.swap.planner import swap_pass
+    from memsched.passes.order import order_pass
+    from memsched.passes.placement import place_pass
+    from memsched.passes.recompute.planner import recompute_pass
+    from memsched.passes.reuse import reuse_pass, updates_last
+    from memsched.passes.swap.planner import swap_pass
 
     def last(plan: Plan) -> Plan:
         return updates_last(plan) if data_parallel else plan

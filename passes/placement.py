@@ -44,10 +44,10 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from memsched.deadline import Deadline
-from memsched.memory import analyze_plan, buffer_roots, buffers, check_placement
+from memsched.memory import Buffer, analyze_plan, buffer_roots, buffers, check_placement
 from memsched.schedule import Plan
 
-from passes.solver import solve
+from memsched.passes.solver import solve
 
 ALIGNMENT = 64
 # NoOverlap2D models beyond this many buffers found nothing better than the greedy within
@@ -64,17 +64,20 @@ LOCAL_SEARCH_SEED = 20240607
 
 # orders in which the greedy places the buffers that do not live for the whole step
 GREEDY_ORDERS = {
-    "size": lambda b: (-b[3], b[1], -b[2], str(b[0][0]), b[0][1]),
-    "size, lifetime": lambda b: (-b[3], b[1] - b[2], b[1], str(b[0][0]), b[0][1]),
-    "lifetime": lambda b: (b[1] - b[2], -b[3], b[1], str(b[0][0]), b[0][1]),
-    "size x lifetime": lambda b: (-b[3] * (b[2] - b[1] + 1), -b[3], b[1], str(b[0][0]), b[0][1]),
-    "first step": lambda b: (b[1], -b[3], str(b[0][0]), b[0][1]),
-    "size, last step": lambda b: (-b[3], -b[2], str(b[0][0]), b[0][1]),
-    "size x sqrt lifetime": lambda b: (-b[3] * (b[2] - b[1] + 1) ** 0.5, str(b[0][0]), b[0][1]),
-    "last step": lambda b: (-b[2], -b[3], str(b[0][0]), b[0][1]),
+    "size": lambda b: (-b.nbytes, b.first, -b.last, *_tie(b)),
+    "size, lifetime": lambda b: (-b.nbytes, b.first - b.last, b.first, *_tie(b)),
+    "lifetime": lambda b: (b.first - b.last, -b.nbytes, b.first, *_tie(b)),
+    "size x lifetime": lambda b: (-b.nbytes * (b.last - b.first + 1), -b.nbytes, b.first, *_tie(b)),
+    "first step": lambda b: (b.first, -b.nbytes, *_tie(b)),
+    "size, last step": lambda b: (-b.nbytes, -b.last, *_tie(b)),
+    "size x sqrt lifetime": lambda b: (-b.nbytes * (b.last - b.first + 1) ** 0.5, *_tie(b)),
+    "last step": lambda b: (-b.last, -b.nbytes, *_tie(b)),
 }
 
-Buffer = tuple  # (key, first step, last step, bytes), as memsched.memory.buffers gives
+
+def _tie(b: Buffer) -> tuple[str, int]:
+    """The last key of every order: the tensor's name and residency, so equal buffers keep one order."""
+    return str(b.key[0]), b.key[1]
 
 
 def align(nbytes: int, alignment: int = ALIGNMENT) -> int:
@@ -88,7 +91,7 @@ def place_pass(plan: Plan, time_limit: float = 10.0, deadline: Deadline | None =
         time_limit = deadline.cap(time_limit)
     start = time.perf_counter()
     profile = analyze_plan(plan)
-    items = [b for b in buffers(profile) if b[3] > 0]
+    items = [b for b in buffers(profile) if b.nbytes > 0]
     n_steps = len(profile.live_bytes)
     offsets, info = place_buffers(items, n_steps, time_limit, plan.budget, deadline)
     roots = buffer_roots(profile)
@@ -138,7 +141,7 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
     # not clocked) or the command's deadline has passed, so a loaded machine places alike
     if arena <= bound:
         return greedy, info
-    if priced >= time_limit or (deadline is not None and deadline.expired):
+    if priced >= time_limit or (deadline is not None and deadline.cuts()):
         info["cpsat"] = "skipped: no time left"
         return greedy, info
     movable = [b for b in items if not _whole_step(b, n_steps)]
@@ -148,7 +151,7 @@ def place_buffers(items: list[Buffer], n_steps: int, time_limit: float,
             return greedy, info
         tried, spent = [], 0.0
         for count in largest_counts(movable, bound):
-            if tried and (budget is None or arena <= budget or (deadline is not None and deadline.expired)):
+            if tried and (budget is None or arena <= budget or (deadline is not None and deadline.cuts())):
                 break           # the model with more buffers runs only for a budget still missed
             offsets, status, seconds = largest_first_offsets(items, n_steps, greedy, time_limit, count,
                                                              deadline=deadline, started=started)
@@ -183,7 +186,7 @@ def largest_counts(movable: list[Buffer], bound: int) -> list[int]:
     gaps the model leaves; a cut inside a run of large ones leaves them gaps too small (ResNet-50
     batch 980, recompute to 1.5x then swap: 382 buffers of 1% or more, up to 393 MB cut at the
     250th; arena 1.068 x the peak with 250, 1.007 with 382)."""
-    large = sum(b[3] >= LARGE_SHARE * bound for b in movable)
+    large = sum(b.nbytes >= LARGE_SHARE * bound for b in movable)
     return [MAX_CPSAT_BUFFERS] + ([large] if large > MAX_CPSAT_BUFFERS else [])
 
 
@@ -203,9 +206,9 @@ def largest_first_offsets(items: list[Buffer], n_steps: int, hint: dict, time_li
                                                 time_limit, alignment, deadline, started)
     if offsets is None:
         return None, status, seconds
-    base = max((offsets[b[0]] + align(b[3], alignment) for b in whole), default=0)
-    los, _ = _pack(rest, base, alignment, placed=[(b, offsets[b[0]]) for b in largest])
-    offsets.update((b[0], int(lo)) for b, lo in zip(rest, los))
+    base = max((offsets[b.key] + align(b.nbytes, alignment) for b in whole), default=0)
+    los, _ = _pack(rest, base, alignment, placed=[(b, offsets[b.key]) for b in largest])
+    offsets.update((b.key, int(lo)) for b, lo in zip(rest, los))
     return offsets, status, seconds
 
 
@@ -214,7 +217,7 @@ def best_greedy(items: list[Buffer], n_steps: int, deadline: Deadline | None = N
     the orders after the first only until the command's `deadline`."""
     best = None
     for name, order in GREEDY_ORDERS.items():
-        if best is not None and deadline is not None and deadline.expired:
+        if best is not None and deadline is not None and deadline.cuts():
             break
         offsets = greedy_offsets(items, n_steps, order)
         arena = _arena_aligned(items, offsets, ALIGNMENT)
@@ -229,7 +232,7 @@ def greedy_offsets(items: list[Buffer], n_steps: int, order=GREEDY_ORDERS["size"
     offsets, base = _stack_whole_step(items, n_steps, alignment)
     rest = sorted((b for b in items if not _whole_step(b, n_steps)), key=order)
     los, _ = _pack(rest, base, alignment)
-    offsets.update((b[0], int(lo)) for b, lo in zip(rest, los))
+    offsets.update((b.key, int(lo)) for b, lo in zip(rest, los))
     return offsets
 
 
@@ -250,7 +253,7 @@ def improved_offsets(items: list[Buffer], n_steps: int, order, deadline: Deadlin
     rng = np.random.default_rng(LOCAL_SEARCH_SEED)
     tried = stale = 0
     while (sequence and tried < tries and stale < LOCAL_SEARCH_PATIENCE and his.max() > bound
-           and not (deadline is not None and deadline.expired)):
+           and not (deadline is not None and deadline.cuts())):
         tried += 1
         stale += 1
         top = int(np.argmax(his))
@@ -259,7 +262,8 @@ def improved_offsets(items: list[Buffer], n_steps: int, order, deadline: Deadlin
             j = int(rng.integers(0, top))
             candidate = sequence[:j] + [culprit] + sequence[j:top] + sequence[top + 1:]
         else:
-            overlapping = [i for i in range(top) if sequence[i][1] <= culprit[2] and sequence[i][2] >= culprit[1]]
+            overlapping = [i for i in range(top)
+                           if sequence[i].first <= culprit.last and sequence[i].last >= culprit.first]
             if not overlapping:
                 continue
             i = overlapping[int(rng.integers(len(overlapping)))]
@@ -271,7 +275,7 @@ def improved_offsets(items: list[Buffer], n_steps: int, order, deadline: Deadlin
             stale = 0
         if new_his.max() <= his.max():
             sequence, los, his = candidate, new_los, new_his
-    offsets.update((b[0], int(lo)) for b, lo in zip(sequence, los))
+    offsets.update((b.key, int(lo)) for b, lo in zip(sequence, los))
     return offsets, tried
 
 
@@ -331,7 +335,7 @@ def cpsat_offsets(items: list[Buffer], n_steps: int, hint: dict, lower_bound: in
     Whole-step buffers keep their hinted place at the bottom (optimal, see the module doc).
     Returns (offsets or None, solver status, proven arena bound in bytes or None, seconds).
     """
-    base = max((hint[b[0]] + align(b[3], alignment) for b in items if _whole_step(b, n_steps)),
+    base = max((hint[b.key] + align(b.nbytes, alignment) for b in items if _whole_step(b, n_steps)),
                default=0)
     movable = [b for b in items if not _whole_step(b, n_steps)]
     upper = (_arena_aligned(items, hint, alignment) - base) // alignment
@@ -352,7 +356,7 @@ def cpsat_offsets(items: list[Buffer], n_steps: int, hint: dict, lower_bound: in
     proven = base + int(result.bound) * alignment if result.bound is not None else None
     if not result.has_solution:
         return None, result.status, proven, result.seconds
-    offsets = {b[0]: hint[b[0]] for b in items if _whole_step(b, n_steps)}
+    offsets = {b.key: hint[b.key] for b in items if _whole_step(b, n_steps)}
     for (key, *_), y in zip(movable, ys_vars):
         offsets[key] = base + result.solver.Value(y) * alignment
     return offsets, result.status, proven, result.seconds
@@ -368,7 +372,7 @@ def aligned_peak(items: list[Buffer], n_steps: int, alignment: int = ALIGNMENT) 
 
 
 def _whole_step(item: Buffer, n_steps: int) -> bool:
-    return item[1] <= 0 and item[2] >= n_steps - 1
+    return item.first <= 0 and item.last >= n_steps - 1
 
 
 def _arena(items: list[Buffer], offsets: dict) -> int:

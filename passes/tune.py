@@ -30,7 +30,7 @@ from memsched.errors import BudgetError, UserError
 from memsched.ir import Graph
 from memsched.units import parse_bytes
 
-from passes.pipeline import compile as compile_plan
+from memsched.passes.pipeline import compile as compile_plan
 
 # Strategy sets compared; "none" is the framework baseline (no plan).
 STRATEGY_SETS = {"none": (), "order,reuse": ("order", "reuse"),
@@ -68,7 +68,7 @@ def graph_builder(model: str, dims: dict[str, int] | None = None, batch_dim: str
     """batch -> forward Graph. MODEL is a bundled model name or an ONNX file with a symbolic batch dim.
 
     Bundled models are built shape-only (planning needs no weights) unless `weights`."""
-    import models
+    from memsched import models
 
     names = {entry["name"] for entry in models.catalog()}
     if model in names and not Path(model).exists():
@@ -133,7 +133,7 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
             cache.clear()  # graphs are rebuilt per batch; keep one
             cache[batch] = build(batch)
         graph = cache[batch]
-        if deadline.expired:        # building the graph took the rest
+        if deadline.cuts():        # building the graph took the rest
             raise _OutOfTime
         row = {"strategy": name, "batch": batch}
         try:
@@ -173,7 +173,7 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
         best[name] = _fastest(list(seen.values()))
     if measure:
         for name, row in best.items():
-            if row is not None and deadline.expired:
+            if row is not None and deadline.cuts():
                 row["measured"] = None          # past the time limit: not measured
             elif row is not None:
                 say(f"{name}: measuring batch {row['batch']} on {measure}")

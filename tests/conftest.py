@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `memsched ARGS` in a fresh process; returns the CompletedProcess (text mode)."""
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "memsched", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 def split(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(train, test) as {'input': float32 [n, 1, 8, 8] in [0, 1], 'labels': int64 [n]} (models.digits)."""
-    from models.digits import split as digits_split
+    from memsched.models.digits import split as digits_split
 
     return digits_split(seed)
 

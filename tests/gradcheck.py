@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from memsched.frontend import lower
 from memsched.onnx_utils import make_model
-from passes.training import TRAINING_KEY, build_training_step
+from memsched.passes.training import TRAINING_KEY, build_training_step
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:

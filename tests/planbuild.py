@@ -17,9 +17,9 @@ from onnx import helper, numpy_helper
 from memsched import frontend
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan, compute, default_schedule, free, recompute, swap_in, swap_out
-from passes.order import order_pass
-from passes.placement import place_pass
-from passes.reuse import reuse_pass
+from memsched.passes.order import order_pass
+from memsched.passes.placement import place_pass
+from memsched.passes.reuse import reuse_pass
 
 PASS_SECONDS = 1.0   # solver time limit per pass in tests
 
@@ -261,7 +261,7 @@ def strategy_plans(graph) -> dict[str, Plan]:
 
 def training_graph(name: str, optimizer: str = "sgd"):
     """The training step of a bundled network at its small test size."""
-    from passes.training import build_training_step
+    from memsched.passes.training import build_training_step
 
     return build_training_step(small_model(name), loss="cross_entropy", optimizer=optimizer)
 
@@ -319,6 +319,6 @@ SMALL_MODELS = {
 
 def small_model(name: str, **extra):
     """A bundled network at its small test size, lowered to a Graph."""
-    import models
+    from memsched import models
 
     return frontend.lower(models.build(name, **{**SMALL_MODELS[name], **extra}))

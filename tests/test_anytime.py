@@ -17,13 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import models
+from memsched import models
 from memsched.deadline import Deadline, unlimited
 from memsched.errors import BudgetError
 from memsched.frontend import lower
 from memsched.onnx_utils import save_model_atomic
-from passes import fit
-from passes.pipeline import compile as compile_plan
+from memsched.passes import fit
+from memsched.passes.pipeline import compile as compile_plan
 
 from .conftest import ROOT
 
@@ -86,6 +86,13 @@ def test_deadline_caps_and_stops():
         pass
     assert stopped == [1, 2]
     assert unlimited().left() == float("inf") and not unlimited().expired
+
+
+def test_reading_a_deadline_marks_nothing_stopping_work_marks_the_cut():
+    deadline = Deadline(0.0)
+    assert deadline.expired and not deadline.cut          # a report may ask without changing the answer
+    assert deadline.cuts() and deadline.cut               # work that stops because of it says so
+    assert not Deadline(1e6).cuts()
 
 
 def test_an_expired_deadline_still_gives_the_first_plan():
@@ -212,7 +219,7 @@ def _fake_command(seed: int, time_limit: float, monkeypatch) -> fit.Search:
     passes and no deadline: only the ledger ends it."""
     from types import SimpleNamespace
 
-    from passes.pipeline import improvement_levels
+    from memsched.passes.pipeline import improvement_levels
 
     monkeypatch.setattr(fit, "simulate", lambda plan, hardware, costs: SimpleNamespace(step_time=plan.notes["time"]))
     monkeypatch.setattr(fit, "drains_anything", lambda plan: seed % 2 == 0)
@@ -259,7 +266,7 @@ class Terminal:
 
     def __init__(self, args: list[str]):
         reader, writer = pty.openpty()
-        self.process = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "compile", *args], cwd=ROOT,
+        self.process = subprocess.Popen([sys.executable, "-m", "memsched", "compile", *args], cwd=ROOT,
                                         stdout=subprocess.PIPE, stderr=writer, stdin=subprocess.DEVNULL)
         os.close(writer)
         self.reader, self.screen = reader, b""

@@ -10,14 +10,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import models
+from memsched import models
 from memsched import numerics
 from memsched.frontend import lower
 from memsched.memory import validate
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan
-from passes.training import build_training_step, builder
-from passes.training.fuse import fuse_patterns
+from memsched.passes.training import build_training_step, builder
+from memsched.passes.training.fuse import fuse_patterns
 from tests.gradcheck import check_against_float64, session, training_info
 
 TINY = dict(batch=2, seq=8, layers=1, hidden=32, heads=2, vocab=50, max_positions=16)

@@ -10,14 +10,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import models
+from memsched import models
 from memsched.frontend import lower
 from memsched.memory import analyze_plan
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan
-from passes.training import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step
-from passes.training.loss import class_axis
-from passes.reuse import reuse_pass
+from memsched.passes.training import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step
+from memsched.passes.training.loss import class_axis
+from memsched.passes.reuse import reuse_pass
 from tests.gradcheck import check_against_float64, train_losses
 
 # Per model: build options, SGD learning rate, and the gradient check's settings.

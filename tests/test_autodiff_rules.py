@@ -12,7 +12,7 @@ import pytest
 from onnx import numpy_helper
 
 from memsched.frontend import lower
-from passes.training import build_training_step
+from memsched.passes.training import build_training_step
 from tests.gradcheck import check_gradients, one_op_model
 
 rng = np.random.default_rng(0)
@@ -200,7 +200,7 @@ def test_mask_gradients_take_no_where(case):
 def test_training_dropout_scales_by_the_kept_mask():
     """ratio 0.5 in training mode: the gradient is r * mask / (1 - ratio), the mask being
     where the output is non-zero (random, so checked through its relation to the output)."""
-    from passes.training import build_training_step
+    from memsched.passes.training import build_training_step
     from memsched.frontend import lower
 
     from tests.gradcheck import session

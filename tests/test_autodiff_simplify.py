@@ -10,8 +10,8 @@ from memsched.frontend import lower
 from memsched.memory import analyze_plan
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan
-from passes.training import build_training_step, builder
-from passes.training.simplify import drop_no_ops
+from memsched.passes.training import build_training_step, builder
+from memsched.passes.training.simplify import drop_no_ops
 from tests.gradcheck import session, training_info
 
 BATCH, WIDTH, CLASSES = 32, 256, 10

@@ -15,7 +15,7 @@ from memsched.ir import Graph
 from memsched.memory import analyze
 from memsched.onnx_utils import make_model
 from memsched.schedule import default_schedule
-from passes.training import GRAD_ROLES_KEY, build_training_step
+from memsched.passes.training import GRAD_ROLES_KEY, build_training_step
 from tests.gradcheck import check_against_float64, check_gradients, initial_values, session, train_losses, training_info
 
 FLOAT, DOUBLE = TensorProto.FLOAT, TensorProto.DOUBLE

@@ -22,10 +22,10 @@ from memsched.frontend import lower
 from memsched.memory import validate
 from memsched.onnx_utils import save_model_atomic
 from memsched.schedule import Plan
-from passes.rewrites.batch_split import SPLIT_KEY, chunk_count, split_batch, split_training_step
-from passes.rewrites.batch_split import given_graph
-from passes.pipeline import compile, step_builder
-from passes.placement import place_pass
+from memsched.passes.rewrites.batch_split import SPLIT_KEY, chunk_count, split_batch, split_training_step
+from memsched.passes.rewrites.batch_split import given_graph
+from memsched.passes.pipeline import compile, step_builder
+from memsched.passes.placement import place_pass
 
 from .conftest import run_cli
 

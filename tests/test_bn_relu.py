@@ -11,11 +11,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import models
-import passes.training.bn_relu as bn_relu
+from memsched import models
+import memsched.passes.training.bn_relu as bn_relu
 from memsched.frontend import lower
 from memsched.onnx_utils import make_model
-from passes.training import build_training_step
+from memsched.passes.training import build_training_step
 from tests.gradcheck import check_against_float64
 
 BATCH, SIDE, CLASSES = 2, 6, 5

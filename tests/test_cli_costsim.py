@@ -68,7 +68,7 @@ def test_calibrate_rejects_an_unknown_reference_before_measuring(tmp_path):
 
 
 def test_reference_training_steps_are_built_small():
-    from passes.calibration import reference_graphs
+    from memsched.passes.calibration import reference_graphs
 
     graph, = reference_graphs(["mlp"])
     assert graph.name == "mlp-train" and {op.phase for op in graph.ops} >= {"forward", "backward", "update"}

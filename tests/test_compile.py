@@ -8,12 +8,12 @@ import subprocess
 import numpy as np
 import pytest
 
-import models
+from memsched import models
 from memsched.memory import analyze_plan, check_placement
 from memsched.onnx_utils import save_model_atomic
-from passes.fit import climb_relaxations
-from passes.pipeline import compile as compile_plan
-from passes.pipeline import parse_budget
+from memsched.passes.fit import climb_relaxations
+from memsched.passes.pipeline import compile as compile_plan
+from memsched.passes.pipeline import parse_budget
 
 from .conftest import run_cli
 

@@ -17,12 +17,12 @@ from memsched.executor import run_plan
 from memsched.frontend import lower
 from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan
-from passes.training import build_training_step
-from passes.rewrites.batch_split import given_graph
-from passes.rewrites.concat_split import (SPLIT_KEY, VARIANT, reuse_variants, split_concat_convs, split_training_step,
-                                 split_upsamplings, unsplit_graph)
-from passes.pipeline import baseline_of, compile, training_steps
-from passes.reuse import GRAD_ROLES_KEY, layer_groups, reuse_pass
+from memsched.passes.training import build_training_step
+from memsched.passes.rewrites.batch_split import given_graph
+from memsched.passes.rewrites.concat_split import (SPLIT_KEY, VARIANT, reuse_variants, split_concat_convs,
+                                                   split_training_step, split_upsamplings, unsplit_graph)
+from memsched.passes.pipeline import baseline_of, compile, training_steps
+from memsched.passes.reuse import GRAD_ROLES_KEY, layer_groups, reuse_pass
 
 
 def concat_model(axis: int = 1, second_reader: bool = False, group: int = 1, batch: int = 1):

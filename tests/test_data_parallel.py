@@ -100,7 +100,7 @@ def test_bucket_size_must_be_positive():
 
 @pytest.fixture(scope="module")
 def mlp_path(tmp_path_factory):
-    import models
+    from memsched import models
 
     path = tmp_path_factory.mktemp("dp") / "mlp.onnx"
     onnx.save(models.build("mlp", batch=8, hidden=[32]), str(path))
@@ -109,7 +109,7 @@ def mlp_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mlp_dp(mlp_path):
-    from passes.pipeline import compile as compile_plan
+    from memsched.passes.pipeline import compile as compile_plan
 
     return compile_plan(mlp_path, train=True, data_parallel=2, time_limit=2, hardware="cpu", bucket_bytes=1024)
 
@@ -141,7 +141,7 @@ def test_compile_plans_one_workers_step(mlp_dp):
 
 
 def test_compile_refuses_a_batch_the_workers_do_not_divide(mlp_path):
-    from passes.pipeline import compile as compile_plan
+    from memsched.passes.pipeline import compile as compile_plan
 
     with pytest.raises(UserError, match="batch 8 does not divide among 3 workers"):
         compile_plan(mlp_path, train=True, data_parallel=3, time_limit=1)

@@ -14,8 +14,8 @@ from memsched.errors import UserError
 from memsched.step_info import step_info
 from memsched.executor import run_plan
 from memsched.memory import validate
-from models.cnn import plain_cnn, small_resnet
-from passes.pipeline import compile as compile_plan
+from memsched.models.cnn import plain_cnn, small_resnet
+from memsched.passes.pipeline import compile as compile_plan
 
 torch = pytest.importorskip("torch")
 from memsched.distributed import global_inputs, import_torch, launch, shard  # noqa: E402
@@ -25,7 +25,7 @@ TIMEOUT_S = 120
 
 
 def mlp(batch: int) -> onnx.ModelProto:
-    import models
+    from memsched import models
 
     return models.build("mlp", batch=batch, size=8, hidden=[16])
 
@@ -201,10 +201,8 @@ def test_no_rank_outlives_its_launcher(tmp_path, signal_name):
     import subprocess
     import time
 
-    from .conftest import ROOT
-
     path = write_plan(compiled(mlp(WORKERS * BATCH), tmp_path, WORKERS), tmp_path / "plan.onnx")
-    launcher = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "run", str(path), "--workers", "2",
+    launcher = subprocess.Popen([sys.executable, "-m", "memsched", "run", str(path), "--workers", "2",
                                  "--steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(600):                           # the ranks start (up to 60 s on a loaded machine)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import cli
+from memsched import cli
 from memsched import cuda, doctor
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,8 +17,8 @@ from memsched.frontend import lower
 from memsched.memory import analyze_plan
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan
-from passes.training import build_training_step
-from passes.reuse import fuse_updates, reuse_pass, unfused_graph
+from memsched.passes.training import build_training_step
+from memsched.passes.reuse import fuse_updates, reuse_pass, unfused_graph
 from tests.conftest import run_cli
 
 from .planbuild import place
@@ -92,7 +92,7 @@ def test_the_fused_embedding_update_takes_the_table_in_place_and_adam_keeps_the_
 def test_a_tiny_bert_compiles_at_half_its_baseline_and_runs_checked(tmp_path):
     # the word embeddings (30,522 x 128 floats: 15,627,264 B) are most of the parameters; a dense
     # gradient beside them would not fit in half the baseline
-    import models
+    from memsched import models
     from memsched.onnx_utils import save_model_atomic
 
     model = save_model_atomic(models.build("bert-base", batch=2, seq=32, layers=2, hidden=128, heads=2),

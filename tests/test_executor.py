@@ -433,7 +433,7 @@ def test_cli_run_bad_input(cli, tmp_path, emitted, args, code, message):
 
 def test_cli_failed_check_exits_1_with_one_line(judges_bypassed, tmp_path, capsys):
     """A run whose outputs differ (the judges bypassed, as above) fails the command."""
-    import cli
+    from memsched import cli
 
     path = write_plan(_clobbered(PLANS["mlp-order"]), tmp_path / "clobbered.onnx")
     assert cli.main(["run", str(path), "--check", "--json"]) == 1
@@ -448,7 +448,7 @@ def test_float16_training_steps_run_and_follow_the_float32_step(name):
     bit-identical, and its gradients follow the float32 model's: to 1% of each gradient's norm,
     plus 1e-4 of the largest element (gradients that are zero in exact arithmetic, as attention's
     key bias, or near float16's smallest normal, as its key weights, are float16 noise)."""
-    from passes.training import build_training_step
+    from memsched.passes.training import build_training_step
 
     grads = {}
     for dtype in (np.float32, np.float16):

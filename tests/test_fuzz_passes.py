@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from memsched.memory import analyze_plan, buffers, check_placement, validate
 from memsched.schedule import Plan
-from passes.order import order_pass
-from passes.placement import place_pass
-from passes.reuse import reuse_pass
+from memsched.passes.order import order_pass
+from memsched.passes.placement import place_pass
+from memsched.passes.reuse import reuse_pass
 
 from .graphs import GraphBuilder
 

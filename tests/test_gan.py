@@ -14,17 +14,17 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-import models
+from memsched import models
 from memsched.cost import op_cost
 from memsched.deadline import unlimited
 from memsched.errors import UserError
 from memsched.executor import run_plan
 from memsched.frontend import lower
 from memsched.onnx_utils import make_model
-from passes.training import TRAINING_KEY
-from passes.training.gan import build_gan_step
-from passes.pipeline import compile as compile_plan
-from cli import main
+from memsched.passes.training import TRAINING_KEY
+from memsched.passes.training.gan import build_gan_step
+from memsched.passes.pipeline import compile as compile_plan
+from memsched.cli import main
 from tests.conftest import run_cli
 from tests.gradcheck import check_gradients, initial_values, one_op_model, session, to_double, with_inputs
 
@@ -67,7 +67,7 @@ def test_bce_with_logits_is_stable_at_large_logits():
     x = np.array([[-400.0, -30.0, 0.0], [1e-3, 30.0, 400.0]])
     y = np.array([[0.0, 1.0, 0.5], [1.0, 0.0, 1.0]])
     model = _logit_model(x / 1.5)
-    from passes.training import build_training_step
+    from memsched.passes.training import build_training_step
     step = build_training_step(lower(model), loss="bce_with_logits", optimizer="none")
     loss, grad = session(step.to_onnx()).run(["loss", "a.grad"], {"targets": y})
     expected = np.mean(np.logaddexp(0, x) - x * y)
@@ -316,7 +316,7 @@ def test_dcgan_at_64_pixels_batch_64_fits_half_and_runs_bit_identical():
 
 
 def test_the_cli_offers_every_loss_the_builder_has():
-    import cli
-    from passes.training.loss import LOSSES
+    from memsched.cli import options
+    from memsched.passes.training.loss import LOSSES
 
-    assert sorted(cli.LOSSES) == sorted(LOSSES)
+    assert sorted(options.LOSSES) == sorted(LOSSES)

@@ -12,10 +12,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
-import models
-from models import count_parameters
-from models.cnn import _adaptive_avg_pool
-from models.layers import GraphBuilder
+from memsched import models
+from memsched.models import count_parameters
+from memsched.models.cnn import _adaptive_avg_pool
+from memsched.models.layers import GraphBuilder
 
 from .conftest import run_cli
 

@@ -12,14 +12,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import models
+from memsched import models
 from memsched import numerics
 from memsched.frontend import lower
 from memsched.measure import make_session
 from memsched.step_info import step_info
 from memsched.onnx_utils import make_model
-from models.cnn import googlenet
-from passes.training import build_training_step
+from memsched.models.cnn import googlenet
+from memsched.passes.training import build_training_step
 from tests.test_autodiff_models import TRANSFORMER, _batch
 
 AGREE = 1e-3

@@ -11,10 +11,10 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule
-from passes.order import (WHOLE_FIRST_OPS, WHOLE_GRAPH_OPS, Problem, Search, Judge, cut_bound, drain, hoist,
+from memsched.passes.order import (WHOLE_FIRST_OPS, WHOLE_GRAPH_OPS, Problem, Search, Judge, cut_bound, drain, hoist,
                           order_pass, reachability, sink, structural_bound)
-from passes.placement import place_pass
-from passes.reuse import choose_aliases, reuse_pass
+from memsched.passes.placement import place_pass
+from memsched.passes.reuse import choose_aliases, reuse_pass
 
 from .graphs import GraphBuilder, random_dag, training_chain
 

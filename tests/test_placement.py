@@ -7,11 +7,11 @@ import pytest
 
 from memsched.deadline import Deadline
 from memsched.errors import ScheduleError
-from memsched.memory import analyze_plan, buffers, check_placement, validate
+from memsched.memory import Buffer, analyze_plan, buffers, check_placement, validate
 from memsched.schedule import Plan
-from passes import placement
-from passes.placement import (ALIGNMENT, GREEDY_ORDERS, aligned_peak, best_greedy, cpsat_offsets, greedy_offsets,
-                              improved_offsets, largest_counts, place_buffers, place_pass)
+from memsched.passes import placement
+from memsched.passes.placement import (ALIGNMENT, GREEDY_ORDERS, aligned_peak, best_greedy, cpsat_offsets,
+                                       greedy_offsets, improved_offsets, largest_counts, place_buffers, place_pass)
 
 from .graphs import GraphBuilder
 
@@ -60,7 +60,7 @@ def test_inplace_residencies_share_their_buffer_offset():
 
 
 def test_whole_step_buffers_are_stacked_at_the_bottom():
-    items = [(("w1", 0), 0, 3, 100), (("act", 0), 1, 2, 1000), (("w2", 0), 0, 3, 64)]
+    items = [Buffer(("w1", 0), 0, 3, 100), Buffer(("act", 0), 1, 2, 1000), Buffer(("w2", 0), 0, 3, 64)]
     offsets = greedy_offsets(items, 4)
     assert offsets == {("w1", 0): 0, ("w2", 0): 128, ("act", 0): 192}
 
@@ -68,7 +68,8 @@ def test_whole_step_buffers_are_stacked_at_the_bottom():
 def test_the_best_greedy_order_wins():
     # by size, b3 (384) takes the bottom, b2 goes above b0 and b1 finds no gap: 832 bytes;
     # longest-lived first, b2 takes the bottom and the rest stack above it: 704, the bound
-    items = [(("b0", 0), 0, 1, 256), (("b1", 0), 0, 1, 192), (("b2", 0), 1, 3, 256), (("b3", 0), 2, 2, 384)]
+    items = [Buffer(("b0", 0), 0, 1, 256), Buffer(("b1", 0), 0, 1, 192), Buffer(("b2", 0), 1, 3, 256),
+             Buffer(("b3", 0), 2, 2, 384)]
     by_size = greedy_offsets(items, 5)
     assert max(by_size[k] + b for k, _, _, b in items) == 832
     offsets, name = best_greedy(items, 5)
@@ -79,7 +80,8 @@ def test_the_best_greedy_order_wins():
 
 # found by a search over random instances: every greedy order puts b2 above b1 and leaves
 # b3 no room at step 4; the optimum puts b2 at the bottom, b1 and then b0 and b3 above it
-HARD = [(("b0", 0), 4, 4, 320), (("b1", 0), 1, 3, 384), (("b2", 0), 3, 4, 256), (("b3", 0), 4, 4, 192)]
+HARD = [Buffer(("b0", 0), 4, 4, 320), Buffer(("b1", 0), 1, 3, 384), Buffer(("b2", 0), 3, 4, 256),
+        Buffer(("b3", 0), 4, 4, 192)]
 
 
 def test_cpsat_beats_greedy_and_proves_the_lower_bound(monkeypatch):
@@ -117,8 +119,8 @@ def test_beyond_the_model_size_cpsat_places_the_largest_and_best_fit_the_rest(mo
     """HARD's buffers scaled up, beside three small ones at step 3, where the big ones leave
     128 kB free: with room for only four buffers in the CP-SAT model, the four big ones go
     there (every greedy misses their optimum) and best fit puts the small ones in that gap."""
-    big = [((name, 0), first, last, 1000 * nbytes) for (name, _), first, last, nbytes in HARD]
-    small = [((f"s{i}", 0), 3, 3, 64) for i in range(3)]
+    big = [Buffer((name, 0), first, last, 1000 * nbytes) for (name, _), first, last, nbytes in HARD]
+    small = [Buffer((f"s{i}", 0), 3, 3, 64) for i in range(3)]
     items = big + small
     monkeypatch.setattr(placement, "MAX_CPSAT_BUFFERS", 4)
     monkeypatch.setattr(placement, "LOCAL_SEARCH_TRIES", 0)
@@ -142,8 +144,8 @@ def test_where_the_largest_miss_the_budget_every_large_buffer_goes_to_cpsat(monk
     optimally leave the other two big ones (25% and more of the peak each) to best fit,
     which misses the optimum. Without a budget that is the answer; with one it misses, the
     model runs again over every buffer of LARGE_SHARE of the peak or more: all four big ones."""
-    big = [((name, 0), first, last, 1000 * nbytes) for (name, _), first, last, nbytes in HARD]
-    items = big + [((f"s{i}", 0), 3, 3, 64) for i in range(3)]
+    big = [Buffer((name, 0), first, last, 1000 * nbytes) for (name, _), first, last, nbytes in HARD]
+    items = big + [Buffer((f"s{i}", 0), 3, 3, 64) for i in range(3)]
     monkeypatch.setattr(placement, "MAX_CPSAT_BUFFERS", 2)
     monkeypatch.setattr(placement, "LOCAL_SEARCH_TRIES", 0)
     assert largest_counts(items, 768_000) == [2, 4]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import models
+from memsched import models
 from memsched.cost import op_time
 from memsched.deadline import Work
 from memsched.executor import run_plan
@@ -31,14 +31,14 @@ from memsched.ops import VIEW_OPS
 from memsched.onnx_utils import make_model
 from memsched.schedule import Plan, compute, order_schedule, recompute, swap_in, swap_out
 from memsched.simulate import simulate
-from passes.recompute import dag as remat
-from passes.training import build_training_step
-from passes.rewrites.concat_split import split_training_step
-from passes.order import order_pass
-from passes.placement import place_pass
-from passes.recompute.planner import (END, base_orders, improve, plan_cost_peak, prune, recompute_pass, replay_blocker,
-                              shared_views, to_problem, to_schedule)
-from passes.reuse import choose_aliases, priority_order, reuse_pass
+from memsched.passes.recompute import dag as remat
+from memsched.passes.training import build_training_step
+from memsched.passes.rewrites.concat_split import split_training_step
+from memsched.passes.order import order_pass
+from memsched.passes.placement import place_pass
+from memsched.passes.recompute.planner import (END, base_orders, improve, plan_cost_peak, prune, recompute_pass,
+                                               replay_blocker, shared_views, to_problem, to_schedule)
+from memsched.passes.reuse import choose_aliases, priority_order, reuse_pass
 
 from .conftest import run_cli
 from .graphs import GraphBuilder
@@ -537,7 +537,7 @@ def test_recompute_plan_runs_bit_identical_on_the_executor(graphs, name):
 
 @pytest.mark.slow    # 40 s on 2 cores; the fast suite stays under 10 minutes
 def test_compile_hands_a_budget_recompute_cannot_meet_to_swap():
-    from passes.pipeline import compile as compile_plan
+    from memsched.passes.pipeline import compile as compile_plan
 
     model = lower(models.build("gpt2", **TINY["gpt2"]))
     with pytest.raises(BudgetError):
@@ -564,7 +564,7 @@ def _fit_search(start, target, strategies=("reuse", "recompute", "swap")):
     """A fit search of `start` against `target` with no deadline and no end to its effort (every
     phase runs whole)."""
     from memsched.deadline import unlimited
-    from passes import fit, pipeline
+    from memsched.passes import fit, pipeline
 
     def run(name, apply, plan):
         planned = apply(plan)
@@ -580,7 +580,7 @@ def test_fit_climbs_the_relaxations_on_drained_orders_too_where_draining_changes
     """The drained bases (`passes.order.drain`) make a second family of joint candidates,
     planned by the recompute pass on them and the others, each its own climb from
     RELAXATION_START. A chain whose every tensor has one reader has nothing to drain."""
-    from passes import fit
+    from memsched.passes import fit
 
     forward = lower(models.build("unet3d", batch=1, size=16, width=4, depth=2))
     graph = split_training_step(forward, build_training_step(forward, optimizer="sgd"),
@@ -613,7 +613,7 @@ def test_fit_climbs_the_relaxations_on_drained_orders_too_where_draining_changes
 def test_fit_climbs_only_relaxations_under_the_start_peak():
     """A joint candidate whose relaxed target lies above the start's peak would recompute
     nothing: the climb leaves it out."""
-    from passes import pipeline
+    from memsched.passes import pipeline
 
     model = lower(models.build("gpt2", **TINY["gpt2"]))
     graph = pipeline.load_graph(model, train=True)
@@ -634,8 +634,8 @@ def test_a_measured_cost_table_prices_the_replays(graphs):
     do), not by the hardware's roofline: the problem's node costs are the table's, and so is
     the plan's added compute. Each op here costs its position in the table (1, 2, ... ms)."""
     from memsched.cost import CostTable
-    from passes import pipeline
-    from passes.recompute.planner import to_problem
+    from memsched.passes import pipeline
+    from memsched.passes.recompute.planner import to_problem
 
     plan = reused(graphs("gpt2"))
     table = CostTable({op.name: 1e-3 * (i + 1) for i, op in enumerate(plan.graph.ops)})

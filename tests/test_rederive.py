@@ -8,12 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-import models
+from memsched import models
 from memsched.frontend import lower
 from memsched.memory import validate
 from memsched.schedule import Plan
-from passes.reuse import baseline_aliases
-from passes.training import build_training_step, builder
+from memsched.passes.reuse import baseline_aliases
+from memsched.passes.training import build_training_step, builder
 from tests.gradcheck import session, training_info
 
 # activations outweigh the parameters, as in training at scale (the pass rewrites only where the peak falls)
@@ -93,7 +93,7 @@ def test_a_deep_chain_of_cheap_ops_builds_without_recursing_past_the_limit():
     from onnx import TensorProto, helper, numpy_helper
 
     from memsched.frontend import lower
-    from passes.training import build_training_step
+    from memsched.passes.training import build_training_step
 
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h0"])]
     nodes += [helper.make_node("Tanh" if i % 2 else "Relu", [f"h{i}"], [f"h{i + 1}"]) for i in range(1200)]

@@ -17,7 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from cli import attach_negative_values, positive_seconds
+from memsched.cli.options import attach_negative_values, positive_seconds
 from memsched import frontend, hardware, onnx_utils
 from memsched.cost import CostTable
 from memsched.emit import read_plan, write_plan
@@ -158,7 +158,8 @@ def test_concurrent_big_writes_leave_a_model_that_loads(tmp_path, monkeypatch):
 SLOW_EXPORT = """
 import sys, time
 sys.path.insert(0, {root!r})
-import onnx, cli
+import onnx
+from memsched import cli
 def slow(model, path, *args, **kwargs):
     open(path, "wb").write(b"x" * 1000)
     print("writing", flush=True)
@@ -537,7 +538,7 @@ def test_control_flow_that_captures_main_graph_tensors_is_refused(tmp_path, mode
 
 def test_autodiff_refuses_captures_in_a_graph_that_skipped_the_front_end():
     from memsched.ir import Graph
-    from passes.training import build_training_step
+    from memsched.passes.training import build_training_step
 
     graph = Graph.from_onnx(onnx.shape_inference.infer_shapes(if_capture_model()))
     with pytest.raises(UserError, match=r"cannot differentiate through If node 'branch' \(control flow\).*'Wa'"):
@@ -586,8 +587,8 @@ def test_profile_then_compile_with_the_costs_prices_the_fused_updates(tmp_path):
 
 
 def test_split_and_micro_batch_copies_take_their_share_of_the_op_they_were_made_from():
-    from passes.rewrites.batch_split import split_training_step as batch_split
-    from passes.rewrites.concat_split import split_training_step as concat_split
+    from memsched.passes.rewrites.batch_split import split_training_step as batch_split
+    from memsched.passes.rewrites.concat_split import split_training_step as concat_split
     from tests.test_batch_split import BUILD, cnn
     from tests.test_concat_split import build, concat_model
 
@@ -666,7 +667,7 @@ def faulty_open(file, mode="r", *args, **kwargs):
     f = real_open(file, mode, *args, **kwargs)
     return FullDisk(f) if inside and writes and fault == "full" else f
 builtins.open = faulty_open
-import cli
+from memsched import cli
 sys.exit(cli.main(argv))
 """
 

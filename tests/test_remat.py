@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from passes.recompute import dag as remat
-from passes.recompute import graphs
+from memsched.passes.recompute import dag as remat
+from memsched.passes.recompute import graphs
 
 
 # --------------------------------------------------------------------------- independent judge
@@ -621,8 +621,8 @@ def test_cpsat_hints_only_a_warm_start_that_fits_and_presolves(monkeypatch):
 STRESS_SCRIPT = """
 import json, random, sys
 import networkx as nx
-from passes.recompute import dag as remat
-from passes.recompute import graphs
+from memsched.passes.recompute import dag as remat
+from memsched.passes.recompute import graphs
 
 def random_training_graph(rng):
     ops = rng.randint(16, 30)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from passes.recompute import dag as remat
-from passes.recompute import graphs
+from memsched.passes.recompute import dag as remat
+from memsched.passes.recompute import graphs
 
 from .conftest import run_cli
 from .test_remat import independent_check, tables

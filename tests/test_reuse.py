@@ -15,7 +15,7 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule, swap_in, swap_out
-from passes.reuse import (GRAD_ROLES_KEY, baseline_aliases, carried_order, choose_aliases, fuse_updates,
+from memsched.passes.reuse import (GRAD_ROLES_KEY, baseline_aliases, carried_order, choose_aliases, fuse_updates,
                           layer_groups, reuse_pass, training_order, unfused_graph)
 
 from .graphs import GraphBuilder, training_chain
@@ -222,7 +222,7 @@ def linear_training_step(optimizer: str = "sgd", bias: bool = True, lr: float = 
     from onnx import TensorProto, helper, numpy_helper
 
     from memsched.frontend import lower
-    from passes.training import build_training_step
+    from memsched.passes.training import build_training_step
 
     rng = np.random.default_rng(0)
     weight = numpy_helper.from_array((rng.standard_normal((64, 64)) * 0.1).astype(np.float32), "fc.weight")
@@ -269,7 +269,7 @@ def test_a_fused_update_runs_bit_identical_and_matches_the_unfused_step():
     import numpy as np
 
     from memsched import executor
-    from passes.order import order_pass
+    from memsched.passes.order import order_pass
 
     from .planbuild import place
 
@@ -314,7 +314,7 @@ def test_momentum_fused_runs_bit_identical_and_matches_the_unfused_step():
     import numpy as np
 
     from memsched import executor
-    from passes.order import order_pass
+    from memsched.passes.order import order_pass
 
     from .planbuild import place
 
@@ -356,7 +356,7 @@ def test_the_graph_as_given_comes_back_from_a_fused_one(bias):
 
 def test_data_parallel_keeps_every_gradient_to_all_reduce():
     from memsched.errors import UserError
-    from passes.pipeline import assess, baseline_of, compile as compile_plan
+    from memsched.passes.pipeline import assess, baseline_of, compile as compile_plan
 
     graph = linear_training_step()
     kept = compile_plan(graph, strategies=("reuse", "order"), time_limit=1, data_parallel=2)

@@ -11,7 +11,7 @@ from onnx import numpy_helper
 
 from memsched import onnx_utils
 from memsched.emit import read_plan
-from passes.rebuild import model_step
+from memsched.passes.rebuild import model_step
 from memsched.errors import UserError
 
 from tests.planbuild import edit_plan_metadata

@@ -7,7 +7,7 @@ import time
 
 from ortools.sat.python import cp_model
 
-from passes.solver import DETERMINISTIC_SHARE, WALL_FLOOR, WALL_SLACK, solve
+from memsched.passes.solver import DETERMINISTIC_SHARE, WALL_FLOOR, WALL_SLACK, solve
 
 
 def weighted_completion(n: int = 60) -> cp_model.CpModel:

@@ -10,9 +10,9 @@ from memsched.errors import BudgetError, UserError
 from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan
 from memsched.simulate import simulate
-from passes.swap.planner import swap_pass
-from passes.swap.gaps import find_problem
-from passes.swap.heuristic import heuristic, improve, select
+from memsched.passes.swap.planner import swap_pass
+from memsched.passes.swap.gaps import find_problem
+from memsched.passes.swap.heuristic import heuristic, improve, select
 
 from .simgraphs import hardware, lower
 from .swapgraphs import relu_chain, toy_hardware, training_mlp, weight_chain, weights_only, with_tiers
@@ -176,7 +176,7 @@ def test_compile_with_swap_through_the_cli(tmp_path):
     # DRAM; at 1% it says which budget it can reach (exit 3, one line)
     import json
 
-    import models
+    from memsched import models
     from memsched.onnx_utils import save_model_atomic
 
     from .conftest import run_cli

@@ -10,7 +10,7 @@ from memsched.errors import BudgetError
 from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan
 from memsched.simulate import simulate
-from passes.swap.planner import swap_pass
+from memsched.passes.swap.planner import swap_pass
 
 from .swapgraphs import toy_hardware, training_mlp
 

@@ -16,7 +16,7 @@ from memsched import frontend  # noqa: E402
 from memsched.errors import UserError  # noqa: E402
 from memsched.torch import STATE_DICT_NAMES_KEY, export_for_training, state_dict_names  # noqa: E402
 from memsched.trainer import Trainer  # noqa: E402
-from passes.training import TRAINING_KEY, build_training_step  # noqa: E402
+from memsched.passes.training import TRAINING_KEY, build_training_step  # noqa: E402
 
 BATCH = 4
 
@@ -218,7 +218,7 @@ def hf_model(kind: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_hugging_face_models_train(tmp_path, kind):
-    from passes.pipeline import compile as compile_plan
+    from memsched.passes.pipeline import compile as compile_plan
 
     module = hf_model(kind).eval()      # eval: no Dropout, so the loss is deterministic
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))

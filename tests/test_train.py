@@ -12,7 +12,7 @@ from memsched.emit import write_plan
 from memsched.errors import UserError
 from memsched.inference import export_inference
 from memsched.trainer import Trainer
-from passes.pipeline import compile as compile_plan
+from memsched.passes.pipeline import compile as compile_plan
 
 from . import digits
 
@@ -40,7 +40,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def mlp_model(tmp_path_factory):
-    from models.mlp import mlp
+    from memsched.models.mlp import mlp
 
     model = mlp(batch=BATCH, size=8)
     path = tmp_path_factory.mktemp("mlp") / "mlp.onnx"

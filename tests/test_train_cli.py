@@ -78,7 +78,7 @@ def test_a_resumed_run_gives_the_losses_of_an_uninterrupted_one(setup, tmp_path)
 
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint(setup, tmp_path):
     checkpoint = tmp_path / "ck.safetensors"
-    process = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", str(setup / "plan.onnx"), "--data",
+    process = subprocess.Popen([sys.executable, "-m", "memsched", "train", str(setup / "plan.onnx"), "--data",
                                 str(setup / "train.npz"), "--epochs", "100000", "--checkpoint", str(checkpoint),
                                 "--save", str(tmp_path / "model.onnx"), "--json"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

@@ -6,11 +6,12 @@ import json
 
 import pytest
 
+from memsched import models
 from memsched.hardware import load
 from memsched.onnx_utils import save_model_atomic
-from passes.pipeline import compile as compile_plan
+from memsched.passes.pipeline import compile as compile_plan
 from memsched.deadline import Deadline, unlimited
-from passes.tune import compile_time_limit, graph_builder, search_largest, tune_batch
+from memsched.passes.tune import compile_time_limit, graph_builder, search_largest, tune_batch
 
 from .conftest import run_cli
 
@@ -78,7 +79,7 @@ def test_tune_batch_cli(tmp_path):
     out = json.loads(result.stdout)
     assert set(out["largest_batch"]) == {"none", "reuse"} and out["best_overall"]["fits"]
     assert plot.read_text().startswith("<svg")
-    fixed = save_model_atomic(__import__("models").build("mlp", batch=4), tmp_path / "fixed.onnx")
+    fixed = save_model_atomic(models.build("mlp", batch=4), tmp_path / "fixed.onnx")
     result = run_cli("tune-batch", fixed)
     assert result.returncode == 1 and "fixed batch size" in result.stderr
     result = run_cli("tune-batch", "mlp", "--budget", "50%")

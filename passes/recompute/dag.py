@@ -49,7 +49,7 @@ from memsched.documents import read_document
 from memsched.deadline import Work
 from memsched.errors import BudgetError, UserError
 
-from passes.solver import solve
+from memsched.passes.solver import solve
 
 CHECKPOINT_ALL = "checkpoint_all"
 SQRT_N = "sqrt_n"
@@ -464,8 +464,12 @@ class _Effort:
         """Whether another round may run."""
         late = self.deadline is not None and self.deadline.expired
         if self.steps < self.floor:
-            return not (late and (self.deadline.stopped or self.deadline.planned))
-        return self.steps < self.limit and not late
+            stop = late and (self.deadline.stopped or self.deadline.planned)
+        else:
+            stop = self.steps >= self.limit or late
+        if stop and late:
+            self.deadline.cut = True      # the deadline, not the count, ends this work
+        return not stop
 
 
 def effort_of(problem: RematProblem, work: Work | None, floor: int = FLOOR_STEPS) -> _Effort:

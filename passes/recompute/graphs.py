@@ -11,7 +11,7 @@ from __future__ import annotations
 import networkx as nx
 import numpy as np
 
-from passes.recompute.dag import RematProblem, make_problem
+from memsched.passes.recompute.dag import RematProblem, make_problem
 
 PAGE = 4096
 MIB_PAGES = 256   # pages in a MiB

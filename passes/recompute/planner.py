@@ -85,9 +85,9 @@ from memsched.schedule import Plan, Schedule, compute, order_schedule, recompute
 from memsched.simulate import simulate
 from memsched.units import format_bytes
 
-from passes.recompute import dag
-from passes.order import Problem as OrderProblem, drain
-from passes.reuse import alias_table, choose_aliases, compute_order, priority_order, training_order
+from memsched.passes.recompute import dag
+from memsched.passes.order import Problem as OrderProblem, drain
+from memsched.passes.reuse import alias_table, choose_aliases, compute_order, priority_order, training_order
 
 MAX_ROUNDS = 6
 FIRST_ROUND_SHARE = 0.4     # of the time limit; later rounds split what is left
@@ -641,7 +641,7 @@ def search(problem: dag.RematProblem, plan: Plan, budget: int, seconds: float, m
     left = seconds
     for r in range(MAX_ROUNDS):
         now = time.perf_counter()
-        if r and (left < GREEDY_COST * problem.n ** 2 or outer is not None and outer.expired):
+        if r and (left < GREEDY_COST * problem.n ** 2 or outer is not None and outer.cuts()):
             break   # a round runs remat's greedy at least once: no work left for one
         retry = any(target == record["abstract_budget_bytes"] for record in rounds)
         share = left if retry else left * FIRST_ROUND_SHARE if r == 0 else left / (MAX_ROUNDS - r)

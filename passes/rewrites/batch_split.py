@@ -30,9 +30,9 @@ from typing import Callable
 from memsched.ir import Graph, Op, Tensor
 from memsched.ops import PER_SAMPLE_OPS
 
-from passes.rewrites.concat_split import even_sizes, names_taken, sizes_constant
-from passes.rewrites.concat_split import unsplit_graph as unsplit_concat
-from passes.reuse import record_rewrite, undo_rewrite, unfused_graph
+from memsched.passes.rewrites.concat_split import even_sizes, names_taken, sizes_constant
+from memsched.passes.rewrites.concat_split import unsplit_graph as unsplit_concat
+from memsched.passes.reuse import record_rewrite, undo_rewrite, unfused_graph
 
 SPLIT_KEY = "memsched.batch_split"    # what split_training_step changed, so it can be undone
 

@@ -38,7 +38,7 @@ from onnx import TensorProto, numpy_helper
 
 from memsched.ir import Graph, Op, Tensor
 
-from passes.reuse import record_rewrite, undo_rewrite
+from memsched.passes.reuse import record_rewrite, undo_rewrite
 
 SPLIT_KEY = "memsched.concat_split"   # what split_training_step changed, so it can be undone
 VARIANT = "concat-split"              # the reuse pass's name for the split step

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from passes.swap.gaps import Gap, Problem
+from memsched.passes.swap.gaps import Gap, Problem
 
 MOVING = ("swap", "evict", "host")      # modes that put the tensor on a host tier
 TRIALS = 64                             # phase 3's replay trials per phase-1 order, at most, and

@@ -32,9 +32,9 @@ from ortools.sat.python import cp_model
 
 from memsched.deadline import Deadline
 
-from passes import solver as cpsat
-from passes.swap.gaps import Gap, Problem
-from passes.swap.heuristic import Choice, MOVING, Timing, in_order, out_order, timeline
+from memsched.passes import solver as cpsat
+from memsched.passes.swap.gaps import Gap, Problem
+from memsched.passes.swap.heuristic import Choice, MOVING, Timing, in_order, out_order, timeline
 
 # Seconds to build the model per (release slot x reload slot) pair of a gap, a loaded core's
 # figure (GPT-2 with 30 layers: 65,922 pairs, 8.7 s; BERT-base: 23,380, 5.6 s): passes.swap.planner

@@ -33,9 +33,9 @@ from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan, free, recompute, swap_in, swap_out
 from memsched.simulate import Simulation, simulate
 
-from passes.swap.gaps import Problem, find_problem
-from passes.swap.heuristic import MOVING, Choice, heuristic, improve, reloads, select
-from passes.swap.model import Solved, build_seconds, solve
+from memsched.passes.swap.gaps import Problem, find_problem
+from memsched.passes.swap.heuristic import MOVING, Choice, heuristic, improve, reloads, select
+from memsched.passes.swap.model import Solved, build_seconds, solve
 
 DEFAULT_TIME_LIMIT = 10.0
 

@@ -45,9 +45,9 @@ backward readers instead of kept (rederive), where that lowers the step's peak.
 Gradient rules live in rules_elementwise, rules_shape and rules_nn, registered by op type
 in registry.RULES; losses in loss, optimizers in optimizer.
 """
-from passes.training.builder import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step, describe
-from passes.training.loss import LOSSES
-from passes.training.optimizer import OPTIMIZERS
-from passes.training.registry import RULES
+from memsched.passes.training.builder import GRAD_ROLES_KEY, TRAINING_KEY, build_training_step, describe
+from memsched.passes.training.loss import LOSSES
+from memsched.passes.training.optimizer import OPTIMIZERS
+from memsched.passes.training.registry import RULES
 
 __all__ = ["build_training_step", "describe", "GRAD_ROLES_KEY", "TRAINING_KEY", "LOSSES", "OPTIMIZERS", "RULES"]

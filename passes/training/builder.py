@@ -16,14 +16,14 @@ from memsched.step_info import FORWARD_KEY, TRAINING_KEY
 from memsched.onnx_utils import IR_VERSION, OPSET
 from memsched.ops import WEIGHT_PART_OPS, WEIGHT_VIEW_OPS
 
-from passes.training import rules_elementwise, rules_nn, rules_shape  # noqa: F401 - they fill RULES
-from passes.training.emitter import Emitter
-from passes.training.fuse import fuse_patterns
-from passes.training.loss import LOSS_NAME, LOSSES, emit_loss
-from passes.training.optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
-from passes.training.rederive import rederive_in_backward
-from passes.training.registry import FLOAT_TYPES, RULES, differentiable_outputs, differentiable_positions
-from passes.training.simplify import drop_no_ops
+from memsched.passes.training import rules_elementwise, rules_nn, rules_shape  # noqa: F401 - they fill RULES
+from memsched.passes.training.emitter import Emitter
+from memsched.passes.training.fuse import fuse_patterns
+from memsched.passes.training.loss import LOSS_NAME, LOSSES, emit_loss
+from memsched.passes.training.optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
+from memsched.passes.training.rederive import rederive_in_backward
+from memsched.passes.training.registry import FLOAT_TYPES, RULES, differentiable_outputs, differentiable_positions
+from memsched.passes.training.simplify import drop_no_ops
 
 GRAD_ROLES_KEY = "memsched.grad_roles"
 

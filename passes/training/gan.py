@@ -34,15 +34,15 @@ from onnx import TensorProto
 from memsched.errors import UserError
 from memsched.ir import Graph, Op, Tensor
 
-from passes.training.builder import (_assemble, _check_control_flow, _check_options, _check_supported, _emit_backward,
-                      _emit_forward, _reaching_output, _requiring_grad, _trainable, _training_opset,
-                      emit_updates, needed_ops, taken_names)
-from passes.training.emitter import Emitter
-from passes.training.fuse import fuse_patterns
-from passes.training.loss import bce_with_logits
-from passes.training.optimizer import update_outputs
-from passes.training.registry import FLOAT_TYPES
-from passes.training.simplify import drop_no_ops
+from memsched.passes.training.builder import (_assemble, _check_control_flow, _check_options, _check_supported,
+                                              _emit_backward, _emit_forward, _reaching_output, _requiring_grad,
+                                              _trainable, _training_opset, emit_updates, needed_ops, taken_names)
+from memsched.passes.training.emitter import Emitter
+from memsched.passes.training.fuse import fuse_patterns
+from memsched.passes.training.loss import bce_with_logits
+from memsched.passes.training.optimizer import update_outputs
+from memsched.passes.training.registry import FLOAT_TYPES
+from memsched.passes.training.simplify import drop_no_ops
 
 LOSS = "bce_with_logits"
 OUTPUTS = ("loss_D", "loss_G")

@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from passes.training.fuse import emit_original
-from passes.training.registry import FLOAT_TYPES, rule
-from passes.training.rules_shape import folded_product, folds_into_matmul_scale, scaled_scores
+from memsched.passes.training.fuse import emit_original
+from memsched.passes.training.registry import FLOAT_TYPES, rule
+from memsched.passes.training.rules_shape import folded_product, folds_into_matmul_scale, scaled_scores
 
 
 def _x(op):

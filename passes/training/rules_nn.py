@@ -25,9 +25,9 @@ import math
 import numpy as np
 from onnx import TensorProto
 
-from passes.training.bn_relu import stored_once
-from passes.training.registry import rule
-from passes.training.rules_shape import folded_bias, folded_scale, runs_as_gemm, scaled_scores
+from memsched.passes.training.bn_relu import stored_once
+from memsched.passes.training.registry import rule
+from memsched.passes.training.rules_shape import folded_bias, folded_scale, runs_as_gemm, scaled_scores
 
 _STASH_DTYPE = TensorProto.FLOAT  # LayerNormalization's Mean/InvStdDev type (stash_type 1)
 

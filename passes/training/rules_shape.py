@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from passes.training.registry import rule
+from memsched.passes.training.registry import rule
 
 
 @rule("Reshape", "Flatten", "Squeeze", "Unsqueeze", inputs=(0,))

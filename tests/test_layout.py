@@ -1,0 +1,68 @@
+"""The package's shape: one installed namespace, and imports that point one way (docs/design.md).
+
+The repository keeps the compiler's stages as folders (`memsched/` the core, `passes/`,
+`models/`, `cli/`); pyproject.toml installs them all inside the one package `memsched`. The
+imports are read from the source (every `import` statement, function-level ones included)."""
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# folder -> the installed package it becomes
+FOLDERS = {"memsched": "memsched", "cli": "memsched.cli", "models": "memsched.models", "passes": "memsched.passes"}
+# layer -> the layers it may import (besides itself); the core imports no other layer
+MAY_IMPORT = {"memsched": set(), "memsched.models": {"memsched"}, "memsched.passes": {"memsched", "memsched.models"},
+              "memsched.cli": {"memsched", "memsched.models", "memsched.passes"}}
+# the program's entry point (`python -m memsched`) is the one core module that starts the command line
+ENTRY_POINTS = {ROOT / "memsched" / "__main__.py"}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a dotted module name belongs to: the longest package of FOLDERS it lies in."""
+    layers = [name for name in FOLDERS.values() if module == name or module.startswith(name + ".")]
+    return max(layers, key=len) if layers else None
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, by absolute name (memsched has no relative imports)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_every_package_folder_is_installed_inside_memsched():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(config["packages"])
+    folders = {FOLDERS[init.relative_to(ROOT).parts[0]] + "".join(f".{p}" for p in init.relative_to(ROOT).parts[1:-1])
+               for folder in FOLDERS for init in (ROOT / folder).rglob("__init__.py")}
+    assert folders <= packages, f"packages missing from pyproject.toml: {sorted(folders - packages)}"
+    assert all(name == "memsched" or name.startswith("memsched.") for name in packages)
+    assert {k: v for k, v in config["package-dir"].items()} == {v: k for k, v in FOLDERS.items()}
+
+
+def test_the_install_puts_one_top_level_package():
+    distribution = importlib.metadata.distribution("memsched")
+    top_level = (distribution.read_text("top_level.txt") or "").split()
+    assert top_level == ["memsched"]
+    assert [ep.value for ep in distribution.entry_points if ep.group == "console_scripts"] == ["memsched.cli:main"]
+
+
+def test_imports_point_one_way():
+    wrong = []
+    for folder, layer in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path in ENTRY_POINTS:
+                continue
+            for module in imported_modules(path):
+                target = layer_of(module)
+                if target is not None and target != layer and target not in MAY_IMPORT[layer]:
+                    wrong.append(f"{path.relative_to(ROOT)} imports {module}")
+            assert not any(m.split(".")[0] in {"passes", "models", "cli"} for m in imported_modules(path)), path
+    assert not wrong, "\n".join(wrong)
