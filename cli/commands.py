@@ -159,7 +159,7 @@ def cmd_compile(args) -> int:
     from memsched import frontend
     from memsched.errors import UserError
     from memsched.deadline import for_command
-    from memsched.emit import write_plan
+    from memsched.emit import write_plan, write_seconds
     from memsched.interrupt import stop_on_interrupt
     from memsched.views import progress, say_interrupted
     from memsched.passes.pipeline import compile as compile_plan
@@ -175,7 +175,7 @@ def cmd_compile(args) -> int:
                               hardware=args.hardware, budget=args.budget, strategies=args.strategies,
                               time_limit=args.time_limit, costs=args.costs, data_parallel=args.data_parallel,
                               bucket_bytes=max(1, int(args.bucket_mb * 1024 * 1024)), progress=say,
-                              deadline=deadline)
+                              deadline=deadline, reserve=write_seconds if args.output else None)
     written = {"plan": str(write_plan(result.plan, args.output))} if args.output else {}
     return show_report(result, args.report, written, args.json)
 

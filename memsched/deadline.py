@@ -62,6 +62,24 @@ class Deadline:
             return left
         return float(seconds)
 
+    def affords(self, seconds: float) -> bool:
+        """Whether work that takes `seconds` ends before the deadline; where it would not, the
+        deadline is marked as having cut (the work is not started)."""
+        if self.left() < seconds:
+            self.cut = True
+            return False
+        return True
+
+    @contextmanager
+    def reserving(self, seconds: float) -> Iterator[None]:
+        """Inside, the deadline ends `seconds` earlier: the time kept for the work that follows
+        (the report's simulations, writing the plan)."""
+        self.end -= seconds
+        try:
+            yield
+        finally:
+            self.end += seconds
+
     def stop(self) -> None:
         """End the search now: `expired` is true from here on and running solvers are stopped."""
         with self._lock:

@@ -90,9 +90,21 @@ def plan_to_onnx(plan: Plan, load_external_data: bool = True) -> onnx.ModelProto
     return model
 
 
+# The rate `write_seconds` assumes: writing GPT-2's 1.86 GB plan took 9.5 s on the 2-core
+# development machine (its disk takes about 270 MB/s).
+WRITE_BYTES_PER_S = 150e6
+
+
+def write_seconds(graph: Graph) -> float:
+    """About how long `write_plan` takes for a plan of `graph`: its stored values, at
+    WRITE_BYTES_PER_S (a compile keeps this much of its time limit for the write)."""
+    return sum(t.nbytes for t in graph.initializers()) / WRITE_BYTES_PER_S
+
+
 def write_plan(plan: Plan, path: str | os.PathLike) -> Path:
-    """Emit `plan` to `path` atomically (initializers go external past 2 GB). Weights the
-    model kept in external files are copied from there into the plan's own data file."""
+    """Emit `plan` to `path` atomically (initializers go to a data file beside it past
+    `onnx_utils.INLINE_BYTES`). Weights the model kept in external files (or in its own file,
+    `model_file`) are copied from there into the plan's own data file."""
     # where the graph names no folder its external data is read from the working directory,
     # as Graph.to_onnx loads it
     return save_model_atomic(plan_to_onnx(plan, load_external_data=False), path,

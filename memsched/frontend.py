@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper
 
 from .errors import UserError, first_line
+from . import model_file
 from .ir import Graph, _itemsize, op_summary
 from .onnx_utils import MEMSCHED_DOMAIN, TWO_GB, checkable_view, is_weight
 
@@ -64,7 +65,7 @@ def read_model(path: Path) -> onnx.ModelProto:
     if path.stat().st_size == 0:
         raise UserError(f"{path} is empty; re-export the model")
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        model = model_file.read(path)
     except (DecodeError, ValueError, RuntimeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not a readable ONNX model (truncated or not ONNX): {first_line(exc)}") from None
     if not model.opset_import or not model.HasField("graph"):

@@ -75,13 +75,13 @@ def check_outputs(outputs: Mapping[str, PathLike | None], inputs: Iterable[PathL
 def _may_be_data_of(path: Path, source: Path) -> bool:
     """Whether output `path` could be an external-data file of model `source`: it lies in the
     model's folder tree (where memsched reads data files from), or it is an existing file with
-    another name (a hard link). Only then is the model parsed for its data files, which for a
-    large model costs seconds."""
+    another name (a hard link); an output that does not exist yet is no input's data file. Only
+    then is the model parsed for its data files, which for a large model costs seconds."""
     try:
         if os.stat(path).st_nlink > 1:
             return True
     except OSError:
-        pass
+        return False
     folder = os.path.realpath(source.parent)
     where = os.path.realpath(path.parent)
     return where == folder or where.startswith(folder + os.sep)

@@ -44,6 +44,7 @@ wall-clock deadline (a machine far slower than the efforts assume, or a Ctrl-C,
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -196,6 +197,9 @@ class Search:
         self.history: list[dict] = []            # each new best: seconds into the command, its step time
         # the smallest arena over the budget whose live bytes fit: (arena, plan, record; -1: the start)
         self.nearest: tuple[int, Plan, int] | None = None
+        # the longest wall time one planned and placed round took: once a plan is kept, no
+        # round starts that the deadline cannot afford (a 10,193-op GPT-2 step's take 7-14 s)
+        self.slowest_round = 0.0
 
     # ---- the phases ----
     def first_plans(self) -> None:
@@ -277,7 +281,7 @@ class Search:
         if self.best is None and not self.deadline.planned:
             self.ledger.charge(price)
             return False
-        return self.deadline.cuts() or not self.ledger.take(price)
+        return self.deadline.cuts() or not self.deadline.affords(self.slowest_round) or not self.ledger.take(price)
 
     # ---- one attempt ----
     def attempt(self, candidate: Candidate, effort: float, rounds: int = FIT_ROUNDS) -> float | None:
@@ -290,10 +294,12 @@ class Search:
         for _ in range(rounds if self.best is not None else max(rounds, FIT_ROUNDS)):   # all rounds for a first plan
             if self._stopping(price):
                 break
+            started = time.perf_counter()
             target = self._target(candidate)
             self.say(f"{self.label}{candidate.name} at {format_bytes(target)} ({effort:.1f} s a pass)"
                      f"{self._best_so_far()}")
             planned = self._planned(candidate, target, effort)
+            self.slowest_round = max(self.slowest_round, time.perf_counter() - started)
             if planned is None:
                 self._lower_failed(candidate, target)
                 break
@@ -304,6 +310,7 @@ class Search:
             if self.best is not None and step_time >= self.best.step_time:
                 break           # slower than a placed plan: placing it cannot win
             arena = self._place(plan, record, self.ledger.place(effort))
+            self.slowest_round = max(self.slowest_round, time.perf_counter() - started)
             if arena <= self.budget:
                 self._keep(Best(step_time, self.placed, record))
                 break

@@ -47,6 +47,10 @@ STRATEGIES = ("order", "reuse", "recompute", "swap")
 PLACEMENT_FREE = ("order", "reuse")      # the strategies without a budget: no added time
 DEFAULT_TIME_LIMIT = 60.0                # seconds for the whole compile
 ORDER = 0.1                              # the order pass's share of the time limit without a budget
+# The time the report takes after the search, per op of the step (two judgements, two
+# simulations, the tables): 1.4 s for GPT-2's 10,193 ops on the 2-core development machine,
+# doubled for a loaded one.
+REPORT_SECONDS_PER_OP = 3e-4
 
 
 @dataclass
@@ -128,7 +132,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
             budget: str | int | None = None, strategies=None, time_limit: float = DEFAULT_TIME_LIMIT,
             costs: "CostTable | str | Path | None" = None, data_parallel: int | None = None,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES, progress: Callable[[str], None] | None = None,
-            deadline: Deadline | None = None) -> CompileResult:
+            deadline: Deadline | None = None, reserve: Callable[[Graph], float] | None = None) -> CompileResult:
     """Plan `model`'s memory within `time_limit` seconds in all (or by `deadline`, which a
     caller may stop early: the best plan found by then is returned). `strategies` None means
     every strategy where a budget is given (recompute and swap run only while the plan is
@@ -140,7 +144,10 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     `train`, the model's batch is the global one and each worker's step takes 1/N of it (a
     training step given as such is one worker's); no update is fused into its dW op, and the
     updates run after the backward (as DDP's optimizer step does), so every gradient is kept
-    until its bucket (`bucket_bytes`) is all-reduced and its update read it."""
+    until its bucket (`bucket_bytes`) is all-reduced and its update read it.
+
+    The search ends early enough for the report (REPORT_SECONDS_PER_OP) and for `reserve(step)`
+    seconds more: what the caller does with the plan before the command ends (writing it)."""
     say = progress or (lambda message: None)
     deadline = deadline or Deadline(time_limit)
     strategies = parse_strategies(strategies, budget is not None)
@@ -191,19 +198,20 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         found.first_plans()
         return found
 
-    searches, split = {"given": search(initial, variants, "")}, None
-    if budget_bytes is not None:
-        given = searches["given"]
-        needs_more = given.best is None or \
-            (not deadline.cuts() and not ledger.closed and {"recompute", "swap"} & set(given.best.plan.notes))
-        if train and {"recompute", "swap"} & set(strategies) and not deadline.stopped and needs_more:
-            split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze, training_options),
-                                     budget_bytes)
-        if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
-            searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ")
-        improvement_levels(searches, ledger, deadline)
-        for found in searches.values():
-            found.rescue()
+    with deadline.reserving(REPORT_SECONDS_PER_OP * len(graph.ops) + (reserve(graph) if reserve else 0.0)):
+        searches, split = {"given": search(initial, variants, "")}, None
+        if budget_bytes is not None:
+            given = searches["given"]
+            needs_more = given.best is None or \
+                (not deadline.cuts() and not ledger.closed and {"recompute", "swap"} & set(given.best.plan.notes))
+            if train and {"recompute", "swap"} & set(strategies) and not deadline.stopped and needs_more:
+                split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze, training_options),
+                                         budget_bytes)
+            if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
+                searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ")
+            improvement_levels(searches, ledger, deadline)
+            for found in searches.values():
+                found.rescue()
     try:
         plan = _faster(searches, split[1] if split is not None else None, strategies, hw, costs)
     except BudgetError:

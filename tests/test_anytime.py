@@ -95,12 +95,45 @@ def test_reading_a_deadline_marks_nothing_stopping_work_marks_the_cut():
     assert not Deadline(1e6).cuts()
 
 
+def test_a_deadline_affords_work_or_marks_the_cut_and_a_reserve_ends_it_earlier():
+    deadline = Deadline(100.0)
+    assert deadline.affords(1.0) and not deadline.cut
+    with deadline.reserving(99.5):
+        assert deadline.left() <= 0.5
+        assert not deadline.affords(1.0) and deadline.cut      # not started, and said so
+    assert deadline.left() > 99.0
+
+
+def test_once_a_plan_is_kept_no_round_starts_that_the_deadline_cannot_afford(monkeypatch):
+    """Rounds that took longer (by the clock) than the deadline has left: the search keeps its
+    first plan, starts nothing more and reports the cut; where they were quick, the ledger
+    alone ends it, later."""
+    kept = [_fake_command(seed, 60, monkeypatch, Deadline(1000.0), slowest_round=2000.0) for seed in range(6)]
+    free = [_fake_command(seed, 60, monkeypatch, Deadline(1000.0), slowest_round=0.0) for seed in range(6)]
+    first = [s for s in kept if s.best is not None]
+    assert first, "some seed keeps a first plan"
+    for short, long in zip(kept, free):
+        if short.best is not None:
+            assert short.deadline.cut and not long.deadline.cut
+            assert len(short.tried) < len(long.tried)
+
+
 def test_an_expired_deadline_still_gives_the_first_plan():
     """With no time at all, each pass returns its heuristic answer, so the first candidate
     that fits is still planned and placed (the deadline is reported as hit)."""
     model = lower(models.build("resnet18", **SMALL))
     # 55%: at 50% of the in-place baseline only a searched plan fits, not a first heuristic one
     result = compile_plan(model, train=True, budget="55%", time_limit=5, deadline=Deadline(0.0))
+    assert result.report["solver"]["deadline_hit"] is True
+    assert result.report["plan"]["arena_bytes"] <= result.report["budget_bytes"]
+    assert len(result.plan.notes["fit"]["tried"]) <= fit.FIT_ROUNDS
+
+
+def test_the_time_kept_for_writing_the_plan_ends_the_search_after_its_first_plan():
+    """A caller's reserve (the plan's write) longer than the limit: the search gives its first
+    plan and stops there, reported as cut; the report itself is still made."""
+    model = lower(models.build("resnet18", **SMALL))
+    result = compile_plan(model, train=True, budget="55%", time_limit=600, reserve=lambda step: 1e6)
     assert result.report["solver"]["deadline_hit"] is True
     assert result.report["plan"]["arena_bytes"] <= result.report["budget_bytes"]
     assert len(result.plan.notes["fit"]["tried"]) <= fit.FIT_ROUNDS
@@ -214,21 +247,25 @@ def _fake_passes(seed: int) -> dict:
             "placement": placement}
 
 
-def _fake_command(seed: int, time_limit: float, monkeypatch) -> fit.Search:
+def _fake_command(seed: int, time_limit: float, monkeypatch, deadline: Deadline | None = None,
+                  slowest_round: float | None = None) -> fit.Search:
     """The fit part of a compile (first plans, the improvement levels, the rescue) with the fake
-    passes and no deadline: only the ledger ends it."""
+    passes and no deadline (or `deadline`): only the ledger ends it. `slowest_round`: the wall
+    time the rounds are taken to have needed, from the first plan on."""
     from types import SimpleNamespace
 
     from memsched.passes.pipeline import improvement_levels
 
     monkeypatch.setattr(fit, "simulate", lambda plan, hardware, costs: SimpleNamespace(step_time=plan.notes["time"]))
     monkeypatch.setattr(fit, "drains_anything", lambda plan: seed % 2 == 0)
-    deadline, ledger = unlimited(), fit.Ledger(time_limit)
+    deadline, ledger = deadline or unlimited(), fit.Ledger(time_limit)
     search = fit.Search(_FakePlan(None, {"time": 1.0, "peak": 2000}), 2000, 1000,
                         ("order", "reuse", "recompute", "swap"), _fake_passes(seed),
                         lambda name, apply, plan: (lambda p: (p, p.notes["peak"]))(apply(plan)), time_limit,
                         deadline, ledger=ledger)
     search.first_plans()
+    if slowest_round is not None:
+        search.slowest_round = slowest_round
     improvement_levels({"given": search}, ledger, deadline)
     search.rescue()
     return search

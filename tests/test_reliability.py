@@ -116,7 +116,7 @@ def test_written_files_honour_the_umask(tmp_path, mask, mode):
 @pytest.mark.parametrize("from_its_folder", [False, True])
 def test_big_model_path_pairs_each_model_with_its_own_data(tmp_path, monkeypatch, from_its_folder):
     """Also run from the output's own folder, where onnx looks for an existing data file."""
-    monkeypatch.setattr(onnx_utils, "TWO_GB", 16)      # take the >2 GB path with a small model
+    monkeypatch.setattr(onnx_utils, "INLINE_BYTES", 16)      # take the data-file path with a small model
     if from_its_folder:
         monkeypatch.chdir(tmp_path)
     path = tmp_path / "m.onnx"
@@ -131,7 +131,7 @@ def test_big_model_path_pairs_each_model_with_its_own_data(tmp_path, monkeypatch
 
 
 def test_concurrent_big_writes_leave_a_model_that_loads(tmp_path, monkeypatch):
-    monkeypatch.setattr(onnx_utils, "TWO_GB", 16)
+    monkeypatch.setattr(onnx_utils, "INLINE_BYTES", 16)
     path = tmp_path / "m.onnx"
     errors = []
 
@@ -503,7 +503,7 @@ def test_plan_whose_graph_was_edited_is_refused(plan_file):
 
 
 def test_digest_survives_the_external_data_save(tmp_path, monkeypatch):
-    monkeypatch.setattr(onnx_utils, "TWO_GB", 16)
+    monkeypatch.setattr(onnx_utils, "INLINE_BYTES", 16)
     plan = swap_plan(mlp_train_graph(hidden=64))      # W1 is 1.5 KB: past the external-data threshold
     path = write_plan(plan, tmp_path / "plan.onnx")
     assert any(n.endswith(".data") for n in os.listdir(tmp_path))
@@ -626,7 +626,7 @@ def test_the_size_bound_is_never_below_what_the_model_serializes_to():
     model.graph.node.append(helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(
         np.ones((32, 32), np.float32), "c_value")))               # a tensor in an attribute
     assert onnx_utils.serialized_bound(model) >= model.ByteSize()
-    assert not onnx_utils._past_two_gb(model)
+    assert not onnx_utils._past_inline_limit(model)
 
 
 def test_thread_counts_beyond_the_cores_are_one_line(tmp_path):
