@@ -286,6 +286,7 @@ def test_a_longer_limit_never_gives_a_slower_plan(seed, monkeypatch):
             assert longer.best is not None and longer.best.step_time <= shorter.best.step_time
 
 
+@pytest.mark.slow     # 20 s of compiles; test_a_longer_limit_never_gives_a_slower_plan covers the rule fast
 def test_a_longer_limit_gives_the_same_attempts_and_then_more():
     """On a real step (ResNet-18's, at 50%) with no deadline: the attempts at 20 s are the
     first of those at 40 s, and the plan is at least as fast."""

@@ -67,7 +67,7 @@ def _two_ranks_against_one(model: onnx.ModelProto, tmp_path, sync_batchnorm: boo
     return path, summary, errors
 
 
-@pytest.mark.parametrize("build", [mlp, small_cnn])
+@pytest.mark.parametrize("build", [mlp, pytest.param(small_cnn, marks=pytest.mark.slow)])   # the MLP in the fast suite
 def test_two_ranks_on_b_update_as_one_rank_on_2b(build, tmp_path):
     """The averaged gradients of 2 ranks on B rows each are the gradient of 2B rows (mean losses):
     after STEPS steps every updated weight matches one rank's run on the whole batch within 1e-5
