@@ -1,7 +1,8 @@
 """Whether each command's --time-limit holds for the whole command, measured from outside: the
 wall seconds of the process (start-up, loading, every pass) against the limit it was given,
-on inputs built to stress it (long chains of in-place ops, remat graphs of 10^4 and 10^5
-nodes, a batch-size search), optionally beside busy processes. Prints one JSON object; the
+on inputs built to stress it (long chains of in-place ops, a 10,193-op GPT-2 step with
+its 1.86 GB of weights written with the plan, remat graphs of 10^4 and 10^5 nodes, a
+batch-size search), optionally beside busy processes. Prints one JSON object; the
 acceptance is `ratio` (wall / limit) at most 1.1 for every case.
 
     python bench/bench_time_limits.py [--only NAME ...] [--load K] [--out FILE]
@@ -51,6 +52,15 @@ def remat_graph(path: Path, nodes: int) -> Path:
     return path
 
 
+def gpt2_model(path: Path) -> Path:
+    """GPT-2 with 60 layers, batch 4 x 128, its 1.86 GB of weights in the file (a 10,193-op
+    training step), as `memsched models export` writes it."""
+    if not path.exists():
+        subprocess.run([sys.executable, "-m", "memsched", "models", "export", "gpt2", "--layers", "60", "--batch", "4",
+                        "--seq", "128", "-o", str(path)], check=True, capture_output=True)
+    return path
+
+
 def cases(scratch: Path) -> dict[str, tuple[float, callable]]:
     """name -> (time limit, () -> the command's arguments, its input built on first use)."""
     return {
@@ -58,6 +68,9 @@ def cases(scratch: Path) -> dict[str, tuple[float, callable]]:
                                                        "--budget", "50%", "--time-limit", "10"]),
         "compile-chain-20000": (10, lambda: ["compile", chain_model(scratch / "c20k.onnx", 20000),
                                              "--time-limit", "10", "-o", scratch / "c20k-plan.onnx"]),
+        **{f"compile-gpt2-60-layers-{limit}s": (limit, lambda limit=limit: [
+            "compile", gpt2_model(scratch / "gpt2-60.onnx"), "--train", "--budget", "60%", "--time-limit", str(limit),
+            "-o", scratch / f"gpt2-60-plan-{limit}.onnx"]) for limit in (10, 60)},
         "remat-10k-nodes": (5, lambda: ["remat", remat_graph(scratch / "r10k.json", 10_000),
                                         "--budget-fraction", "0.5", "--time-limit", "5", "--json"]),
         "remat-100k-nodes": (30, lambda: ["remat", remat_graph(scratch / "r100k.json", 100_000),

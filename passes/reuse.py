@@ -161,7 +161,9 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
 
     - g one Gemm (a Linear's dW): SGD's w' = w - lr * g becomes Gemm(lr * A, B, C=w,
       alpha=-alpha, beta=1) in place of the Sub, the smaller of A and B scaled by the step's
-      lr tensor (`FusedScale`), so a learning-rate schedule reaches it; momentum's
+      lr tensor (`FusedScale`), so a learning-rate schedule reaches it -- where that operand
+      holds no more values than w: BERT-base at 32 x 512 tokens would scale 12.6M values to
+      spare a 2.4M gradient (+0.5 % step time on h100-80gb, and a larger temporary); momentum's
       b' = momentum * b + g becomes Gemm(A, B, C=momentum * b, alpha, beta=1) in place of the
       Add (the Mul by the step's momentum tensor stays).
     - g a scatter-add of rows into zeros (an embedding's dW, ScatterND with reduction add):
@@ -334,6 +336,8 @@ def _fusion(graph: Graph, op: Op, optimizer: str) -> _Fusion | None:
         if lr is not None:           # w - lr * A B: the smaller operand scaled by the step's lr
             smaller = 0 if graph.tensors[a].numel <= graph.tensors[b].numel else 1
             operand = maker.inputs[smaller]
+            if graph.tensors[operand].numel > graph.tensors[param].numel:
+                return None          # scaling it would cost more time and memory than the gradient it spares
             tensors.append(Tensor(scaled, graph.tensors[operand].shape, dtype, "gradient"))
             ops.append(Op(f"{scope}/FusedScale", "Mul", [operand, lr], [scaled], phase="update", doc_string=why))
             a, b = (scaled, b) if smaller == 0 else (a, scaled)

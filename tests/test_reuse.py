@@ -215,9 +215,10 @@ def test_no_writer_takes_a_source_whose_view_is_a_graph_output():
         analyze(g, schedule, {"v": "a", "c": "a"})
 
 
-def linear_training_step(optimizer: str = "sgd", bias: bool = True, lr: float = 0.1):
-    """The training step (autodiff, cross-entropy, `optimizer`) of one Linear layer: x (2, 64)
-    float32 -> Gemm(W (64, 64), transB=1) + b (64,): W is 16,384 bytes, x and the logits 512 each."""
+def linear_training_step(optimizer: str = "sgd", bias: bool = True, lr: float = 0.1, rows: int = 2):
+    """The training step (autodiff, cross-entropy, `optimizer`) of one Linear layer: x (rows, 64)
+    float32 -> Gemm(W (64, 64), transB=1) + b (64,): W is 16,384 bytes, x and the logits 512 each
+    at 2 rows."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
@@ -228,8 +229,8 @@ def linear_training_step(optimizer: str = "sgd", bias: bool = True, lr: float = 
     weight = numpy_helper.from_array((rng.standard_normal((64, 64)) * 0.1).astype(np.float32), "fc.weight")
     bias_init = numpy_helper.from_array(np.zeros(64, np.float32), "fc.bias")
     node = helper.make_node("Gemm", ["x", "fc.weight", "fc.bias"][:3 if bias else 2], ["logits"], name="fc", transB=1)
-    graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 64])],
+    graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 64])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [rows, 64])],
                               [weight, bias_init][:2 if bias else 1])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     return build_training_step(lower(model), loss="cross_entropy", optimizer=optimizer, lr=lr)
@@ -263,6 +264,14 @@ def test_a_fused_sgd_update_never_makes_the_weight_gradient():
     # + constants 40 + lr 4 = 17,968.
     assert notes["candidate_peaks"]["dw-dx-rule"] == 34096
     assert notes["peak_bytes"] == validate(plan).peak_bytes == 17968
+
+
+def test_an_update_is_not_fused_where_scaling_an_operand_costs_more_than_the_gradient():
+    """A batch of 128 rows against a 64 x 64 weight: each operand of dW (128 x 64) holds more
+    values than dW itself, so the Mul and Sub on the gradient stay (fewer bytes read, no larger
+    temporary); at 2 rows the operand is the smaller and the update fuses."""
+    assert fuse_updates(linear_training_step(rows=128))[1] == []
+    assert fuse_updates(linear_training_step(rows=2))[1] == ["fc.weight"]
 
 
 def test_a_fused_update_runs_bit_identical_and_matches_the_unfused_step():
