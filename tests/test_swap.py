@@ -220,6 +220,24 @@ def test_a_view_and_its_source_move_as_one_buffer():
     assert [s.target for s in swapped.schedule if s.kind == "swap_out"] == ["v"]
 
 
+def test_past_the_deadline_the_heuristic_answers_with_its_first_order_unimproved():
+    """With the command's deadline passed, the first order that meets the budget is the
+    answer, placed but with no exchange trial, and the deadline says it cut the search; the
+    answer still holds the budget."""
+    from memsched.deadline import Deadline, unlimited
+    from memsched.passes.swap.heuristic import SELECT_ORDERS, consistent, place
+
+    hw = toy_hardware()
+    plan = Plan.initial(training_mlp([4, 16, 8], batch=7), budget=2400, hardware=hw)
+    problem = find_problem(plan, analyze_plan(plan), hw, hw, plan.budget)
+    late = Deadline(0.0)
+    choices, timing, order = heuristic(problem, late)
+    assert late.cut and order == next(iter(SELECT_ORDERS))
+    first = select(problem, order=order)
+    assert choices == (place(problem, first) or first) and consistent(problem, choices)
+    assert heuristic(problem, unlimited())[1].delay <= timing.delay
+
+
 def test_the_heuristic_keeps_the_order_of_tensors_with_the_least_delay():
     """An MLP step where TFLMS's order (idle time per byte) frees tensors whose copies the
     link cannot hide, and the longest idle time first hides them all: the heuristic runs

@@ -61,10 +61,10 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
 
     source = costs if costs is not None else hw
     problem = find_problem(plan, profile, hw, source, plan.budget)
-    found = heuristic(problem)
+    found = heuristic(problem, deadline)
     if found is None:       # the greedy orders missed; the floor plan fits (or nothing does)
         problem, chosen = _floor(plan, profile, hw, source)
-        found = heuristic(problem) or (*improve(problem, chosen), "floor")
+        found = heuristic(problem, deadline) or (*improve(problem, chosen, deadline=deadline), "floor")
     choices, _, order = found
 
     results = [("heuristic", choices)]
