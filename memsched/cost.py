@@ -60,6 +60,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from . import dtypes
 from .documents import read_document
 from .errors import UserError
 from .hardware import Hardware
@@ -223,16 +224,9 @@ def _bytes_moved(op: Op, cls: str, ins, outs) -> int:
 
 def _arith_dtype(ins, outs) -> str:
     for t in (*ins, *outs):
-        if t.dtype in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
-                       onnx.TensorProto.DOUBLE):
-            return _dtype_name(t.dtype)
-    return _dtype_name(outs[0].dtype) if outs else "float32"
-
-
-def _dtype_name(dtype: int) -> str:
-    if dtype == onnx.TensorProto.BFLOAT16:
-        return "bfloat16"    # numpy has no bfloat16; onnx maps it to uint16
-    return onnx.helper.tensor_dtype_to_np_dtype(dtype).name
+        if dtypes.is_float(t.dtype):
+            return dtypes.name(t.dtype)
+    return dtypes.name(outs[0].dtype) if outs else "float32"
 
 
 def profile_class(op_class_: str, hw: Hardware) -> str:
@@ -531,16 +525,11 @@ def signature(op: Op, graph: Graph) -> str:
             continue
         t = graph.tensors[name]
         entry = [list(t.shape), int(t.dtype), t.is_static]
-        if t.is_static and t.numel <= SMALL_CONSTANT and not _is_float_dtype(t.dtype):
+        if t.is_static and t.numel <= SMALL_CONSTANT and not dtypes.is_float(t.dtype):
             entry.append(np.asarray(tensor_value(t, graph.base_dir)).ravel().tolist())
         inputs.append(entry)
     attrs = {k: _jsonable(v) for k, v in sorted(op.attributes.items())}
     return json.dumps([op.domain, op.op_type, attrs, inputs], sort_keys=True, separators=(",", ":"))
-
-
-def _is_float_dtype(dtype: int) -> bool:
-    return dtype in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
-                     onnx.TensorProto.DOUBLE)
 
 
 def _jsonable(value):

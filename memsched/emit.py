@@ -40,6 +40,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 from onnx.external_data_helper import _get_all_tensors
 
+from . import dtypes
 from .errors import ScheduleError, UserError, first_line
 from .frontend import read_model
 from .hardware import Hardware, preset_names
@@ -456,7 +457,7 @@ def _check_initializer_sizes(model: onnx.ModelProto, source: str) -> None:
         if init.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
             continue
         try:
-            itemsize = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+            itemsize = dtypes.itemsize(init.data_type)
         except (KeyError, TypeError, ValueError):
             continue
         if init.data_type in _SUB_BYTE:

@@ -50,6 +50,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from . import dtypes
 from .errors import ScheduleError, UserError
 from .ir import Graph, Op, _make_node, tensor_value
 from .cuda import device_memory, load_cudart
@@ -620,7 +621,7 @@ def _compile(plan: Plan, profile: MemoryProfile, rt: "_Runtime", hooks: "Hooks")
     # ONNX Runtime adds nodes of its own around float16 kernels it runs in float32 (Casts): those
     # run out of index order, so such a step is cut for any order. On CUDA it may add copies
     # between devices; a segment where it did is found at build (_adds_no_nodes) and re-cut.
-    inserts = any(t.dtype in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) for t in graph.tensors.values())
+    inserts = any(t.dtype in dtypes.HALF_TYPES for t in graph.tensors.values())
     order = _OrderGuard.ANY if inserts else _OrderGuard.ORDERED
     unwritten = _unwritten(plan, rt.host_values)
     # on the CPU a swap copy is a node of the session around it (in the order given, which

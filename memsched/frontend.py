@@ -21,8 +21,8 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper
 
 from .errors import UserError, first_line
-from . import model_file
-from .ir import Graph, _itemsize, op_summary
+from . import dtypes, model_file
+from .ir import Graph, op_summary
 from .onnx_utils import MEMSCHED_DOMAIN, TWO_GB, checkable_view, is_weight
 
 SUPPORTED_DOMAINS = ("", "ai.onnx", MEMSCHED_DOMAIN)
@@ -163,7 +163,7 @@ def _check_weight_size(init: TensorProto) -> None:
     shape = "x".join(map(str, init.dims)) or "scalar"
     stored = len(init.raw_data)              # a copy of the bytes: read once
     if stored:
-        itemsize = helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        itemsize = dtypes.itemsize(init.data_type)
         if stored != expected * itemsize:    # bytes, not values: a stray byte is damage too
             raise UserError(f"not a valid ONNX model: initializer '{init.name}' declares shape {shape} "
                             f"({expected * itemsize:,} bytes) but holds {stored:,} bytes; the file is "
@@ -371,7 +371,7 @@ def _known_bytes(model: onnx.ModelProto) -> int:
     for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
         if _fully_shaped(vi):
             total += math.prod(d.dim_value for d in vi.type.tensor_type.shape.dim) * \
-                _itemsize(vi.type.tensor_type.elem_type)
+                dtypes.itemsize(vi.type.tensor_type.elem_type)
     return total
 
 

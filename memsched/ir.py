@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from functools import cache, cached_property
+from functools import cached_property
 from typing import Any, Callable, Iterable
 
 import networkx as nx
@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from . import dtypes
 from .errors import UserError
 from .onnx_utils import IR_VERSION, OPSET
 
@@ -63,12 +64,6 @@ def name_map(text: str, key: str, allowed: tuple[str, ...]) -> dict[str, str]:
                          f"a JSON object of names to one of {', '.join(allowed)}")
 
 
-@cache
-def _itemsize(dtype: int) -> int:
-    """Bytes per element of an ONNX element type (asked for ~100 times per op by the passes)."""
-    return np.dtype(helper.tensor_dtype_to_np_dtype(dtype)).itemsize
-
-
 @dataclass
 class Tensor:
     """A value in the graph. `data` holds an initializer's contents (possibly external)."""
@@ -88,7 +83,7 @@ class Tensor:
     def itemsize(self) -> int:
         if self.dtype == TensorProto.STRING or self.dtype == TensorProto.UNDEFINED:
             raise ValueError(f"tensor '{self.name}' has no fixed item size")
-        return _itemsize(self.dtype)
+        return dtypes.itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -226,7 +221,7 @@ class Graph:
         buffers = {n.input[i] for n in g.node if n.op_type == "BatchNormalization"
                    for i in (3, 4) if len(n.input) > i}
         for t in tensors.values():
-            if not _is_float(t.dtype):
+            if not dtypes.is_float(t.dtype):
                 t.kind = "constant"
             elif t.name in buffers:
                 t.kind = "buffer"
@@ -304,10 +299,6 @@ class Graph:
 
 
 # ---- helpers ---------------------------------------------------------------------------
-def _is_float(dtype: int) -> bool:
-    return dtype in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
-
-
 def _shape_and_dtype(vi: onnx.ValueInfoProto) -> tuple[tuple[int, ...] | None, int]:
     ttype = vi.type.tensor_type
     if not vi.type.HasField("tensor_type"):
@@ -396,7 +387,7 @@ def tensor_kinds(model: onnx.ModelProto) -> dict[str, str]:
     kinds = name_map({p.key: p.value for p in model.metadata_props}.get(_KINDS_KEY, "{}"), _KINDS_KEY, TENSOR_KINDS)
     buffers = {n.input[i] for n in model.graph.node if n.op_type == "BatchNormalization"
                for i in (3, 4) if len(n.input) > i}
-    default = {init.name: ("constant" if not _is_float(init.data_type) else
+    default = {init.name: ("constant" if not dtypes.is_float(init.data_type) else
                            "buffer" if init.name in buffers else "parameter") for init in model.graph.initializer}
     return {name: kinds.get(name, kind) for name, kind in default.items()}
 

@@ -23,6 +23,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import TensorProto
 
+from . import dtypes
 from .onnx_utils import SMALL_MODEL_BYTES, is_weight
 
 # field numbers of onnx.proto
@@ -89,7 +90,7 @@ def _tensor_in_place(data: mmap.mmap, start: int, end: int, location: str) -> by
     if raw is None:
         return None
     tensor = TensorProto.FromString(bytes(header))
-    itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize if is_weight(tensor) else 0
+    itemsize = dtypes.itemsize(tensor.data_type) if is_weight(tensor) else 0
     if not itemsize or raw[1] != math.prod(tensor.dims) * itemsize:
         return None       # not a weight, or damaged: parsed as it is, the front end judges it
     tensor.data_location = TensorProto.EXTERNAL

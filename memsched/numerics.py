@@ -41,12 +41,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from .dtypes import FLOAT_TYPES
 from .errors import UserError
 from .executor import prepare_inputs
 from .ir import Graph, Op, Tensor, tensor_value
 from .measure import make_session, single_op_model
 
-FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
 ZERO_GRADIENT = 1e-9   # float64 gradients this far below the largest are zero in exact arithmetic
 
 

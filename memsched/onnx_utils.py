@@ -16,6 +16,7 @@ from typing import Callable
 import onnx
 from onnx import TensorProto, external_data_helper, helper
 
+from . import dtypes
 from .errors import UserError
 from .outputs import check_writable, finish_mode, temp_path, unlink_quietly
 
@@ -32,7 +33,6 @@ SMALL_MODEL_BYTES = 64 * 2**20   # a model file past this holds its weights inli
 
 # A floating-point initializer larger than this is a weight: its values never decide a shape.
 WEIGHT_BYTES = 1024
-_FLOAT_ITEMSIZE = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.DOUBLE: 8}
 
 
 def checkable_view(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -67,8 +67,7 @@ def checkable_view(model: onnx.ModelProto) -> onnx.ModelProto:
 def is_weight(init: TensorProto) -> bool:
     """A floating-point initializer over WEIGHT_BYTES by its dims (its values never decide a
     shape; a message's ByteSize would encode it to count)."""
-    itemsize = _FLOAT_ITEMSIZE.get(init.data_type)
-    return itemsize is not None and math.prod(init.dims) * itemsize > WEIGHT_BYTES
+    return dtypes.is_float(init.data_type) and math.prod(init.dims) * dtypes.itemsize(init.data_type) > WEIGHT_BYTES
 
 
 def has_no_data(init: TensorProto) -> bool:

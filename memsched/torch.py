@@ -57,6 +57,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .dtypes import FLOAT_TYPES
 from .errors import UserError
 from .onnx_utils import save_model_atomic
 from .outputs import check_writable
@@ -164,7 +165,7 @@ def state_dict_names(model: onnx.ModelProto, state: dict) -> dict[str, str]:
     free = {key: value for key, value in state.items() if key not in have and value.is_floating_point()}
     renamed = {}
     for init in model.graph.initializer:
-        if init.name in state or init.data_type not in _FLOAT_TYPES or not free:
+        if init.name in state or init.data_type not in FLOAT_TYPES or not free:
             continue
         value = numpy_helper.to_array(init)
         matches = [key for key, t in free.items() if tuple(t.shape) == value.shape
@@ -174,7 +175,6 @@ def state_dict_names(model: onnx.ModelProto, state: dict) -> dict[str, str]:
     return renamed
 
 
-_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
 
 
 def positional_forward(module) -> None:

@@ -29,7 +29,7 @@ def model_step(plan: Plan, model: str | os.PathLike) -> Graph:
     (`run_plan(against=...)`) shows whether the plan computes what the model does. UserError
     when the model's step does not have the plan's inputs and outputs (names, shapes, dtypes)."""
     from memsched.passes.training import TRAINING_KEY, build_training_step
-    from memsched.passes.training.registry import FLOAT_TYPES
+    from memsched.dtypes import FLOAT_TYPES
     from memsched.passes.rewrites.batch_split import given_graph
 
     from memsched.emit import PLAN_KEY

@@ -22,7 +22,8 @@ from memsched.passes.training.fuse import fuse_patterns
 from memsched.passes.training.loss import LOSS_NAME, LOSSES, emit_loss
 from memsched.passes.training.optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
 from memsched.passes.training.rederive import rederive_in_backward
-from memsched.passes.training.registry import FLOAT_TYPES, RULES, differentiable_outputs, differentiable_positions
+from memsched.dtypes import FLOAT_TYPES
+from memsched.passes.training.registry import RULES, differentiable_outputs, differentiable_positions
 from memsched.passes.training.simplify import drop_no_ops
 
 GRAD_ROLES_KEY = "memsched.grad_roles"

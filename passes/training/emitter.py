@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from memsched.dtypes import HALF_TYPES
 from memsched.ir import Graph, Op, Tensor, tensor_value
 from memsched.ops import FOLDABLE_OPS
 
@@ -211,7 +212,7 @@ class Emitter:
 
     def narrow_float(self, name: str) -> bool:
         """Whether `name` is a 16-bit float, whose sums and small constants rules take in float32."""
-        return self.dtype(name) in (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+        return self.dtype(name) in HALF_TYPES
 
     def np_dtype(self, name: str) -> np.dtype:
         return helper.tensor_dtype_to_np_dtype(self.tensors[name].dtype)

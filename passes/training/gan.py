@@ -41,7 +41,7 @@ from memsched.passes.training.emitter import Emitter
 from memsched.passes.training.fuse import fuse_patterns
 from memsched.passes.training.loss import bce_with_logits
 from memsched.passes.training.optimizer import update_outputs
-from memsched.passes.training.registry import FLOAT_TYPES
+from memsched.dtypes import FLOAT_TYPES
 from memsched.passes.training.simplify import drop_no_ops
 
 LOSS = "bce_with_logits"

@@ -24,7 +24,7 @@ from onnx import TensorProto
 
 from memsched.errors import UserError
 
-from memsched.passes.training.registry import FLOAT_TYPES
+from memsched.dtypes import FLOAT_TYPES
 
 LOSSES = ("cross_entropy", "mse", "bce_with_logits", "output")
 LOSS_NAME = "loss"

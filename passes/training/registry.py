@@ -20,9 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from onnx import TensorProto
-
-FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+from memsched.dtypes import FLOAT_TYPES
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import math
 import numpy as np
 
 from memsched.passes.training.fuse import emit_original
-from memsched.passes.training.registry import FLOAT_TYPES, rule
+from memsched.dtypes import FLOAT_TYPES
+from memsched.passes.training.registry import rule
 from memsched.passes.training.rules_shape import folded_product, folds_into_matmul_scale, scaled_scores
 
 

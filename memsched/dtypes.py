@@ -1,0 +1,29 @@
+"""ONNX element types: which are floating point, how many bytes an element takes, their
+names. The one home of these facts for the core, the passes and the models."""
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+from onnx import TensorProto, helper
+
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
+HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def is_float(dtype: int) -> bool:
+    return dtype in FLOAT_TYPES
+
+
+@cache
+def itemsize(dtype: int) -> int:
+    """Bytes per element of an ONNX element type (asked about 100 times an op by the passes,
+    hence cached); KeyError for a number that is no element type."""
+    return np.dtype(helper.tensor_dtype_to_np_dtype(dtype)).itemsize
+
+
+def name(dtype: int) -> str:
+    """'float32', 'int64', ...; 'bfloat16', which numpy lacks (onnx maps it to uint16)."""
+    if dtype == TensorProto.BFLOAT16:
+        return "bfloat16"
+    return helper.tensor_dtype_to_np_dtype(dtype).name
