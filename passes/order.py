@@ -40,8 +40,8 @@ import math
 import time
 from dataclasses import dataclass
 
-import networkx as nx
 import numpy as np
+from ortools.graph.python import max_flow
 from ortools.sat.python import cp_model
 
 from memsched.deadline import Deadline, Work, unlimited
@@ -603,12 +603,11 @@ def cut_bound(problem: Problem, u: int, reach: tuple[list[int], list[int]]) -> i
     graph = problem.graph
     anc, desc = reach
     source, sink_ = "source", "sink"
-    network = nx.DiGraph()
-    network.add_nodes_from((source, sink_))
+    arcs: dict[tuple, int | None] = {}          # (tail, head) -> capacity; None: uncuttable
     for v, preds in enumerate(problem.preds):
-        network.add_edges_from((v, p) for p in preds)          # no capacity: uncuttable
-    network.add_edges_from((source, a) for a in _members(anc[u]))
-    network.add_edges_from((d, sink_) for d in _members(desc[u] & ~(1 << u)))
+        arcs.update(((v, p), None) for p in preds)
+    arcs.update(((source, a), None) for a in _members(anc[u]))
+    arcs.update(((d, sink_), None) for d in _members(desc[u] & ~(1 << u)))
     op = graph.op_by_name[problem.names[u]]
     around = {problem.tensors[problem.buffer[t]] for t in op.present_inputs + op.present_outputs
               if t in problem.buffer}
@@ -622,11 +621,30 @@ def cut_bound(problem: Problem, u: int, reach: tuple[list[int], list[int]]) -> i
             continue
         tail = source if producer < 0 else producer
         if problem.held[k]:
-            _add_capacity(network, tail, sink_, nbytes)
+            _add_capacity(arcs, tail, sink_, nbytes)
         elif problem.readers[k]:
-            _add_capacity(network, tail, ("t", k), nbytes)
-            network.add_edges_from((("t", k), r) for r in problem.readers[k])
-    return constant + int(nx.minimum_cut_value(network, source, sink_))
+            _add_capacity(arcs, tail, ("t", k), nbytes)
+            arcs.update(((("t", k), r), None) for r in problem.readers[k])
+    return constant + _max_flow(arcs, source, sink_)
+
+
+def _max_flow(arcs: dict[tuple, int | None], source, sink) -> int:
+    """The maximum flow from `source` to `sink` (= the minimum cut's value) over `arcs`, by
+    OR-Tools' max-flow in C++ (networkx's preflow-push took 2.5 s a cut on a 10,193-op step).
+    Uncuttable arcs get more capacity than all the others together."""
+    nodes: dict = {}
+    index = [nodes.setdefault(node, len(nodes)) for arc in arcs for node in arc]
+    finite = sum(c for c in arcs.values() if c is not None)
+    capacities = np.array([finite + 1 if c is None else c for c in arcs.values()], dtype=np.int64)
+    flow = max_flow.SimpleMaxFlow()
+    flow.add_arcs_with_capacity(np.array(index[0::2], dtype=np.int32), np.array(index[1::2], dtype=np.int32),
+                                capacities)
+    if source not in nodes or sink not in nodes:
+        return 0
+    status = flow.solve(nodes[source], nodes[sink])
+    if status != flow.OPTIMAL:
+        raise RuntimeError(f"max flow ended with status {status}")
+    return int(flow.optimal_flow())
 
 
 def _members(bits: int) -> list[int]:
@@ -638,12 +656,12 @@ def _members(bits: int) -> list[int]:
     return [int(i) for i in np.flatnonzero(flags)]
 
 
-def _add_capacity(network: nx.DiGraph, tail, head, nbytes: int) -> None:
-    if network.has_edge(tail, head):
-        if "capacity" in network[tail][head]:
-            network[tail][head]["capacity"] += nbytes
-    else:
-        network.add_edge(tail, head, capacity=nbytes)
+def _add_capacity(arcs: dict[tuple, int | None], tail, head, nbytes: int) -> None:
+    """Add `nbytes` to the arc's capacity (an uncuttable arc stays uncuttable)."""
+    if (tail, head) not in arcs:
+        arcs[(tail, head)] = nbytes
+    elif arcs[(tail, head)] is not None:
+        arcs[(tail, head)] += nbytes
 
 
 def cut_candidates(problem: Problem, reach, totals: np.ndarray, count: int = 5) -> list[int]:
