@@ -95,12 +95,15 @@ def _external_data_files(source: Path) -> list[Path]:
     import onnx
     from onnx.external_data_helper import _get_all_tensors
 
+    from . import model_file
+
     try:
-        model = onnx.load(str(source), load_external_data=False)
+        model = model_file.read(source)        # as the front end reads it: a large model's weights left in place
     except Exception:  # noqa: BLE001 - not a model: its reader reports it
         return []
     locations = {entry.value for tensor in _get_all_tensors(model) if tensor.data_location == onnx.TensorProto.EXTERNAL
                  for entry in tensor.external_data if entry.key == "location"}
+    locations.discard(source.name)             # weights read in place: the input itself, checked as such
     return [source.parent / location for location in sorted(locations)]
 
 

@@ -175,8 +175,6 @@ def state_dict_names(model: onnx.ModelProto, state: dict) -> dict[str, str]:
     return renamed
 
 
-
-
 def positional_forward(module) -> None:
     """Give `module` (as an instance attribute, which the caller removes) a forward that takes
     the example inputs alone. The legacy exporter appends the default of every forward parameter

@@ -634,13 +634,13 @@ def _max_flow(arcs: dict[tuple, int | None], source, sink) -> int:
     Uncuttable arcs get more capacity than all the others together."""
     nodes: dict = {}
     index = [nodes.setdefault(node, len(nodes)) for arc in arcs for node in arc]
+    if source not in nodes or sink not in nodes:
+        return 0
     finite = sum(c for c in arcs.values() if c is not None)
     capacities = np.array([finite + 1 if c is None else c for c in arcs.values()], dtype=np.int64)
     flow = max_flow.SimpleMaxFlow()
     flow.add_arcs_with_capacity(np.array(index[0::2], dtype=np.int32), np.array(index[1::2], dtype=np.int32),
                                 capacities)
-    if source not in nodes or sink not in nodes:
-        return 0
     status = flow.solve(nodes[source], nodes[sink])
     if status != flow.OPTIMAL:
         raise RuntimeError(f"max flow ended with status {status}")

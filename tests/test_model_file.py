@@ -85,3 +85,17 @@ def test_an_unusual_file_is_parsed_by_onnx_as_before(tmp_path, in_place):
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(UserError, match="not a readable ONNX model"):
         frontend.load(path)
+
+
+def test_outputs_are_checked_against_a_model_read_in_place(tmp_path, in_place):
+    """`check_outputs` reads the model as the front end does: an output over its data file, or
+    over the model itself, is still refused, naming which."""
+    from memsched.outputs import check_outputs
+
+    path = tmp_path / "m.onnx"
+    onnx.save_model(models.build("mlp"), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="m.bin", size_threshold=100_000)        # the large weight external, the rest inline
+    with pytest.raises(UserError, match="external data of the input"):
+        check_outputs({"-o": tmp_path / "m.bin"}, [path])
+    with pytest.raises(UserError, match="is the input"):
+        check_outputs({"-o": path}, [path])
