@@ -1,38 +1,45 @@
-"""Predicted vs measured step time on this machine, per model and per op class (one JSON object).
+"""Predicted vs measured step time on this machine, as a user measures it, per model and per op class
+(one JSON object).
 
 For each bundled model at each size (`small`: the calibration's reference sizes,
 passes.calibration.REFERENCE_SIZES; `large`: LARGE_SIZES below, which the calibration never
-saw), its training step (passes.training: forward, cross-entropy, backward, SGD) is
-  - run whole in one ONNX Runtime session, inputs and outputs bound, median of --runs runs
-    timed before and after the profiling (`measured_s`), as `memsched run --json` times a step,
-  - simulated with the calibrated profile (--hardware, default `cpu`: `predicted_s`),
-  - profiled op by op with ONNX Runtime (memsched.measure.profile_graph) and simulated with
-    that measured cost table (`predicted_table_s`),
-all in this one process, so the ratios compare like with like. Per op class, the model's
-prediction is compared with the profiled ops' times (`classes`); `summary` pools the classes
-over every model and size. Target: predicted / measured within 0.8-1.25.
+saw), the model is written as ONNX (memsched.models.export) and then, as a user does,
+  - `memsched compile MODEL --train --strategies order,reuse -o PLAN` (forward, cross-entropy,
+    backward, SGD; the DCGAN halves with their losses),
+  - `memsched run PLAN --steps RUNS+1 --threads T --json --hardware PROFILE`: `measured_s` is
+    its measured step time (the median after the first step), `predicted_s` its predicted one
+    (the simulator on --hardware, default the bundled `cpu` profile);
+then, in this process, the plan's ops are profiled one by one with ONNX Runtime
+(memsched.measure.profile_graph) and the plan simulated with that cost table
+(`predicted_table_s`). Per op class, the profile's prediction is compared with the profiled
+ops' times (`classes`); `summary` pools the classes over every model and size. Target:
+predicted / measured within 0.8-1.25. The run's clock is the wall clock, as a user's: run it
+on a quiet machine.
 
-    python bench/bench_predict.py [--models all] [--sizes small,large] [--runs 7] [--repeats 10]
+    python bench/bench_predict.py [--models all] [--sizes small,large] [--runs 3] [--repeats 10]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memsched import hardware  # noqa: E402
+from memsched import hardware, models  # noqa: E402
 from memsched.cost import op_cost, op_time  # noqa: E402
-from memsched.measure import Timer, cpu_clock, make_session, np_dtype, profile_graph, random_inputs  # noqa: E402
-from memsched.schedule import Plan  # noqa: E402
+from memsched.emit import read_plan  # noqa: E402
+from memsched.measure import profile_graph  # noqa: E402
 from memsched.simulate import simulate  # noqa: E402
-from memsched.passes.calibration import REFERENCE_SIZES, reference_graph  # noqa: E402
+from memsched.passes.calibration import LOSSES, REFERENCE_SIZES  # noqa: E402
 
 LARGE_SIZES = {"mlp": dict(batch=256), "vgg16": dict(batch=4, size=64), "resnet18": dict(batch=8, size=64),
                "resnet50": dict(batch=4, size=64), "mobilenetv2": dict(batch=8, size=96),
@@ -43,15 +50,12 @@ SIZES = {"small": REFERENCE_SIZES, "large": LARGE_SIZES}
 LOW, HIGH = 0.8, 1.25
 
 
-def whole_graph_seconds(graph, runs: int, threads: int) -> list[float]:
-    """Times of `runs` runs of the whole graph in one session (after two warm-up runs)."""
-    session = make_session(graph.to_onnx(), "cpu", threads)
-    values = random_inputs(graph)
-    outputs = [(n, graph.tensors[n].shape, np_dtype(graph, n)) for n in graph.outputs]
-    timer = Timer.bind(session, {n: values[n] for n in graph.inputs}, outputs, "cpu", threads)
-    for _ in range(2):
-        timer.run()
-    return [timer.run() for _ in range(runs)]
+def memsched(*args: str) -> str:
+    """One memsched command as a user types it; its standard output."""
+    done = subprocess.run([sys.executable, "-m", "memsched", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"memsched {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout
 
 
 def class_times(graph, table, hw) -> dict[str, dict]:
@@ -69,25 +73,26 @@ def class_times(graph, table, hw) -> dict[str, dict]:
             for cls, row in sorted(classes.items(), key=lambda kv: -kv[1]["profiled_s"])}
 
 
-def bench(name: str, size: str, hw, runs: int, repeats: int, threads: int) -> dict:
+def bench(name: str, size: str, hw, profile: str, runs: int, repeats: int, threads: int, folder: Path) -> dict:
     options = SIZES[size][name]
-    graph = reference_graph(name, options)
-    before = whole_graph_seconds(graph, runs, threads)
+    model, plan_path = folder / f"{name}-{size}.onnx", folder / f"{name}-{size}.plan.onnx"
+    models.export(name, model, **options)
+    memsched("compile", str(model), "--train", "--loss", LOSSES.get(name, "cross_entropy"), "--strategies",
+             "order,reuse", "-o", str(plan_path), "--time-limit", "30")
+    run = json.loads(memsched("run", str(plan_path), "--steps", str(runs + 1), "--threads", str(threads), "--json",
+                              "--hardware", profile))
+    plan = read_plan(plan_path)
     start = time.perf_counter()
-    table = profile_graph(graph, "cpu", repeats=repeats, threads=threads)
+    table = profile_graph(plan.graph, "cpu", repeats=repeats, threads=threads)
     profile_s = time.perf_counter() - start
-    after = whole_graph_seconds(graph, runs, threads)
-    measured = statistics.median(before + after)
-    plan = Plan.initial(graph)
-    predicted = simulate(plan, hw).step_time
+    measured, predicted = run["measured"]["step_time_s"], run["predicted"]["step_time_s"]
     by_table = simulate(plan, hw, costs=table).step_time
-    return {"model": name, "size": size, "options": options, "ops": len(graph.ops),
-            "timed_ops": table.meta["timed_ops"], "measured_s": measured,
-            "measured_before_s": statistics.median(before), "measured_after_s": statistics.median(after),
+    return {"model": name, "size": size, "options": options, "ops": len(plan.graph.ops),
+            "timed_ops": table.meta["timed_ops"], "measured_s": measured, "step_times_s": run["step_times_s"],
             "predicted_s": predicted, "predicted_table_s": by_table, "profiled_sum_s": table.total(),
             "ratio": predicted / measured, "ratio_table": by_table / measured,
             "within_target": LOW <= predicted / measured <= HIGH,
-            "classes": class_times(graph, table, hw), "profile_seconds": profile_s}
+            "classes": class_times(plan.graph, table, hw), "profile_seconds": profile_s}
 
 
 def summary(results: list[dict]) -> dict:
@@ -118,11 +123,10 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="all", help="comma-separated bundled models (default: all)")
     parser.add_argument("--sizes", default="small,large", help="comma-separated: small, large")
     parser.add_argument("--hardware", default="cpu", help="the calibrated profile to predict with (default cpu)")
-    parser.add_argument("--runs", type=int, default=7, help="whole-graph runs before and after profiling")
+    parser.add_argument("--runs", type=int, default=3, help="steps `memsched run` times after its first (default 3)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per op when profiling")
     parser.add_argument("--threads", type=int, default=1,
-                        help="ONNX Runtime intra-op threads (default 1: timed in thread CPU time, which other "
-                             "processes on a shared machine do not inflate; 0: ORT's default, wall time)")
+                        help="ONNX Runtime intra-op threads of the run and the profiling (default 1)")
     args = parser.parse_args(argv)
     import onnxruntime as ort
 
@@ -135,10 +139,12 @@ def main(argv=None) -> int:
         if size not in SIZES:
             parser.error(f"unknown size '{size}'; choose from {', '.join(SIZES)}")
     hw = hardware.load(args.hardware)
-    results = [bench(name, size, hw, args.runs, args.repeats, args.threads) for size in sizes for name in names]
+    with tempfile.TemporaryDirectory(prefix="bench-predict-") as folder:
+        results = [bench(name, size, hw, args.hardware, args.runs, args.repeats, args.threads, Path(folder))
+                   for size in sizes for name in names]
     print(json.dumps({"machine": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "profile": hw.description, "onnxruntime": ort.__version__, "threads": args.threads,
-                      "clock": cpu_clock("cpu", args.threads).__name__, "results": results,
+                      "load_average": list(os.getloadavg()), "results": results,
                       "summary": summary(results)}, indent=1))
     return 0
 

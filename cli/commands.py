@@ -346,7 +346,7 @@ def cmd_run(args) -> int:
                           given=given if given is not plan.graph else None, allow_fallback=args.allow_fallback,
                           against=against)
     device = "cuda" if result.provider.startswith("CUDA") else "cpu"
-    summary = {**run_summary(result, args.plan, predicted_step_time(plan, device)),
+    summary = {**run_summary(result, args.plan, predicted_step_time(plan, device, args.hardware)),
                "threads": result.threads, "process": result.process}
     if against is not None:
         summary["check"]["against"]["model"] = args.against
@@ -470,6 +470,8 @@ def cmd_run_workers(args) -> int:
                                      ("--nvdimm-dir", args.nvdimm_dir)) if given]
     if used:
         raise UserError(f"a data-parallel run (--workers, torchrun) runs on the CPU without {used[0]}")
+    if args.hardware:
+        raise UserError("--hardware is for a run in one process; a data-parallel run predicts with the cpu profile")
     if launched():
         world = int(os.environ["WORLD_SIZE"])
         if args.workers is not None and args.workers != world:

@@ -237,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvdimm-dir", metavar="DIR", help="directory for the NVDIMM tier's store (default: a temp dir)")
     p.add_argument("--threads", type=int, default=0,
                    help="ONNX Runtime intra-op threads (default 0: every core, as ONNX Runtime does; 1 for timing)")
+    p.add_argument("--hardware", metavar="PROFILE",
+                   help="the profile the predicted step time uses, e.g. one `hardware calibrate` wrote here "
+                        "(default: the bundled cpu profile on the CPU, the plan's on CUDA)")
     p.add_argument("--workers", type=int, metavar="N",
                    help="data parallel: start N local ranks (torch.distributed, gloo) on a plan compiled with "
                         "--data-parallel N; under torchrun each process is one rank")

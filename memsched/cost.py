@@ -7,9 +7,14 @@ they fetch) and, for a broadcasting elementwise op, the inner loops ONNX Runtime
 (`broadcast_loops`). A calibrated profile (`memsched hardware calibrate`: the `cpu` preset, or
 a GPU's own) prices a class by the line fitted to timings of that class,
 
-    time = overhead + flops / FLOP/s + bytes / bandwidth + loops x loop cost
+    time = overhead + flops / FLOP/s + (bytes + rereads) / bandwidth + loops x loop cost
 
-(each term where the profile has the figure; `fitted_time`, fitted by `fit_class_costs`); a
+(each term where the profile has the figure; `fitted_time`, fitted by `fit_class_costs`).
+`rereads` are the bytes ONNX Runtime's CPU convolutions read again: they run one GEMM per
+image, so a Conv or ConvTranspose reads its kernel once per image (a 512-channel 3x3 layer of
+ResNet-18 at 2x2 pixels, batch 4: 38 MB of kernel reads for 0.7 MB of activations; priced
+without them, its small step's convolutions came to 0.74 of their time). Weight-gradient
+convolutions loop otherwise and have none. A
 class it has no line for takes its parent's (PARENT_CLASS). Other classes, and every class on
 a spec-sheet profile (the GPU presets), are priced by the roofline
 
@@ -71,20 +76,20 @@ from .ops import (DATA_OPS, ELEMENTWISE_OPS, EXP_REDUCTION_OPS, GATHER_OPS, NORM
 
 # The classes a calibrated profile may carry its own figures for. Shape classes split an op
 # type where one efficiency cannot fit: transposed and grouped convolutions, batched MatMuls
-# (attention) against GEMMs with a weight operand.
+# (attention) against GEMMs with a weight operand, GEMMs with few rows (FEW_ROWS) against the rest.
 # Convolutions: `_wgrad` a Conv whose kernel is computed (a weight gradient: a few huge kernels),
 # `_3d` three spatial dimensions.
 CONV_CLASSES = ("conv", "conv_3d", "conv_wgrad", "conv_wgrad_3d", "conv_transpose", "conv_transpose_3d",
                 "conv_grouped", "conv_grouped_wgrad", "conv_transpose_grouped")
-OP_CLASSES = (*CONV_CLASSES, "gemm", "matmul_batched", "elementwise", "transcendental", "reduction",
+OP_CLASSES = (*CONV_CLASSES, "gemm", "gemm_few_rows", "matmul_batched", "elementwise", "transcendental", "reduction",
               "reduction_exp", "pool", "norm", "softmax", "gather", "transpose", "data", "shape", "other")
 # A profile without figures for a shape class prices it as its parent class (and so on up).
 PARENT_CLASS = {"conv_3d": "conv", "conv_wgrad": "conv", "conv_wgrad_3d": "conv_wgrad",
                 "conv_transpose": "conv", "conv_transpose_3d": "conv_transpose",
                 "conv_grouped_wgrad": "conv_grouped", "conv_transpose_grouped": "conv_grouped",
-                "matmul_batched": "gemm", "reduction_exp": "reduction", "transpose": "data"}
+                "matmul_batched": "gemm", "gemm_few_rows": "gemm", "reduction_exp": "reduction", "transpose": "data"}
 # Classes whose time follows their FLOPs (and bytes); the others follow their bytes.
-FLOP_CLASSES = (*CONV_CLASSES, "gemm", "matmul_batched")
+FLOP_CLASSES = (*CONV_CLASSES, "gemm", "gemm_few_rows", "matmul_batched")
 # Classes whose broadcasts run an inner loop per span (`broadcast_loops`).
 LOOP_CLASSES = ("elementwise", "transcendental")
 
@@ -96,6 +101,12 @@ class OpCost:
     bytes: int
     dtype: str      # numpy name of the dtype the arithmetic runs in
     loops: int = 0  # inner loops of a broadcasting elementwise op (`broadcast_loops`), else 0
+    rereads: int = 0    # bytes read again: a convolution's kernel once per image after the first
+
+    @property
+    def fitted_bytes(self) -> int:
+        """The bytes a calibrated line prices: those moved and those read again."""
+        return self.bytes + self.rereads
 
 
 def op_class(op: Op, graph: Graph | None = None) -> str:
@@ -106,7 +117,11 @@ def op_class(op: Op, graph: Graph | None = None) -> str:
     if t in ("Conv", "ConvTranspose"):
         return _conv_class(op, graph)
     if t in ("Gemm", "MatMul", "MatMulInteger"):
-        return "matmul_batched" if t != "Gemm" and graph is not None and _batched(op, graph) else "gemm"
+        if graph is None:
+            return "gemm"
+        if t != "Gemm" and _batched(op, graph):
+            return "matmul_batched"
+        return "gemm_few_rows" if _output_rows(op, graph) < FEW_ROWS else "gemm"
     if t in SHAPE_OPS:
         return "shape"
     if t == "Transpose":
@@ -160,7 +175,8 @@ def op_cost(op: Op, graph: Graph) -> OpCost:
     else:                   # gather, transpose, data: copies, no arithmetic
         flops = 0
     loops = broadcast_loops([t.shape for t in ins], outs[0].shape) if cls in LOOP_CLASSES and outs else 0
-    return OpCost(cls, int(flops), _bytes_moved(op, cls, ins, outs), dtype, loops)
+    rereads = (ins[0].shape[0] - 1) * ins[1].nbytes if t in ("Conv", "ConvTranspose") and "wgrad" not in cls else 0
+    return OpCost(cls, int(flops), _bytes_moved(op, cls, ins, outs), dtype, loops, rereads)
 
 
 def _conv_class(op: Op, graph: Graph | None) -> str:
@@ -173,6 +189,18 @@ def _conv_class(op: Op, graph: Graph | None) -> str:
         return "conv_grouped_wgrad" if wgrad else kind + "_grouped"
     return (kind + ("_wgrad" if wgrad else "")
             + ("_3d" if w is not None and len(w.shape) == 5 else ""))
+
+
+# A product with fewer output rows than this (a classifier head at a small batch) does too little
+# arithmetic per weight byte to hide streaming the weight: ResNet-18's at batch 4 runs at 25 GB/s
+# of weight and 50 GFLOP/s, BERT's 32-token layers at 100 GFLOP/s.
+FEW_ROWS = 16
+
+
+def _output_rows(op: Op, graph: Graph) -> int:
+    """Rows of a matrix product's result, its batch dimensions folded in."""
+    shape = graph.tensors[op.outputs[0]].shape
+    return math.prod(shape[:-1]) if shape else 1
 
 
 def _batched(op: Op, graph: Graph) -> bool:
@@ -245,7 +273,7 @@ def roofline_time(op: Op, graph: Graph, hw: Hardware) -> float:
         return 0.0
     cls = profile_class(c.op_class, hw)
     if cls in hw.op_class_overhead:
-        return fitted_time(hw, cls, c.flops, c.bytes, c.loops, ops=1)
+        return fitted_time(hw, cls, c.flops, c.fitted_bytes, c.loops, ops=1)
     return max(c.flops / hw.flops_for(cls, c.dtype), c.bytes / hw.bandwidth_for(cls)) + hw.launch_overhead
 
 

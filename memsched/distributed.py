@@ -52,7 +52,7 @@ from onnx import helper
 from .data_parallel import (INTERCONNECT, Bucket, batch_statistics, data_parallel, gradient_buckets,
                             per_sample_inputs, plan_options, readers)
 from .errors import MemschedError, UserError, first_line
-from .executor import prepare_inputs, run_plan
+from .executor import prepare_inputs, run_plan, steady_step_time
 from .schedule import Plan
 
 BACKEND = "gloo"
@@ -273,7 +273,7 @@ def summarize(plan: Plan, path: str | None, ranks: list[dict], result, buckets: 
     workers = len(ranks)
     estimate = data_parallel(plan, simulate(plan, load("cpu")), workers)
     exposed = estimate.exposed_comm_s if overlap else estimate.step_no_overlap_s - estimate.compute_s
-    step = max(float(np.median(r["step_times_s"])) for r in ranks)
+    step = max(steady_step_time(r["step_times_s"]) for r in ranks)
     wait = float(np.mean([np.median(r["allreduce_wait_s"]) for r in ranks]))
     comm = float(np.mean([r["allreduce_s"] for r in ranks]))
     return {

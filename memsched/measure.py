@@ -1,13 +1,15 @@
 """Measured costs with ONNX Runtime: a cost table for a graph, and the calibrated `cpu` profile.
 
-`profile_graph` runs the graph op by op, each op in its own one-node session with its real
-shapes (parameters and constants embedded as initializers, as in the whole-graph session, so
-ONNX Runtime prepacks and re-lays them out the same way) and its real input values (each op's
-outputs feed the next ones; graph inputs are random normal floats and zero integers). An op is
-timed with inputs and outputs bound in advance (IOBinding): warm-up runs, then the median of
-the timed runs. Ops with the same signature (memsched.cost.signature) share one session and
-are timed once; a repeat is run once more only to produce its outputs, with the first op's
-weights (float values do not change the time).
+`profile_graph` runs the graph op by op, each op in its own one-node session made as the
+executor makes its sessions (`memsched.ort.op_session`: no graph optimisation, every tensor
+bound, parameters and constants too, so nothing is prepacked) with its real shapes and its
+real input values (each op's outputs feed the next ones; graph inputs are random normal floats
+and zero integers). What is timed is the kernel a plan's run executes: timed in ONNX Runtime's
+default session instead, with weights as initializers, ResNet-18's small step summed to 0.82
+of what the executor takes (the layout transformer's NCHWc convolutions, prepacked weights).
+An op is timed with inputs and outputs bound in advance (IOBinding): warm-up runs, then the
+median of the timed runs. Ops with the same signature (memsched.cost.signature) share one
+session and are timed once; a repeat is run once more only to produce its outputs.
 
 Three corrections make the sum of one-node timings a step's time:
 - overheads: a one-node session pays ORT's per-Run overhead, which a node inside a graph does
@@ -52,7 +54,7 @@ from .hardware import DRAM_LATENCY, Hardware, HostTier, optane_pmem
 from .ir import Graph, Op, tensor_value
 from .memory import analyze
 from .onnx_utils import make_model
-from .ort import PROVIDERS, bind_values, make_session
+from .ort import PROVIDERS, bind_values, op_session
 from .ort import version as ort_version
 from .schedule import default_schedule
 from .units import format_bytes
@@ -223,7 +225,7 @@ def overheads(device: str = "cpu", threads: int = 0, repeats: int = 200) -> tupl
     one = np.ones(1, np.float32)
     times = []
     for length in (1, 33):
-        timer = Timer.bind(make_session(_add_chain(length), device, threads), {"v0": one, "c": one},
+        timer = Timer.bind(op_session(_add_chain(length), device, threads), {"v0": one, "c": one},
                            [(f"v{length}", (1,), np.float32)], device, threads)
         times.append(timer.median(repeats, warmup=20))
     return times[0], max(times[1] - times[0], 0.0) / 32
@@ -231,26 +233,26 @@ def overheads(device: str = "cpu", threads: int = 0, repeats: int = 200) -> tupl
 
 # ---- one op as a model -------------------------------------------------------------------
 def single_op_model(op: Op, graph: Graph) -> tuple[onnx.ModelProto, list[str]]:
-    """A one-node model computing `op`: static inputs as initializers, the others as inputs.
+    """A one-node model computing `op`, every input a model input, as in the executor's
+    sessions (parameters and constants are bound arena bytes there, not initializers, so ONNX
+    Runtime prepacks none of them).
 
     Returns the model and, per model input in order, the tensor it is fed. Model inputs are
-    named by position (`FEED_PREFIX<k>`), one per non-static input slot even where a tensor
-    fills two (x * x): every op with the same signature then has the same inputs, so their
-    shared session can be fed any of them."""
+    named by position (`FEED_PREFIX<k>`), one per input slot even where a tensor fills two
+    (x * x): every op with the same signature then has the same inputs, so their shared
+    session can be fed any of them."""
     if op.domain not in ("", "ai.onnx"):
         raise UserError(f"op '{op.name}' is in domain '{op.domain}', which ONNX Runtime cannot time")
-    inits = [numpy_helper.from_array(tensor_value(graph.tensors[name], graph.base_dir), name)
-             for name in dict.fromkeys(op.present_inputs) if graph.tensors[name].is_static]
     inputs, infos = [], []
     for k, name in enumerate(op.inputs):
-        if name and not graph.tensors[name].is_static:
+        if name:
             inputs.append(f"{FEED_PREFIX}{k}")
             infos.append(_value_info(graph, name, inputs[-1]))
         else:
             inputs.append(name)
     node = helper.make_node(op.op_type, inputs, op.outputs, name=op.name, domain=op.domain or None)
     node.attribute.extend(helper.make_attribute(k, v) for k, v in op.attributes.items())
-    g = helper.make_graph([node], op.name, infos, [_value_info(graph, n, n) for n in op.present_outputs], inits)
+    g = helper.make_graph([node], op.name, infos, [_value_info(graph, n, n) for n in op.present_outputs])
     opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 17))
     return make_model(g, opset=opset, ir_version=graph.ir_version), _feeds_of(op, graph)
 
@@ -275,6 +277,13 @@ def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
         else:
             values[name] = np.zeros(t.shape, dtype)
     return values
+
+
+def feed_values(graph: Graph, inputs: list[str], feeds: list[str], values: dict[str, np.ndarray]) -> dict:
+    """{model input: value} for a one-node model's `inputs`, fed `feeds`: computed values from
+    `values`, parameters and constants decoded from the graph (on demand, never kept)."""
+    return {s: values[t] if t in values else tensor_value(graph.tensors[t], graph.base_dir)
+            for s, t in zip(inputs, feeds)}
 
 
 def np_dtype(graph: Graph, name: str) -> np.dtype:
@@ -305,9 +314,9 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
         outputs = [(n, graph.tensors[n].shape, np_dtype(graph, n)) for n in op.present_outputs]
         if sig not in sessions:
             model, feeds = single_op_model(op, graph)
-            session = make_session(model, device, threads)
+            session = op_session(model, device, threads)
             inputs = [i.name for i in model.graph.input]
-            timer = Timer.bind(session, {s: values[t] for s, t in zip(inputs, feeds)}, outputs, device, threads)
+            timer = Timer.bind(session, feed_values(graph, inputs, feeds, values), outputs, device, threads)
             raw = timer.median(repeats)
             sessions[sig] = (timer, max(raw - session_overhead, 0.0) + node_overhead)
             by_signature[sig] = sessions[sig][1]
@@ -315,7 +324,7 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
             timer = sessions[sig][0]
             inputs = [i.name for i in timer.session.get_inputs()]
             names = [o.name for o in timer.session.get_outputs()]
-            timer = Timer.bind(timer.session, {s: values[t] for s, t in zip(inputs, _feeds_of(op, graph))},
+            timer = Timer.bind(timer.session, feed_values(graph, inputs, _feeds_of(op, graph), values),
                                [(s, shape, dtype) for s, (_, shape, dtype) in zip(names, outputs)], device,
                                threads)
             timer.run()
@@ -337,8 +346,8 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
 
 
 def _feeds_of(op: Op, graph: Graph) -> list[str]:
-    """The tensors that fill `op`'s non-static input slots, in order (a tensor in two slots twice)."""
-    return [n for n in op.inputs if n and not graph.tensors[n].is_static]
+    """The tensors that fill `op`'s input slots, in order (a tensor in two slots twice)."""
+    return [n for n in op.inputs if n]
 
 
 # ---- calibration -------------------------------------------------------------------------
@@ -415,12 +424,12 @@ def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0,
         values = random_inputs(g)
         outputs = [(n, g.tensors[n].shape, np_dtype(g, n)) for n in op.present_outputs]
         inputs = [i.name for i in model.graph.input]
-        timer = Timer.bind(make_session(model, device, threads), {s: values[t] for s, t in zip(inputs, feeds)},
-                           outputs, device, threads)
+        timer = Timer.bind(op_session(model, device, threads), feed_values(g, inputs, feeds, values), outputs,
+                           device, threads)
         seconds = max(timer.median(repeats) - session_overhead, 0.0) + node_overhead
         c = op_cost(op, g)
         rows.append({"source": "microbenchmark", "op": op.op_type, "class": c.op_class, "ops": 1,
-                     "flops": c.flops, "bytes": c.bytes, "loops": c.loops, "seconds": seconds,
+                     "flops": c.flops, "bytes": c.fitted_bytes, "loops": c.loops, "seconds": seconds,
                      "shapes": [list(g.tensors[n].shape) for n in op.present_inputs]})
     for g in references:
         rows.extend(graph_rows(g, profile_graph(g, device, repeats, threads)))
@@ -436,12 +445,12 @@ def graph_rows(graph: Graph, table: CostTable) -> list[dict]:
         c = op_cost(op, graph)
         if c.op_class == "shape":
             continue
-        row = rows.setdefault((c.op_class, op.op_type, c.flops, c.bytes, c.loops), {
+        row = rows.setdefault((c.op_class, op.op_type, c.flops, c.fitted_bytes, c.loops), {
             "source": graph.name, "op": op.op_type, "class": c.op_class, "ops": 0, "flops": 0, "bytes": 0,
             "loops": 0, "seconds": 0.0})
         row["ops"] += 1
         row["flops"] += c.flops
-        row["bytes"] += c.bytes
+        row["bytes"] += c.fitted_bytes
         row["loops"] += c.loops
         row["seconds"] += table.times[op.name]
     return list(rows.values())

@@ -45,7 +45,8 @@ from .dtypes import FLOAT_TYPES
 from .errors import UserError
 from .executor import prepare_inputs
 from .ir import Graph, Op, Tensor, tensor_value
-from .measure import make_session, single_op_model
+from .measure import single_op_model
+from .ort import make_session
 
 ZERO_GRADIENT = 1e-9   # float64 gradients this far below the largest are zero in exact arithmetic
 

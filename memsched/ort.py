@@ -3,13 +3,14 @@ sessions that say in one line why they cannot be made, and where ORT put each no
 
 Two kinds of session are made here:
 - `make_session`: a whole model as a user runs it (ONNX Runtime's default optimisations and
-  memory arena), for profiling and numerics;
+  memory arena), for numerics and inference;
 - `session_options` / `bound_options` / `bound_session`: the executor's sessions and the
   reference run it is checked against. Both use the same optimisation level (OPTIMIZATION)
   and thread count, so every kernel is the same; the executor's own sessions also keep no
   arena of their own, because every tensor they touch is bound into the plan's arena and
   only kernels' scratch is left, which all of them take from one arena shared through ONNX
-  Runtime's environment (`shared_scratch_arena`).
+  Runtime's environment (`shared_scratch_arena`). The profiler times each op in such a
+  session too (`op_session`), so what it measures is what a plan's run executes.
 """
 from __future__ import annotations
 
@@ -336,13 +337,28 @@ def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
     memory arena, as a user runs it; UserError if ORT cannot load it or fell back elsewhere."""
     import onnxruntime as ort
 
-    if device not in PROVIDERS:
-        raise UserError(f"unknown device '{device}'; use cpu or cuda")
     check_threads(threads)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    return _checked_session(model, options, device, [PROVIDERS.get(device)])
+
+
+def op_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
+    """A session of a model whose every tensor the caller binds, made as the executor makes
+    its own (`bound_options`: no graph optimisation, no arena of its own, kernels' scratch
+    from the shared arena): what the profiler times an op in, so a measured op is the kernel
+    a plan's run executes (on CUDA: the executor's provider options). UserError as
+    `make_session`."""
+    return _checked_session(model, bound_options(threads), device, providers_for(device) if device in PROVIDERS else [])
+
+
+def _checked_session(model: onnx.ModelProto, options, device: str, providers: list):
+    import onnxruntime as ort
+
+    if device not in PROVIDERS:
+        raise UserError(f"unknown device '{device}'; use cpu or cuda")
     wanted = PROVIDERS[device]
     if wanted not in ort.get_available_providers():
         raise UserError(f"ONNX Runtime here has no {wanted}; profile with --device cpu")
@@ -350,7 +366,7 @@ def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
         preload()
     with quiet_logger():
         try:
-            session = ort.InferenceSession(model.SerializeToString(), options, providers=[wanted])
+            session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
         except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
             raise UserError(f"ONNX Runtime cannot load the model: {_error_line(exc)}") from None
     if session.get_providers()[0] != wanted:
@@ -372,5 +388,6 @@ def node_providers(session) -> dict[str, str]:
 __all__ = ["PROVIDERS", "CUDA_OPTIONS", "OPTIMIZATION", "quiet_logger", "session_options", "bound_options",
            "bound_session", "shared_cuda_arena", "reference_session", "resolve_device", "shared_scratch_arena",
            "warm_environment",
-           "one_op_model", "providers_for", "make_session", "node_providers", "version", "build", "probe_session",
+           "one_op_model", "providers_for", "make_session", "op_session", "node_providers", "version", "build",
+           "probe_session",
            "device_buffer", "bind_addresses", "bind_values"]

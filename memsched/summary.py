@@ -32,13 +32,15 @@ def inspect_graph(graph: Graph, top: int = 10) -> dict:
     }
 
 
-def predicted_step_time(plan, device: str) -> tuple[float | None, str | None]:
-    """The simulator's step time for the device a run used, and the profile behind it: the
-    measured `cpu` profile on CPU, the plan's own hardware on CUDA (None where it has none)."""
+def predicted_step_time(plan, device: str, hardware: str | None = None) -> tuple[float | None, str | None]:
+    """The simulator's step time for the device a run used, and the profile behind it:
+    `hardware` (a preset or profile file, e.g. one `memsched hardware calibrate` wrote on this
+    machine) where given, else the measured `cpu` profile on CPU and the plan's own hardware on
+    CUDA (None where it has none)."""
     from .hardware import load
     from .simulate import simulate
 
-    spec = "cpu" if device == "cpu" else plan.hardware
+    spec = hardware or ("cpu" if device == "cpu" else plan.hardware)
     if spec is None:
         return None, None
     hardware = load(spec)

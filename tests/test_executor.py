@@ -322,10 +322,30 @@ def test_cli_run_json(cli, emitted):
     assert report["measured"]["peak_bytes"] == report["predicted"]["peak_bytes"] == profile.peak_bytes
     assert report["measured"]["arena_bytes"] == report["predicted"]["arena_bytes"] == \
         check_placement(profile, plan.offsets)
-    assert report["measured"]["step_time_s"] > 0
+    assert report["measured"]["step_time_s"] == report["step_times_s"][1]      # the first step faults pages in
     assert report["predicted"]["step_time_s"] > 0 and report["predicted"]["hardware"] == "cpu"
     assert report["check"]["max_abs_diff"] == 0.0 and report["check"]["passed"] is True
     assert report["swapped_bytes"] == {"dram": MLP.tensors["a"].nbytes, "nvdimm": MLP.tensors["W1"].nbytes}
+
+
+def test_cli_run_predicts_with_the_profile_it_is_given(cli, emitted, tmp_path):
+    """`run --hardware FILE`: the step time predicted with a profile calibrated here, not the bundled one."""
+    import dataclasses
+    import json
+
+    from memsched import hardware
+    from memsched.simulate import simulate
+
+    bundled = hardware.load("cpu")
+    mine = dataclasses.replace(bundled, name="this-machine",
+                               op_class_overhead={cls: s + 1e-3 for cls, s in bundled.op_class_overhead.items()})
+    (tmp_path / "mine.json").write_text(json.dumps(mine.to_dict()))
+    proc = cli("run", emitted["mlp-order"], "--hardware", tmp_path / "mine.json", "--json")
+    assert proc.returncode == 0, proc.stderr
+    predicted = json.loads(proc.stdout)["predicted"]
+    assert predicted["hardware"] == "this-machine"
+    assert predicted["step_time_s"] == pytest.approx(simulate(PLANS["mlp-order"], mine).step_time, rel=1e-9)
+    assert predicted["step_time_s"] > simulate(PLANS["mlp-order"], bundled).step_time + 1e-3
 
 
 @pytest.mark.slow

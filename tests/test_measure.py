@@ -32,10 +32,20 @@ def test_shape_arithmetic_runs_on_real_values():
     assert set(table.times) == {op.name for op in g.ops}
 
 
-def test_single_op_model_embeds_parameters_as_initializers():
+def test_an_op_is_timed_as_the_executor_runs_it():
+    """Parameters are fed like every other tensor (the executor binds them in its arena: no
+    initializer, nothing prepacked), in a session made with the executor's options."""
+    import onnxruntime as ort
+
+    from memsched.ort import OPTIMIZATION, op_session
+
     g = frontend.lower(mlp_model())
     model, feeds = single_op_model(g.ops[0], g)
-    assert feeds == ["x"] and [i.name for i in model.graph.initializer] == ["W1"]
+    assert feeds == [n for n in g.ops[0].inputs if n] and "W1" in feeds and not model.graph.initializer
+    session = op_session(model, "cpu", 1)
+    options = session.get_session_options()
+    assert options.graph_optimization_level == getattr(ort.GraphOptimizationLevel, OPTIMIZATION)
+    assert not options.enable_cpu_mem_arena
 
 
 def test_bundled_cpu_profile_prices_every_class_by_a_fitted_line():

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from memsched import models
 from memsched import numerics
 from memsched.frontend import lower
-from memsched.measure import make_session
+from memsched.ort import make_session
 from memsched.step_info import step_info
 from memsched.onnx_utils import make_model
 from memsched.models.cnn import googlenet
