@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from memsched import models  # noqa: E402
 from memsched import frontend  # noqa: E402
 from memsched.errors import MemschedError  # noqa: E402
-from memsched.executor import prepare_inputs, run_plan  # noqa: E402
+from memsched.runtime import prepare_inputs, run_plan  # noqa: E402
 from memsched.ort import session_options  # noqa: E402
 from memsched.simulate import simulate  # noqa: E402
 from memsched.passes.training import build_training_step  # noqa: E402

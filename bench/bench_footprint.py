@@ -125,7 +125,7 @@ def worker(kind: str, plan_path: str, threads: int | None, steps: int) -> dict:
     library code paged in (kernels run for the first time), which both sides pay per kernel
     they use and which no plan can change; reported beside the growth, not taken from it."""
     from memsched.emit import read_plan
-    from memsched.executor import prepare_inputs, run_plan
+    from memsched.runtime import prepare_inputs, run_plan
     from memsched.measure import ProcessMemory, release_free_heap
     from memsched.ort import warm_environment
 
@@ -159,7 +159,7 @@ def timing_worker(plan_path: str, threads: int, steps: int, rounds: int, min_sec
     process's burst (one run: the MLP at every core 1.11x ONNX Runtime's defaults, the next
     1.86x, by the median over all rounds)."""
     from memsched.emit import read_plan
-    from memsched.executor import prepare_inputs, run_plan
+    from memsched.runtime import prepare_inputs, run_plan
     from memsched.ort import warm_environment
 
     warm_environment()

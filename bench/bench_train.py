@@ -38,11 +38,11 @@ import onnx  # noqa: E402
 import torch  # noqa: E402
 
 from memsched.data import batches  # noqa: E402
-from memsched.executor import reference_model  # noqa: E402
+from memsched.runtime import reference_model  # noqa: E402
 from memsched.inference import export_inference  # noqa: E402
 from memsched.ort import reference_session  # noqa: E402
 from memsched.torch import export_for_training  # noqa: E402
-from memsched.trainer import Trainer  # noqa: E402
+from memsched.runtime import Trainer  # noqa: E402
 from memsched.passes.pipeline import compile as compile_plan  # noqa: E402
 from tests import digits  # noqa: E402
 

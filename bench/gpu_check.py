@@ -75,7 +75,7 @@ def worker(kind: str, plan_path: str, steps: int) -> dict:
     if kind.startswith("sessions"):
         return session_cost(cublas_default=kind == "sessions-cublas-default")
     from memsched.emit import read_plan
-    from memsched.executor import prepare_inputs, run_plan
+    from memsched.runtime import prepare_inputs, run_plan
 
     plan = read_plan(plan_path)
     feeds = prepare_inputs(plan.graph)
@@ -114,11 +114,12 @@ def reference_repeat(graph, feeds: dict) -> dict:
     check stands on."""
     import onnxruntime as ort
 
-    from memsched.executor import _statics, compare_outputs, reference_model
+    from memsched.runtime import compare_outputs, reference_model
+    from memsched.runtime.check import statics
     from memsched.ort import providers_for, session_options
 
     model = reference_model(graph).SerializeToString()
-    inputs = {**feeds, **_statics(graph)}
+    inputs = {**feeds, **statics(graph)}
     result = {}
     for label, tf32 in (("tf32", True), ("float32", False)):
         session = ort.InferenceSession(model, session_options(1), providers=providers_for("cuda", tf32=tf32))

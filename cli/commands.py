@@ -325,7 +325,7 @@ def cmd_run(args) -> int:
     from memsched.emit import read_plan
     from memsched.passes.rebuild import model_step
     from memsched.errors import UserError
-    from memsched.executor import run_plan
+    from memsched.runtime import run_plan
     from memsched.summary import predicted_step_time, run_summary
     from memsched.views import print_run, step_progress
     from memsched.passes.rewrites.batch_split import given_graph
@@ -381,8 +381,8 @@ def cmd_train(args) -> int:
     from memsched.distributed import launch_command, launched, rank_of
     from memsched.emit import read_plan
     from memsched.errors import UserError
-    from memsched.train_loop import FitOptions, fit
-    from memsched.trainer import Trainer
+    from memsched.runtime.train_loop import FitOptions, fit
+    from memsched.runtime import Trainer
     from memsched.views import print_train, train_progress
 
     if args.workers is not None and not launched():

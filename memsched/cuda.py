@@ -24,6 +24,8 @@ import struct
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from .errors import UserError
 
 DRIVER = "libcuda.so.1"
@@ -205,3 +207,86 @@ def gpus() -> list[dict]:
 
 __all__ = ["DRIVER", "CUDNN", "WHEELS", "provider_library", "elf_needed", "required_libraries", "wheel_library_dirs",
            "loaded_libraries", "locate", "preload", "load_cudart", "device_memory", "gpus"]
+
+
+class CudaStreams:
+    """The few CUDA runtime calls the executor needs (ctypes over libcudart): pinned host
+    buffers, the compute stream every session's kernels run on (ONNX Runtime's
+    `user_compute_stream`), and async copies on two copy streams (d2h, h2d), each copy with an
+    event and each ordered after the kernels issued before it (an event on the compute stream
+    the copy stream waits for), so a swap-out never reads a tensor still being written and a
+    swap-in never overwrites bytes a kernel still reads."""
+
+    H2D, D2H, D2D = 1, 2, 3
+
+    def __init__(self):
+        self.lib = load_cudart()
+        self.compute = self._stream()
+        self.streams = {self.D2H: self._stream(), self.H2D: self._stream()}
+        self.events: dict[int, ctypes.c_void_p] = {}
+        self.computed = self._event()        # recorded on the compute stream before each copy
+        self.pinned_buffers: list[ctypes.c_void_p] = []
+
+    def _call(self, name: str, *args) -> None:
+        status = getattr(self.lib, name)(*args)
+        if status != 0:
+            raise UserError(f"CUDA call {name} failed with error {status}")
+
+    def _stream(self) -> ctypes.c_void_p:
+        stream = ctypes.c_void_p()
+        self._call("cudaStreamCreateWithFlags", ctypes.byref(stream), 1)    # cudaStreamNonBlocking
+        return stream
+
+    def _event(self) -> ctypes.c_void_p:
+        handle = ctypes.c_void_p()
+        self._call("cudaEventCreateWithFlags", ctypes.byref(handle), 2)     # cudaEventDisableTiming
+        return handle
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        ptr = ctypes.c_void_p()
+        self._call("cudaHostAlloc", ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1)), 0)
+        self.pinned_buffers.append(ptr)
+        return np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr.value))[:nbytes]
+
+    def copy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
+        """A blocking copy, after every kernel issued before it (a run bound to device memory
+        may return before its kernels end, and the legacy default stream does not wait for
+        the compute stream) and done on the device before it returns."""
+        self._call("cudaStreamSynchronize", self.compute)
+        self._call("cudaMemcpy", ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), kind)
+        self.synchronize()
+
+    def copy_async(self, dst: int, src: int, nbytes: int, kind: int, event: int) -> None:
+        stream = self.streams[kind]
+        self._call("cudaEventRecord", self.computed, self.compute)
+        self._call("cudaStreamWaitEvent", stream, self.computed, 0)
+        self._call("cudaMemcpyAsync", ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
+                   kind, stream)
+        if event not in self.events:
+            self.events[event] = self._event()
+        self._call("cudaEventRecord", self.events[event], stream)
+
+    def wait(self, events: list[int]) -> None:
+        for e in events:
+            if e in self.events:
+                self._call("cudaEventSynchronize", self.events[e])
+
+    def memset(self, ptr: int, byte: int, nbytes: int) -> None:
+        """A blocking fill, ordered as `copy`."""
+        self._call("cudaStreamSynchronize", self.compute)
+        self._call("cudaMemset", ctypes.c_void_p(ptr), byte, ctypes.c_size_t(nbytes))
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        self._call("cudaDeviceSynchronize")
+
+    def close(self) -> None:
+        self.lib.cudaDeviceSynchronize()
+        for handle in [*self.events.values(), self.computed]:
+            self.lib.cudaEventDestroy(handle)
+        for stream in [*self.streams.values(), self.compute]:
+            self.lib.cudaStreamDestroy(stream)
+        for ptr in self.pinned_buffers:
+            self.lib.cudaFreeHost(ptr)
+        self.events.clear()
+        self.pinned_buffers.clear()

@@ -1,7 +1,7 @@
 """Data-parallel runs of a plan on torch.distributed: each worker runs the executor on its rows.
 
 A plan compiled with `--data-parallel N` is one worker's step (memsched.data_parallel). Each of
-the N ranks (processes) runs it with the bundled executor (memsched.executor.run_plan) on its
+the N ranks (processes) runs it with the bundled executor (memsched.runtime.run_plan) on its
 shard of the batch: rank r takes rows r*b .. (r+1)*b of every per-sample input (b the per-worker
 batch the plan records; the global batch is N*b). Ranks start from rank 0's weights: each
 parameter and buffer (BatchNorm's running statistics) is broadcast from rank 0 just before the
@@ -52,7 +52,7 @@ from onnx import helper
 from .data_parallel import (INTERCONNECT, Bucket, batch_statistics, data_parallel, gradient_buckets,
                             per_sample_inputs, plan_options, readers)
 from .errors import MemschedError, UserError, first_line
-from .executor import prepare_inputs, run_plan, steady_step_time
+from .runtime import prepare_inputs, run_plan, steady_step_time
 from .schedule import Plan
 
 BACKEND = "gloo"

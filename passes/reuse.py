@@ -454,7 +454,7 @@ def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
     memory model's rule 4, plus: only update ops overwrite parameters and optimizer state --
     they persist across steps otherwise -- and constants are never overwritten). A graph
     input is the source of views alone: a view shares the input's bytes (in the arena, or on
-    the CPU the caller's array, `memsched.executor.host_inputs`), while no other op takes them
+    the CPU the caller's array, `memsched.runtime.program.host_inputs`), while no other op takes them
     as its own directly.
     Parameters come first: taking their storage saves them for the rest of the step."""
     if op.op_type not in INPLACE_OPS and op.phase != "update":

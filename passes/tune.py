@@ -192,7 +192,7 @@ def compile_batch(graph: Graph, strategies: tuple[str, ...], hw, capacity: int, 
 def measure_row(build: Callable[[int], Graph], batch: int, strategies: tuple[str, ...], hw, capacity: int,
                 device: str, steps: int, options: dict) -> dict:
     """Compile `batch` again with real weights and run it with the executor: measured figures."""
-    from memsched.executor import run_plan
+    from memsched.runtime import run_plan
 
     result = compile_batch(build(batch), strategies, hw, capacity, **options)
     run = run_plan(result.plan, steps=steps, device=device)

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from memsched import views
 from memsched.deadline import unlimited
-from memsched.executor import run_plan
+from memsched.runtime import run_plan
 from memsched.frontend import lower
 from memsched.memory import validate
 from memsched.onnx_utils import save_model_atomic

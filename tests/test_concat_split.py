@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from memsched.executor import run_plan
+from memsched.runtime import run_plan
 from memsched.frontend import lower
 from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan

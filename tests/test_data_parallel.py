@@ -152,7 +152,7 @@ def test_compile_refuses_a_batch_the_workers_do_not_divide(mlp_path):
 def test_executor_hooks_act_on_the_arena_between_ops(mlp_dp):
     """run_plan's hooks get the arena bytes of an op's outputs (after) and inputs (before): zeroing
     each weight gradient once made leaves SGD's weights as they were, and every update sees zeros."""
-    from memsched.executor import run_plan
+    from memsched.runtime import run_plan
     from memsched.ir import tensor_value
 
     plan = mlp_dp.plan

@@ -12,7 +12,7 @@ import pytest
 from memsched.emit import read_plan, write_plan
 from memsched.errors import UserError
 from memsched.step_info import step_info
-from memsched.executor import run_plan
+from memsched.runtime import run_plan
 from memsched.memory import validate
 from memsched.models.cnn import plain_cnn, small_resnet
 from memsched.passes.pipeline import compile as compile_plan

@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from memsched import executor
+from memsched.runtime import run
 from memsched.frontend import lower
 from memsched.memory import analyze_plan
 from memsched.onnx_utils import make_model
@@ -63,7 +63,7 @@ def test_the_scatter_add_update_equals_the_dense_update(optimizer):
     runs = {}
     for name, g in (("dense", graph), ("fused", fused_graph)):
         plan = place(Plan.initial(g))
-        runs[name] = executor.run_plan(plan, steps=2, check=True, inputs=feeds())
+        runs[name] = run.run_plan(plan, steps=2, check=True, inputs=feeds())
         assert runs[name].check["passed"]
     for output in graph.outputs:
         np.testing.assert_allclose(runs["fused"].outputs[output], runs["dense"].outputs[output], rtol=1e-6, atol=1e-7)

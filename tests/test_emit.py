@@ -168,7 +168,7 @@ def test_a_plan_of_a_model_with_external_weights_gets_its_own_data_file(tmp_path
 
     from memsched import models
     from memsched import onnx_utils
-    from memsched.executor import run_plan
+    from memsched.runtime import run_plan
     from memsched.passes.pipeline import compile as compile_plan
 
     monkeypatch.setattr(onnx_utils, "COPY_CHUNK", 1000)        # several chunks per weight

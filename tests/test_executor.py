@@ -10,10 +10,10 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper
 
-from memsched import executor, ort, simulate
+from memsched import ort, simulate
 from memsched.emit import read_plan, write_plan
 from memsched.errors import ScheduleError, UserError
-from memsched.executor import run_plan
+from memsched.runtime import device, program, run, run_plan
 from memsched.memory import analyze_plan, check_placement
 from memsched.schedule import Plan, default_schedule, free, recompute, swap_out
 from tests.planbuild import (SMALL_MODELS, all_plans, cnn_graph, edit_plan_metadata, lower_graph, mlp_train_graph,
@@ -119,7 +119,7 @@ def test_float16_is_bit_identical_though_a_plain_whole_graph_run_keeps_float32()
     assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
     # why the reference routes float16 tensors through barriers: without them ORT keeps the
     # intermediates in float32 and the whole-graph result differs from the declared graph
-    x = executor.prepare_inputs(graph)["x"]
+    x = run.prepare_inputs(graph)["x"]
     plain = onnxruntime.InferenceSession(graph.to_onnx().SerializeToString(), ort.session_options(1),
                                          providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert not np.array_equal(plain, result.outputs["y"])
@@ -269,7 +269,7 @@ def test_an_nvdimm_store_on_a_full_filesystem_is_one_line_and_leaves_nothing(tmp
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("memsched.executor.os.posix_fallocate", full)
+    monkeypatch.setattr("memsched.runtime.device.os.posix_fallocate", full)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))      # where a store folder of its own goes
     store = tmp_path / "store"
     store.mkdir()
@@ -291,9 +291,9 @@ def _clobbered(plan):
 def judges_bypassed(monkeypatch):
     """The memory model and the rehearsal accept anything; the arena keeps the real size."""
     arena = check_placement(analyze_plan(PLANS["mlp-order"]), PLANS["mlp-order"].offsets)
-    monkeypatch.setattr(executor, "validate", analyze_plan)
-    monkeypatch.setattr(executor, "check_placement", lambda profile, offsets: arena)
-    monkeypatch.setattr(executor, "_rehearse", lambda program, profile: (profile.live_bytes, 0))
+    monkeypatch.setattr(run, "validate", analyze_plan)
+    monkeypatch.setattr(run, "check_placement", lambda profile, offsets: arena)
+    monkeypatch.setattr(run, "rehearse", lambda program, profile: (profile.live_bytes, 0))
     monkeypatch.setattr(simulate, "check_placement", lambda profile, offsets: arena)
 
 
@@ -511,19 +511,19 @@ def test_outputs_of_the_last_step_are_read_only_views_of_the_arena():
 def test_the_order_guard_cuts_where_onnx_runtime_could_reorder():
     """A Shape run that writes where a run it does not depend on read must not share its
     session: ONNX Runtime's priority order takes Shape nodes as soon as they are ready."""
-    read = executor._Run(dataclasses.replace(MLP.ops[0], op_type="Relu"), [("a", 0, 64)], [(("b", 0), 64, 128, None)])
-    shape = executor._Run(dataclasses.replace(MLP.ops[0], op_type="Shape"), [("c", 256, 320)],
-                          [(("s", 0), 0, 16, None)])
-    plain = executor._Run(dataclasses.replace(MLP.ops[0], op_type="Relu"), [("c", 256, 320)], [(("d", 0), 0, 64, None)])
-    for order, run, admitted in ((executor._OrderGuard.ORDERED, shape, False),
-                                 (executor._OrderGuard.ORDERED, plain, True),
-                                 (executor._OrderGuard.ANY, plain, False)):
-        guard = executor._OrderGuard(order)
+    read = program.Run(dataclasses.replace(MLP.ops[0], op_type="Relu"), [("a", 0, 64)], [(("b", 0), 64, 128, None)])
+    shape = program.Run(dataclasses.replace(MLP.ops[0], op_type="Shape"), [("c", 256, 320)],
+                        [(("s", 0), 0, 16, None)])
+    plain = program.Run(dataclasses.replace(MLP.ops[0], op_type="Relu"), [("c", 256, 320)], [(("d", 0), 0, 64, None)])
+    for order, candidate, admitted in ((program._OrderGuard.ORDERED, shape, False),
+                                       (program._OrderGuard.ORDERED, plain, True),
+                                       (program._OrderGuard.ANY, plain, False)):
+        guard = program._OrderGuard(order)
         assert guard.admit(read)
-        assert guard.admit(run) is admitted, (order, run.op.op_type)
+        assert guard.admit(candidate) is admitted, (order, candidate.op.op_type)
     # a run that depends on the reader (through its output) may write there in any order
-    after = executor._Run(dataclasses.replace(MLP.ops[0], op_type="Shape"), [("b", 64, 128)], [(("s", 0), 0, 16, None)])
-    guard = executor._OrderGuard(executor._OrderGuard.ANY)
+    after = program.Run(dataclasses.replace(MLP.ops[0], op_type="Shape"), [("b", 64, 128)], [(("s", 0), 0, 16, None)])
+    guard = program._OrderGuard(program._OrderGuard.ANY)
     assert guard.admit(read) and guard.admit(after)
 
 
@@ -587,16 +587,16 @@ def _flattened_batch(relu: bool):
 
 def _arena_writes(monkeypatch) -> list[int]:
     """The arena offsets `_Runtime.write` is called for (the inputs and statics a step loads)."""
-    offsets, write = [], executor._Runtime.write
-    monkeypatch.setattr(executor._Runtime, "write", lambda rt, lo, value: (offsets.append(lo), write(rt, lo, value)))
+    offsets, write = [], device.Runtime.write
+    monkeypatch.setattr(device.Runtime, "write", lambda rt, lo, value: (offsets.append(lo), write(rt, lo, value)))
     return offsets
 
 
 def test_the_batch_and_its_views_are_read_in_place_on_the_cpu(monkeypatch):
     plan, feeds = _flattened_batch(relu=False)
-    read = executor.host_inputs(plan, feeds)
+    read = program.host_inputs(plan, feeds)
     assert set(read) == {"x", "f"} and read["f"].ctypes.data == feeds["x"].ctypes.data
-    assert executor.host_inputs(plan, feeds, device="cuda") == {}
+    assert program.host_inputs(plan, feeds, device="cuda") == {}
     writes = _arena_writes(monkeypatch)
     result = run_plan(plan, check=True, steps=2, inputs=feeds)     # the arena is NaN but what a step writes
     assert result.check["passed"] and result.check["max_abs_diff"] == 0.0
@@ -605,7 +605,7 @@ def test_the_batch_and_its_views_are_read_in_place_on_the_cpu(monkeypatch):
 
 def test_a_batch_an_op_writes_over_is_copied_into_the_arena(monkeypatch):
     plan, feeds = _flattened_batch(relu=True)
-    assert executor.host_inputs(plan, feeds) == {}
+    assert program.host_inputs(plan, feeds) == {}
     writes = _arena_writes(monkeypatch)
     result = run_plan(plan, check=True, steps=2, inputs=feeds)
     assert result.check["passed"] and result.check["max_abs_diff"] == 0.0

@@ -11,7 +11,9 @@ import onnx
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
-from memsched import executor, ort
+from memsched import ort
+from memsched.runtime import check, device, program, run
+from memsched import cuda
 from memsched.ir import Graph
 from tests.planbuild import cnn_graph, mlp_train_graph, order_plan, strategy_plans
 
@@ -47,7 +49,7 @@ def _shape_graph() -> Graph:
 
 def test_host_constants_are_the_values_fixed_for_the_step():
     graph = _shape_graph()
-    values = executor.host_constants(graph, {"given": np.array([5], np.int32)})
+    values = program.host_constants(graph, {"given": np.array([5], np.int32)})
     assert set(values) == {"axes", "s", "n", "flat", "k", "one"}   # not the updated step, not a feed
     assert values["axes"].tolist() == [1] and values["axes"].dtype == np.int64
     assert values["s"].tolist() == [3]                              # Shape's start=1
@@ -66,9 +68,9 @@ def test_constants_read_from_host_need_no_write_and_end_no_segment():
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     graph = Graph.from_onnx(onnx.shape_inference.infer_shapes(model))
-    assert executor.host_constants(graph, {})["c"].tolist() == [[2.0] * 3] * 2
+    assert program.host_constants(graph, {})["c"].tolist() == [[2.0] * 3] * 2
     plan = order_plan(graph)
-    result = executor.run_plan(plan, steps=2, check=True, inputs={"x": np.ones((2, 3), np.float32)})
+    result = run.run_plan(plan, steps=2, check=True, inputs={"x": np.ones((2, 3), np.float32)})
     assert result.check["passed"] and result.check["bit_identical"] and result.sessions == 1
     assert result.outputs["y"].tolist() == [[-2.0] * 3] * 2
 
@@ -76,7 +78,7 @@ def test_constants_read_from_host_need_no_write_and_end_no_segment():
 def test_a_run_reading_host_constants_equals_the_plain_run():
     graph = _shape_graph()
     plan = order_plan(graph)
-    result = executor.run_plan(plan, steps=2, check=True, inputs={"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    result = run.run_plan(plan, steps=2, check=True, inputs={"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
     assert result.check["passed"] and result.check["bit_identical"]
     assert result.outputs["y"].tolist() == [1.0, 4.0]
 
@@ -86,19 +88,19 @@ def test_added_nodes_are_seen_in_the_saved_graph(tmp_path):
     model.graph.node[0].name = "n0"
     saved = str(tmp_path / "segment.onnx")
     ort.bound_session(model.SerializeToString(), 1, "cpu", None, saved)
-    assert executor._adds_no_nodes(saved, {"n0"})
-    assert not executor._adds_no_nodes(saved, {"n0", "n1"})             # a node of ours went missing
-    assert not executor._adds_no_nodes(str(tmp_path / "absent.onnx"), {"n0"})   # nothing saved: nothing assumed
+    assert device.adds_no_nodes(saved, {"n0"})
+    assert not device.adds_no_nodes(saved, {"n0", "n1"})             # a node of ours went missing
+    assert not device.adds_no_nodes(str(tmp_path / "absent.onnx"), {"n0"})   # nothing saved: nothing assumed
 
 
 def test_cuda_check_scales_the_difference_by_the_output():
     def step(diff, scale):
         return {"w": {"max_abs_diff": diff, "bit_identical": False, "scale": scale}}
 
-    assert executor._check_summary([step(5e-4, 10.0)], exact=False)["passed"]          # 5e-5 of its scale
-    assert not executor._check_summary([step(5e-4, 1.0)], exact=False)["passed"]
-    assert not executor._check_summary([step(5e-4, 10.0)], exact=True)["passed"]       # CPU: bits or nothing
-    compared = executor.compare_outputs({"w": np.array([0.0, 20.0], np.float32)},
+    assert check.check_summary([step(5e-4, 10.0)], exact=False)["passed"]          # 5e-5 of its scale
+    assert not check.check_summary([step(5e-4, 1.0)], exact=False)["passed"]
+    assert not check.check_summary([step(5e-4, 10.0)], exact=True)["passed"]       # CPU: bits or nothing
+    compared = check.compare_outputs({"w": np.array([0.0, 20.0], np.float32)},
                                         {"w": np.array([0.0, -30.0], np.float32)})
     assert compared["w"]["scale"] == 30.0 and compared["w"]["max_abs_diff"] == 50.0
 
@@ -135,29 +137,29 @@ def test_copy_waits_hold_when_copies_land_as_late_as_cuda_allows(monkeypatch):
             issued.append(event)
         return copy
 
-    synchronize = executor._Runtime.synchronize
-    monkeypatch.setattr(executor._Runtime, "copy_out", later("out"))
-    monkeypatch.setattr(executor._Runtime, "copy_in", later("in"))
-    monkeypatch.setattr(executor._Runtime, "wait", wait)
-    monkeypatch.setattr(executor._Runtime, "wait_all", wait_all)
-    monkeypatch.setattr(executor._Runtime, "synchronize", lambda rt: (wait_all(rt), synchronize(rt)))
-    items = executor._items
+    synchronize = device.Runtime.synchronize
+    monkeypatch.setattr(device.Runtime, "copy_out", later("out"))
+    monkeypatch.setattr(device.Runtime, "copy_in", later("in"))
+    monkeypatch.setattr(device.Runtime, "wait", wait)
+    monkeypatch.setattr(device.Runtime, "wait_all", wait_all)
+    monkeypatch.setattr(device.Runtime, "synchronize", lambda rt: (wait_all(rt), synchronize(rt)))
+    items = program._items
 
     def as_on_cuda(actions, graph, split, order, hooks, unwritten=frozenset(), copy_base=None):
         return items(actions, graph, True, order, hooks, unwritten)        # copies as steps of their own
 
-    monkeypatch.setattr(executor, "_items", as_on_cuda)
+    monkeypatch.setattr(program, "_items", as_on_cuda)
     for graph in (mlp_train_graph(), cnn_graph()):
         plan = strategy_plans(graph)["swap"]
         assert any(step.kind == "swap_in" for step in plan.schedule)
         issued.clear()
-        result = executor.run_plan(plan, steps=2, check=True)
+        result = run.run_plan(plan, steps=2, check=True)
         assert result.check["passed"] and result.check["bit_identical"] and not pending
         assert issued, "no copy ran as a step of its own"
 
 
 class _HostCuda:
-    """The copies of executor._Cuda over host memory, refusing what CUDA leaves undefined: a
+    """The copies of cuda.CudaStreams over host memory, refusing what CUDA leaves undefined: a
     device-to-device copy between overlapping ranges."""
 
     def __init__(self):
@@ -165,7 +167,7 @@ class _HostCuda:
 
     def copy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
         self.kinds.append(kind)
-        if kind == executor._Cuda.D2D:
+        if kind == cuda.CudaStreams.D2D:
             assert dst + nbytes <= src or src + nbytes <= dst, "cudaMemcpy between overlapping ranges"
         ctypes.memmove(dst, src, nbytes)
 
@@ -177,15 +179,15 @@ def test_a_move_between_overlapping_arena_ranges_on_cuda_goes_through_the_host()
     """Between steps an update moves to where its tensor starts; the two ranges may overlap
     (GPT-2's step at 60% on an H200 moved a weight 0.1 off), and a device-to-device copy of
     overlapping ranges is undefined, so such a move goes through the host."""
-    with executor._Runtime("cpu", 64, 1, None) as rt:
+    with device.Runtime("cpu", 64, 1, None) as rt:
         rt._cuda = _HostCuda()
         rt.arena[:] = np.arange(64, dtype=np.uint8)
         rt.put(("arena", 0, 32), ("arena", 16, 48))            # overlapping: through the host
         assert rt.arena[:32].tolist() == list(range(16, 48))
-        assert executor._Cuda.D2D not in rt._cuda.kinds
+        assert cuda.CudaStreams.D2D not in rt._cuda.kinds
         rt.put(("arena", 48, 64), ("arena", 0, 16))            # apart: one device copy
         assert rt.arena[48:].tolist() == list(range(16, 32))
-        assert rt._cuda.kinds[-1] == executor._Cuda.D2D
+        assert rt._cuda.kinds[-1] == cuda.CudaStreams.D2D
 
 
 def test_a_checked_run_asks_every_session_and_the_reference_for_float32_kernels(monkeypatch):
@@ -199,11 +201,11 @@ def test_a_checked_run_asks_every_session_and_the_reference_for_float32_kernels(
             return make(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(executor, "bound_session", recording(ort.bound_session))
-    monkeypatch.setattr(executor, "reference_session", recording(ort.reference_session))
+    monkeypatch.setattr(device, "bound_session", recording(ort.bound_session))
+    monkeypatch.setattr(check, "reference_session", recording(ort.reference_session))
     plan = order_plan(mlp_train_graph())
-    executor.run_plan(plan, steps=1, check=True)
+    run.run_plan(plan, steps=1, check=True)
     assert len(seen) >= 2 and not any(seen)
     seen.clear()
-    executor.run_plan(plan, steps=1)
+    run.run_plan(plan, steps=1)
     assert seen and all(seen)

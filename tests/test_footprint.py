@@ -9,7 +9,7 @@ import numpy as np
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
-from memsched.executor import run_plan
+from memsched.runtime import run_plan
 from memsched.ort import bound_options, session_options
 from tests.planbuild import lower_graph, order_plan
 

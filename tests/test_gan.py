@@ -18,7 +18,7 @@ from memsched import models
 from memsched.cost import op_cost
 from memsched.deadline import unlimited
 from memsched.errors import UserError
-from memsched.executor import run_plan
+from memsched.runtime import run_plan
 from memsched.frontend import lower
 from memsched.onnx_utils import make_model
 from memsched.passes.training import TRAINING_KEY

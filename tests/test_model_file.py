@@ -12,7 +12,7 @@ from onnx.external_data_helper import load_external_data_for_model
 from memsched import frontend, model_file, models
 from memsched.emit import read_plan, write_plan
 from memsched.errors import UserError
-from memsched.executor import run_plan
+from memsched.runtime import run_plan
 from memsched.onnx_utils import is_weight
 from memsched.passes.pipeline import compile as compile_plan
 

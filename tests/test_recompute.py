@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from memsched import models
 from memsched.cost import op_time
 from memsched.deadline import Work
-from memsched.executor import run_plan
+from memsched.runtime import run_plan
 from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.frontend import lower
 from memsched.hardware import load as load_hardware
@@ -520,7 +520,7 @@ def test_recompute_plan_runs_bit_identical_on_the_executor(graphs, name):
     """The replays really recompute the same values: the scheduled step, run op by op in one
     arena (freed slots poisoned with NaN), equals a plain ONNX Runtime run bit for bit, and the
     bytes it measures are the judge's."""
-    from memsched.executor import run_plan
+    from memsched.runtime import run_plan
 
     plan = reused(graphs(name))
     budget = int(FRACTION[name] * analyze_plan(plan).peak_bytes)

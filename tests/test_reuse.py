@@ -277,7 +277,7 @@ def test_an_update_is_not_fused_where_scaling_an_operand_costs_more_than_the_gra
 def test_a_fused_update_runs_bit_identical_and_matches_the_unfused_step():
     import numpy as np
 
-    from memsched import executor
+    from memsched.runtime import run
     from memsched.passes.order import order_pass
 
     from .planbuild import place
@@ -285,17 +285,17 @@ def test_a_fused_update_runs_bit_identical_and_matches_the_unfused_step():
     graph = linear_training_step()
     plan = place(order_pass(reuse_pass(Plan.initial(graph)), 2))
     assert plan.notes["reuse"]["fused_updates"] == 1
-    result = executor.run_plan(plan, check=True, steps=2, given=graph)
+    result = run.run_plan(plan, check=True, steps=2, given=graph)
     assert result.check["passed"] and result.check["bit_identical"]
     # the same SGD steps as the graph as given, up to the Gemm's own rounding
     given = result.check["given"]
     assert given["passed"] and given["steps"] == 2 and given["max_abs_diff"] <= 1e-6
-    unfused = executor.run_plan(place(Plan.initial(graph)), check=True, steps=2)
+    unfused = run.run_plan(place(Plan.initial(graph)), check=True, steps=2)
     assert unfused.check["given"] is None
     for name in ("fc.weight.updated", "fc.bias.updated", "loss"):
         np.testing.assert_allclose(result.outputs[name], unfused.outputs[name], rtol=1e-6, atol=1e-7)
     # a different step (another learning rate) fails that check
-    other = executor.run_plan(plan, check=True, given=linear_training_step(lr=0.2))
+    other = run.run_plan(plan, check=True, given=linear_training_step(lr=0.2))
     assert other.check["passed"] and not other.check["given"]["passed"]
 
 
@@ -322,16 +322,16 @@ def test_momentum_fuses_into_its_buffer_and_adam_not_at_all():
 def test_momentum_fused_runs_bit_identical_and_matches_the_unfused_step():
     import numpy as np
 
-    from memsched import executor
+    from memsched.runtime import run
     from memsched.passes.order import order_pass
 
     from .planbuild import place
 
     graph = linear_training_step("momentum")
     plan = place(order_pass(reuse_pass(Plan.initial(graph)), 2))
-    result = executor.run_plan(plan, check=True, steps=2, given=graph)   # step 2 reads a non-zero buffer
+    result = run.run_plan(plan, check=True, steps=2, given=graph)   # step 2 reads a non-zero buffer
     assert result.check["passed"] and result.check["bit_identical"] and result.check["given"]["passed"]
-    unfused = executor.run_plan(place(Plan.initial(graph)), check=True, steps=2)
+    unfused = run.run_plan(place(Plan.initial(graph)), check=True, steps=2)
     for name in ("fc.weight.updated", "fc.weight.momentum_buffer.updated", "loss"):
         np.testing.assert_allclose(result.outputs[name], unfused.outputs[name], rtol=1e-6, atol=1e-7)
 

@@ -214,10 +214,10 @@ def test_a_step_that_diverges_never_passes_its_check(tmp_path):
     """Two runs that agree on NaN agree on nothing: a step whose outputs are not finite fails."""
     import numpy as np
 
-    from memsched.executor import _check_summary, compare_outputs
+    from memsched.runtime.check import check_summary, compare_outputs
 
     same = {"w.updated": np.array([np.nan, 1.0], np.float32), "loss": np.array(np.inf, np.float32)}
-    summary = _check_summary([compare_outputs(same, {k: v.copy() for k, v in same.items()})], exact=True)
+    summary = check_summary([compare_outputs(same, {k: v.copy() for k, v in same.items()})], exact=True)
     assert summary["bit_identical"] and not summary["passed"] and summary["non_finite"] == ["loss", "w.updated"]
     fine = {"w.updated": np.array([0.5, 1.0], np.float32)}
-    assert _check_summary([compare_outputs(fine, dict(fine))], exact=True)["passed"]
+    assert check_summary([compare_outputs(fine, dict(fine))], exact=True)["passed"]

@@ -15,7 +15,7 @@ from torch import nn  # noqa: E402
 from memsched import frontend  # noqa: E402
 from memsched.errors import UserError  # noqa: E402
 from memsched.torch import STATE_DICT_NAMES_KEY, export_for_training, state_dict_names  # noqa: E402
-from memsched.trainer import Trainer  # noqa: E402
+from memsched.runtime import Trainer  # noqa: E402
 from memsched.passes.training import TRAINING_KEY, build_training_step  # noqa: E402
 
 BATCH = 4

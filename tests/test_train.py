@@ -11,7 +11,7 @@ from memsched.data import batches
 from memsched.emit import write_plan
 from memsched.errors import UserError
 from memsched.inference import export_inference
-from memsched.trainer import Trainer
+from memsched.runtime import Trainer
 from memsched.passes.pipeline import compile as compile_plan
 
 from . import digits

@@ -1,7 +1,7 @@
 """Train with a plan: the Trainer runs a compiled training step batch after batch.
 
 A Trainer is built once from a plan (a path or a `Plan`) and keeps its ONNX Runtime
-sessions, its arena and its host stores (executor.PlanRunner) for as long as it lives: each
+sessions, its arena and its host stores (memsched.runtime.PlanRunner) for as long as it lives: each
 `step(batch)` copies the batch into the step's input buffers, writes the hyperparameters of
 this step (a learning-rate schedule's value), runs the step exactly as planned and returns
 the loss. Parameters, optimizer states and BatchNorm running statistics never leave the
@@ -35,14 +35,15 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .emit import read_plan
-from .errors import UserError
-from .executor import PlanRunner, Hooks
-from .frontend import read_model
-from .ir import tensor_value
-from .onnx_utils import write_file_atomic
-from .schedule import Plan
-from .step_info import StepInfo, forward_output, step_info
+from ..emit import read_plan
+from ..errors import UserError
+from .program import Hooks
+from .run import PlanRunner
+from ..frontend import read_model
+from ..ir import tensor_value
+from ..onnx_utils import write_file_atomic
+from ..schedule import Plan
+from ..step_info import StepInfo, forward_output, step_info
 
 CHECKPOINT_FORMAT = "memsched-checkpoint-1"
 # entries of a state_dict that are not tensors of the step (PyTorch's BatchNorm counter)
@@ -66,7 +67,7 @@ class Trainer:
     `lr_schedule`: a callable from the step number (0 for the first step) to the learning
     rate, or None for the plan's own. `hyperparameters` can also be changed directly
     (`trainer.hyperparameters["lr"] = 0.01`); a schedule sets lr before every step. `before`
-    and `after`: step hooks as `executor.run_plan` takes them (CPU only; a data-parallel
+    and `after`: step hooks as `memsched.runtime.run_plan` takes them (CPU only; a data-parallel
     rank's all-reduces, `memsched.distributed.rank_of`)."""
 
     def __init__(self, plan: Plan | str | os.PathLike, device: str = "cpu", threads: int = 0,

@@ -21,9 +21,9 @@ from typing import Callable
 
 import numpy as np
 
-from .data import batches, sample_count, steps_per_epoch
-from .errors import UserError
-from .inference import VALIDATED_LOSSES, evaluate, export_inference, forward_model, inference_model
+from ..data import batches, sample_count, steps_per_epoch
+from ..errors import UserError
+from ..inference import VALIDATED_LOSSES, evaluate, export_inference, forward_model, inference_model
 from .trainer import Trainer
 
 
@@ -136,7 +136,7 @@ def fit(trainer: Trainer, train: dict[str, np.ndarray], options: FitOptions,
 
 def write_loss_curve(path: str | os.PathLike, losses: list[float], first_step: int = 0) -> Path:
     """The per-step loss (and its running mean over an epoch's worth of steps) as an SVG."""
-    from .figures import loss_curve_svg
-    from .onnx_utils import write_text_atomic
+    from ..figures import loss_curve_svg
+    from ..onnx_utils import write_text_atomic
 
     return write_text_atomic(path, loss_curve_svg(losses, first_step))
