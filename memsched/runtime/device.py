@@ -13,7 +13,8 @@ from ..errors import ScheduleError, UserError
 from ..ir import Graph
 from ..cuda import CudaStreams
 from ..ort import bind_addresses, bound_session, device_buffer, node_providers
-from .program import Segment, segment_model
+from ..memory import MemoryProfile
+from .program import Hooks, Program, Segment, recut, segment_model, with_poison
 
 POISON = 0xFF        # every float made of these bytes is a NaN
 ALIGN = 64           # the arena's base address alignment
@@ -77,6 +78,21 @@ class Runtime:
         return False
 
     # -- sessions
+    def bind(self, program: Program, graph: Graph, profile: MemoryProfile, hooks: Hooks) -> None:
+        """Give each segment of a lowered program its session, bound at its arena offsets; a
+        segment ONNX Runtime added nodes to is cut again for any order (`recut`). Then mark
+        the bytes a checked run poisons after each item (`with_poison`)."""
+        items = []
+        for item in program.items:
+            if isinstance(item, Segment) and not self.build(item, graph, exact=program.exact):
+                parts = recut(program, item, graph, self.device == "cuda", hooks)
+                for part in parts:
+                    self.build(part, graph, exact=False)
+                items.extend(parts)
+            else:
+                items.append(item)
+        program.items = with_poison(items, program, profile)
+
     def build(self, segment: Segment, graph: Graph, exact: bool) -> bool:
         """Make the segment's session and bind its inputs and outputs at their arena offsets.
 

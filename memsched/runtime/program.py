@@ -87,6 +87,8 @@ class Program:
     swapped_bytes: Counter
     events: int
     items: list = field(default_factory=list)      # what runs, in order: Segment and Copy
+    exact: bool = True     # segments cut for ONNX Runtime's priority order of their nodes as given
+    regions: dict = field(default_factory=dict)    # residency key -> its (lo, hi) in the arena
     updates: list = field(default_factory=list)    # moves that put `<name>.updated` where `<name>` starts
 
     @property
@@ -107,6 +109,11 @@ class Hooks:
 
 
 def lower(plan: Plan, profile: MemoryProfile, rt: "Runtime", hooks: "Hooks") -> Program:
+    """The plan as a program over the arena: what each schedule step binds, the releases, the
+    moves of the updates, and the items that run (segments cut for ONNX Runtime's order,
+    copies, constant writes), not yet given sessions (`Runtime.bind`). Of `rt` it reads the
+    device, the arena's address, the values read from host arrays, and it asks it for the host
+    tiers' stores: a stand-in with those runs no ONNX Runtime (tests/test_lowering.py)."""
     graph, schedule = plan.graph, plan.schedule
     n = len(schedule)
     by_key = {r.key: r for r in profile.residencies}
@@ -199,7 +206,6 @@ def lower(plan: Plan, profile: MemoryProfile, rt: "Runtime", hooks: "Hooks") -> 
             actions.append(None)
     program = Program(actions, releases, initial, host_initial, finals, types, swapped, events)
     program.updates = _updates(plan, program, region)
-    items = []        # sessions only once the whole plan has been found runnable
     # ONNX Runtime adds nodes of its own around float16 kernels it runs in float32 (Casts): those
     # run out of index order, so such a step is cut for any order. On CUDA it may add copies
     # between devices; a segment where it did is found at build (adds_no_nodes) and re-cut.
@@ -209,22 +215,20 @@ def lower(plan: Plan, profile: MemoryProfile, rt: "Runtime", hooks: "Hooks") -> 
     # on the CPU a swap copy is a node of the session around it (in the order given, which
     # ORDERED keeps), so swaps do not end sessions; elsewhere a copy is a step of its own
     copy_base = rt.base if rt.device == "cpu" and order == _OrderGuard.ORDERED else None
-    for item in _items(program.actions, graph, rt.device == "cuda", order, hooks, unwritten, copy_base):
-        if isinstance(item, Segment) and not rt.build(item, graph, exact=order == _OrderGuard.ORDERED):
-            # ONNX Runtime's record of the nodes it assigned differs from the segment's: the
-            # segment is cut where any order would be wrong
-            parts = _items([r if i in item.steps else None for i, r in enumerate(program.actions)], graph,
-                           rt.device == "cuda", _OrderGuard.ANY, hooks)
-            for part in parts:
-                rt.build(part, graph, exact=False)
-            items.extend(parts)
-        else:
-            items.append(item)
+    program.items = _items(program.actions, graph, rt.device == "cuda", order, hooks, unwritten, copy_base)
+    program.exact = order == _OrderGuard.ORDERED
+    program.regions = {r.key: region(r.key) for r in profile.residencies}
     for run in program.actions:          # a Constant is written, or read from the host: no session runs it
         if isinstance(run, Run) and run.op.op_type in CONSTANT_OPS:
             run.provider = providers_for(rt.device)[0] if rt.device == "cpu" else "CUDAExecutionProvider"
-    program.items = _with_poison(items, program, profile, region)
     return program
+
+
+def recut(program: Program, segment: Segment, graph: Graph, split_at_waits: bool, hooks: "Hooks") -> list:
+    """`segment` cut again where any order of its runs would be wrong: ONNX Runtime's record of
+    the nodes it assigned differed from the segment's (it added nodes of its own)."""
+    return _items([r if i in segment.steps else None for i, r in enumerate(program.actions)], graph,
+                  split_at_waits, _OrderGuard.ANY, hooks)
 
 
 def constant_value(op: Op, graph: Graph) -> np.ndarray:
@@ -403,7 +407,7 @@ def _copy_run(copy: Copy, base: int) -> Run:
     return Run(op, [(tensor, *source)], [(copy.key, *target, None)], list(copy.waits))
 
 
-def _with_poison(items: list, program: Program, profile: MemoryProfile, region) -> list:
+def with_poison(items: list, program: Program, profile: MemoryProfile) -> list:
     """`items`, each given the bytes released up to its end that no live tensor holds after
     it: what a checked run poisons once the item has run (not after the last step of the
     schedule, where what is live is the step's result)."""
@@ -416,7 +420,7 @@ def _with_poison(items: list, program: Program, profile: MemoryProfile, region) 
                else program.actions.index(item))
         released = [(lo, hi) for step in range(done, min(end, n - 2) + 1)
                     for _, lo, hi, kept in program.releases[step] if not kept and hi > lo]
-        live = [region(r.key) for r in profile.residencies
+        live = [program.regions[r.key] for r in profile.residencies
                 if r.start <= end and (end < r.end or r.end >= n - 1) and r.nbytes]
         item.poison = subtract(union(released), union(live))
         done = end + 1

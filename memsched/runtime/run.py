@@ -197,6 +197,7 @@ class PlanRunner:
                 self.rt.host_inputs = host_inputs(plan, feeds, self.device)
                 self.rt.host_values.update(self.rt.host_inputs)
             self.program = lower(plan, self.profile, self.rt, hooks)
+            self.rt.bind(self.program, self.graph, self.profile, hooks)
             self.live, self.high_water = rehearse(self.program, self.profile)
         except BaseException:
             self.rt.__exit__(None, None, None)
