@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from .errors import UserError
 from .ir import Graph, metadata_json
-from .schedule import Plan
+from .schedule import Plan, RUNS, StepKind
 from .simulate import Simulation
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024      # DDP's bucket_cap_mb=25
@@ -119,13 +119,13 @@ def gradient_buckets(plan: Plan, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> li
         grads, last = [], None
 
     for i, step in enumerate(plan.schedule):
-        if step.kind not in ("compute", "recompute"):
+        if step.kind not in RUNS:
             continue
         op = graph.op_by_name[step.target]
         if grads and set(op.present_inputs) & set(grads):
             close()
         made = [t for t in op.present_outputs if t in weights]
-        if step.kind == "compute" and made:
+        if step.kind == StepKind.COMPUTE and made:
             grads.extend(made)
             last = (op.name, i)
             if sum(graph.tensors[t].nbytes for t in grads) >= bucket_bytes:
@@ -139,7 +139,7 @@ def readers(plan: Plan, buckets: list[Bucket]) -> dict[int, list[int]]:
     of = {g: k for k, b in enumerate(buckets) for g in b.grads}
     result = {}
     for i, step in enumerate(plan.schedule):
-        if step.kind in ("compute", "recompute"):
+        if step.kind in RUNS:
             needed = sorted({of[t] for t in plan.graph.op_by_name[step.target].present_inputs if t in of})
             if needed:
                 result[i] = needed

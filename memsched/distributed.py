@@ -53,7 +53,7 @@ from .data_parallel import (INTERCONNECT, Bucket, batch_statistics, data_paralle
                             per_sample_inputs, plan_options, readers)
 from .errors import MemschedError, UserError, first_line
 from .runtime import prepare_inputs, run_plan, steady_step_time
-from .schedule import Plan
+from .schedule import Plan, RUNS, StepKind
 
 BACKEND = "gloo"
 TIMEOUT_S = 300.0          # a rank that does not finish in this time fails the run
@@ -93,7 +93,7 @@ def check_plan(plan: Plan, workers: int) -> dict:
         raise UserError(f"the plan's data-parallel record does not match its inputs at '{differ[0]}' (per-sample "
                         f"inputs have {rows} rows a worker); every rank would read the wrong rows: compile "
                         f"it again")
-    swapped = sorted({s.target for s in plan.schedule if s.kind in ("swap_out", "free")
+    swapped = sorted({s.target for s in plan.schedule if s.kind in (StepKind.SWAP_OUT, StepKind.FREE)
                       and plan.graph.tensors[s.target].kind == "param_grad"})
     if swapped:
         raise UserError(f"the plan moves gradient '{swapped[0]}' out of the arena before its update; a "
@@ -146,12 +146,12 @@ class _Comm:
         first_read: dict[str, int] = {}          # parameter or buffer -> the step of its first reader
         last = 0                # the step of the last op
         for i, step in enumerate(plan.schedule):
-            if step.kind not in ("compute", "recompute"):
+            if step.kind not in RUNS:
                 continue
             op, last = graph.op_by_name[step.target], i
             if made := [t for t in op.present_outputs if t in statistics]:
                 averaged[i] = made
-            if step.kind == "compute" and (grads := [t for t in op.present_outputs if t in bucketed]):
+            if step.kind == StepKind.COMPUTE and (grads := [t for t in op.present_outputs if t in bucketed]):
                 makers[i] = grads
             for t in op.present_inputs:
                 if graph.tensors[t].kind in ("parameter", "buffer"):

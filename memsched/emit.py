@@ -48,12 +48,12 @@ from .hardware import from_dict as hardware_from_dict
 from .hardware import load as load_hardware
 from .ir import Graph, Op, Tensor, tensor_kinds
 from .onnx_utils import MEMSCHED_DOMAIN, checkable_view, save_model_atomic
-from .schedule import STEP_KINDS, Plan, Step
+from .schedule import Plan, RUNS, Step, STEP_KINDS, StepKind
 
 PLAN_KEY = "memsched.plan"
 FORMAT_VERSION = 3     # 2: trained values (weights, states, hyperparameters) out of the digest;
                        # 3: the digest seals the document's schedule and outputs and the step's metadata
-SWAP_OPS = {"swap_out": "SwapOut", "swap_in": "SwapIn"}
+SWAP_OPS = {StepKind.SWAP_OUT: "SwapOut", StepKind.SWAP_IN: "SwapIn"}
 # initializer kinds whose values training changes: never in the digest
 VALUE_KINDS = ("parameter", "buffer", "optimizer_state", "hyperparameter")
 DIGEST_VALUES = 32      # elements: tensors up to this size (shapes, axes) enter the digest with their values
@@ -148,12 +148,12 @@ def _scheduled_graph(plan: Plan) -> tuple[Graph, dict[str, str], dict[str, str]]
     for index, step in enumerate(plan.schedule):
         if step.kind not in STEP_KINDS:
             raise ScheduleError(f"step {index} has unknown kind '{step.kind}'")
-        if step.kind in ("compute", "recompute"):
+        if step.kind in RUNS:
             op = graph.op_by_name.get(step.target)
             if op is None:
                 raise ScheduleError(f"step {index} names op '{step.target}', which the graph does not have")
             inputs = [current.get(t, t) if t else "" for t in op.inputs]
-            if step.kind == "compute":
+            if step.kind == StepKind.COMPUTE:
                 ops.append(dataclasses.replace(op, inputs=inputs))
                 continue
             k = count("recompute", op.name)
@@ -170,7 +170,7 @@ def _scheduled_graph(plan: Plan) -> tuple[Graph, dict[str, str], dict[str, str]]
             if t not in graph.tensors:
                 raise ScheduleError(f"step {index} swaps tensor '{t}', which the graph does not have")
             k = count(step.kind, t)
-            if step.kind == "swap_out":
+            if step.kind == StepKind.SWAP_OUT:
                 source, output = current[t], new_tensor(t, f"{t}.host{k}")
                 host[t] = output
             else:
@@ -259,7 +259,7 @@ def plan_from_onnx(model: onnx.ModelProto, base_dir: str | None = None, source: 
                         f"version {FORMAT_VERSION}")
     _check_document(doc, source)
     try:
-        schedule = [Step(kind, target, tier, stream) for kind, target, tier, stream in doc["schedule"]]
+        schedule = [Step(StepKind(kind), target, tier, stream) for kind, target, tier, stream in doc["schedule"]]
         renamed: dict[str, str] = doc["renamed"]
         clones: dict[str, str] = doc["clones"]
         graph_order: list[str] = doc["graph_order"]
@@ -334,7 +334,7 @@ def _whole(value) -> bool:
 # each field of the plan document and what it must be
 _DOCUMENT_FIELDS = {
     "schedule": ("a list of [kind, target, tier, stream]", lambda v: isinstance(v, list) and all(
-        isinstance(s, list) and len(s) == 4 and isinstance(s[0], str) and isinstance(s[1], str)
+        isinstance(s, list) and len(s) == 4 and s[0] in STEP_KINDS and isinstance(s[1], str)
         and (s[2] is None or isinstance(s[2], str)) and isinstance(s[3], str) for s in v)),
     "aliases": ("an object of tensor names", _string_map),
     "offsets": ("null or a list of [tensor, index, offset]", lambda v: v is None or isinstance(v, list) and all(
@@ -366,14 +366,14 @@ def _check_document(doc: dict, source: str) -> None:
 def _check_nodes_match(scheduled: Graph, schedule: list[Step], clones: dict[str, str],
                        renamed: dict[str, str], source: str) -> None:
     """The node order must be the metadata schedule without its frees."""
-    events = [s for s in schedule if s.kind != "free"]
+    events = [s for s in schedule if s.kind != StepKind.FREE]
     if len(events) != len(scheduled.ops):
         raise UserError(f"the plan in {source} has {len(events)} compute/recompute/swap steps but the "
                         f"graph has {len(scheduled.ops)} nodes; was it edited by hand?")
     for index, (step, op) in enumerate(zip(events, scheduled.ops)):
-        if step.kind == "compute":
+        if step.kind == StepKind.COMPUTE:
             ok = op.name == step.target and op.domain != MEMSCHED_DOMAIN
-        elif step.kind == "recompute":
+        elif step.kind == StepKind.RECOMPUTE:
             ok = clones.get(op.name) == step.target
         elif step.kind in SWAP_OPS:
             ok = (op.domain == MEMSCHED_DOMAIN and op.op_type == SWAP_OPS[step.kind]

@@ -45,7 +45,7 @@ import numpy as np
 from .errors import ScheduleError
 from .ir import Graph
 from .ops import INPLACE_OPS, VIEW_OPS, writable_inputs
-from .schedule import Plan, Schedule
+from .schedule import Plan, RUNS, Schedule, StepKind
 
 
 
@@ -160,11 +160,11 @@ def _analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str],
             ever_produced.add(t.name)
 
     for i, step in enumerate(schedule):
-        if step.kind in ("compute", "recompute"):
+        if step.kind in RUNS:
             op = graph.op_by_name.get(step.target)
             if op is None:
                 raise ScheduleError(f"step {i} names op '{step.target}', which the graph does not have")
-            if step.kind == "compute":
+            if step.kind == StepKind.COMPUTE:
                 if op.name in computed:
                     raise ScheduleError(f"op '{op.name}' is computed twice (step {i}); mark replays "
                                         f"as recompute")
@@ -183,19 +183,19 @@ def _analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str],
                     open_[name]["shares_with"] = (source, counts[source] - 1)
                     alias_events.append(((name, counts[name] - 1), (source, counts[source] - 1), i,
                                          op.op_type in VIEW_OPS))
-        elif step.kind == "swap_out":
+        elif step.kind == StepKind.SWAP_OUT:
             use(step.target, i, "a swap-out")
-            close(step.target, i, "swap_out")
-        elif step.kind == "swap_in":
+            close(step.target, i, StepKind.SWAP_OUT)
+        elif step.kind == StepKind.SWAP_IN:
             if step.target in open_:
                 raise ScheduleError(f"tensor '{step.target}' is swapped in at step {i} while resident")
             if step.target not in ever_produced:
                 raise ScheduleError(f"tensor '{step.target}' is swapped in at step {i} before it exists")
             start(step.target, i)
-        elif step.kind == "free":
+        elif step.kind == StepKind.FREE:
             if step.target not in open_:
                 raise ScheduleError(f"tensor '{step.target}' is freed at step {i} but is not resident")
-            close(step.target, i - 1, "free")
+            close(step.target, i - 1, StepKind.FREE)
         else:
             raise ScheduleError(f"step {i} has unknown kind '{step.kind}'")
 
@@ -212,7 +212,7 @@ def _analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str],
         src = by_key[(source, index)]
         if view:
             continue
-        if src["last_use"] != step or src["closed_by"] in ("swap_out", "free"):
+        if src["last_use"] != step or src["closed_by"] in (StepKind.SWAP_OUT, StepKind.FREE):
             raise ScheduleError(f"'{output}' may not alias '{source}': '{source}' is still used after "
                                 f"step {step}")
         src["end"], src["closed_by"] = step, "written over"

@@ -13,7 +13,7 @@ from . import figures
 from .host_pipeline import InputPipeline, check_on
 from .ir import Graph
 from .onnx_utils import write_text_atomic
-from .schedule import Plan
+from .schedule import Plan, StepKind
 from .units import format_bytes, format_seconds
 
 # The ImageNet JPEG pipeline measured in the NVDIMM host-memory study (decode, resize, cast):
@@ -29,9 +29,9 @@ def tensor_decisions(plan: Plan, top: int = 15) -> list[dict]:
     graph = plan.graph
     swapped: dict[str, set[str]] = {}
     for step in plan.schedule:
-        if step.kind == "swap_out":
+        if step.kind == StepKind.SWAP_OUT:
             swapped.setdefault(step.target, set()).add(step.tier or "dram")
-    recomputed = {t for step in plan.schedule if step.kind == "recompute"
+    recomputed = {t for step in plan.schedule if step.kind == StepKind.RECOMPUTE
                   for t in graph.op_by_name[step.target].present_outputs}
     rows = []
     for t in sorted(graph.tensors.values(), key=lambda t: (-t.nbytes, t.name))[:top]:

@@ -7,11 +7,29 @@ passes are pure functions Plan -> Plan built on `dataclasses.replace`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from .ir import Graph
 
-STEP_KINDS = ("compute", "recompute", "swap_out", "swap_in", "free")
+
+class StepKind(str, Enum):
+    """What a schedule step does. A str: it equals, hashes and prints as its value, the form
+    plans store it in."""
+
+    COMPUTE = "compute"
+    RECOMPUTE = "recompute"
+    SWAP_OUT = "swap_out"
+    SWAP_IN = "swap_in"
+    FREE = "free"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+STEP_KINDS = tuple(StepKind)
+RUNS = frozenset({StepKind.COMPUTE, StepKind.RECOMPUTE})     # steps that run an op
+COPIES = frozenset({StepKind.SWAP_OUT, StepKind.SWAP_IN})    # steps that copy a tensor between tiers
 STREAMS = ("compute", "d2h", "h2d")
 HOST_TIERS = ("dram", "nvdimm")
 
@@ -20,7 +38,7 @@ HOST_TIERS = ("dram", "nvdimm")
 class Step:
     """One event of a schedule. `target` is an op name (compute, recompute) or a tensor name."""
 
-    kind: str
+    kind: StepKind
     target: str
     tier: str | None = None
     stream: str = "compute"
@@ -31,23 +49,23 @@ class Step:
 
 
 def compute(op: str) -> Step:
-    return Step("compute", op)
+    return Step(StepKind.COMPUTE, op)
 
 
 def recompute(op: str) -> Step:
-    return Step("recompute", op)
+    return Step(StepKind.RECOMPUTE, op)
 
 
 def swap_out(tensor: str, tier: str = "dram") -> Step:
-    return Step("swap_out", tensor, tier, "d2h")
+    return Step(StepKind.SWAP_OUT, tensor, tier, "d2h")
 
 
 def swap_in(tensor: str, tier: str = "dram") -> Step:
-    return Step("swap_in", tensor, tier, "h2d")
+    return Step(StepKind.SWAP_IN, tensor, tier, "h2d")
 
 
 def free(tensor: str) -> Step:
-    return Step("free", tensor)
+    return Step(StepKind.FREE, tensor)
 
 
 Schedule = list[Step]

@@ -50,7 +50,7 @@ from .cost import CostTable, op_time
 from .errors import ScheduleError, UserError
 from .hardware import Hardware
 from .memory import MemoryProfile, analyze_plan, buffer_roots, check_placement
-from .schedule import Plan
+from .schedule import COPIES, Plan, RUNS, StepKind
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def simulate(plan: Plan, hardware: "Hardware | str | None" = None, costs: CostTa
 
     for i, step in enumerate(schedule):
         kind = step.kind
-        if kind in ("compute", "recompute"):
+        if kind in RUNS:
             op = graph.op_by_name[step.target]
             new = [made_at[(t, i)] for t in op.present_outputs]
             start = max([clock["compute"], alloc_wait(new)] + [ready[t] for t in op.present_inputs])
@@ -181,13 +181,13 @@ def simulate(plan: Plan, hardware: "Hardware | str | None" = None, costs: CostTa
                 ready[r.tensor] = end
                 current[r.tensor] = r
             events.append(Event("compute", kind, step.target, i, start, end))
-        elif kind in ("swap_out", "swap_in"):
+        elif kind in COPIES:
             if hw is None:
                 raise UserError("the plan swaps tensors; simulating it needs a hardware profile")
             t, tier = step.target, step.tier or "dram"
             nbytes = graph.tensors[t].nbytes
             flow = traffic.setdefault(tier, {"out": 0, "in": 0})
-            if kind == "swap_out":
+            if kind == StepKind.SWAP_OUT:
                 stream = "d2h"
                 start = max(ready[t], clock[stream])
                 end = start + hw.transfer_time(nbytes, tier, stream)
@@ -235,9 +235,9 @@ def _made_by(step, graph, tensor: str) -> bool:
     """Does `step` make `tensor` resident (compute of its producer, or a swap-in of it)?"""
     if step is None:
         return False
-    if step.kind in ("compute", "recompute"):
+    if step.kind in RUNS:
         return tensor in graph.op_by_name[step.target].present_outputs
-    return step.kind == "swap_in" and step.target == tensor
+    return step.kind == StepKind.SWAP_IN and step.target == tensor
 
 
 def _host_tiers(plan: Plan, hw: Hardware | None) -> dict[str, int]:
@@ -245,10 +245,10 @@ def _host_tiers(plan: Plan, hw: Hardware | None) -> dict[str, int]:
     schedule, n = plan.schedule, len(plan.schedule)
     spans: dict[tuple[str, str], list[int]] = {}     # (tensor, tier) -> [first, last]
     for i, step in enumerate(schedule):
-        if step.kind not in ("swap_out", "swap_in"):
+        if step.kind not in COPIES:
             continue
         key = (step.target, step.tier or "dram")
-        if step.kind == "swap_out":
+        if step.kind == StepKind.SWAP_OUT:
             spans.setdefault(key, [i, n - 1])[1] = n - 1
         else:
             span = spans.setdefault(key, [0, i])   # no swap-out first: it started on the host
@@ -288,7 +288,7 @@ def _memory_timeline(profile: MemoryProfile, plan: Plan, start_t, end_t, compute
         last = schedule[r.end]
         if r.end == n - 1:
             release = step_time
-        elif last.kind in ("compute", "recompute") or last.target == r.tensor:
+        elif last.kind in RUNS or last.target == r.tensor:
             release = end_t[r.end]
         else:
             release = compute_clock_at[r.end]

@@ -34,7 +34,7 @@ from memsched.data_parallel import data_parallel as data_parallel_estimate
 from memsched.deadline import Deadline
 from memsched.memory import MemoryProfile, validate
 from memsched.report import input_pipeline, tensor_decisions
-from memsched.schedule import Plan
+from memsched.schedule import Plan, StepKind
 from memsched.simulate import Simulation, simulate
 from memsched.units import format_bytes, parse_bytes, parse_percent
 
@@ -353,7 +353,7 @@ def build_report(graph: Graph, hw, budget_bytes: int | None, strategies, baselin
                  timings: dict[str, float], model) -> dict:
     """The `compile` JSON of docs/json.md, plus what each pass did."""
     notes = plan.notes
-    recomputed = sorted({s.target for s in plan.schedule if s.kind == "recompute"})
+    recomputed = sorted({s.target for s in plan.schedule if s.kind == StepKind.RECOMPUTE})
     overhead = sim.step_time / baseline_sim.step_time - 1 if baseline_sim.step_time else 0.0
     solver = _solver_summary(notes, timings)
     report = {

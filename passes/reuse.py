@@ -51,7 +51,7 @@ from memsched.errors import ScheduleError
 from memsched.ir import FIXED_KINDS, Graph, Op, Tensor, tensor_value
 from memsched.memory import analyze
 from memsched.ops import INPLACE_ANY_INPUT, INPLACE_OPS, VIEW_OPS, writable_inputs
-from memsched.schedule import Plan, Schedule, default_schedule, order_schedule
+from memsched.schedule import default_schedule, order_schedule, Plan, RUNS, Schedule, StepKind
 from memsched.step_info import FORWARD_KEY
 
 # where passes.training records each backward op's role (dW, dX, update; see its package doc)
@@ -149,7 +149,7 @@ def carried_order(graph: Graph, fused: Graph, order: list[str]) -> list[str]:
 
 def compute_order(schedule: Schedule) -> list[str] | None:
     """The op names of a compute-only schedule, or None when it has other steps."""
-    if any(step.kind != "compute" for step in schedule):
+    if any(step.kind != StepKind.COMPUTE for step in schedule):
         return None
     return [step.target for step in schedule]
 
@@ -508,7 +508,7 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
     read_at: dict[tuple[int, str], tuple[str, int]] = {}   # (step, input) -> the residency it reads
     last_read_of: dict[tuple[str, int], int] = {}          # residency -> its last read
     for i, step in enumerate(schedule):
-        if step.kind in ("compute", "recompute"):
+        if step.kind in RUNS:
             op = graph.op_by_name[step.target]
             runs.setdefault(op.name, []).append(i)
             for t in op.present_inputs:
@@ -520,7 +520,7 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
                 made[t] = made.get(t, 0) + 1
         else:
             moved.add(step.target)
-            if step.kind == "swap_out":
+            if step.kind == StepKind.SWAP_OUT:
                 last_read[step.target] = i
     for t in graph.outputs:
         last_read[t] = len(schedule)         # held to the end of the step (memory rule 2)
@@ -540,7 +540,7 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
     root: dict[str, str] = {}                # tensor -> the first tensor of its storage buffer
     buffer_last: dict[str, int] = {}         # buffer root -> the last read of any tensor in it
     for i, step in enumerate(schedule):
-        if step.kind != "compute":
+        if step.kind != StepKind.COMPUTE:
             continue
         op = graph.op_by_name[step.target]
         view = op.op_type in VIEW_OPS

@@ -20,7 +20,7 @@ from ..memory import MemoryProfile, Residency, buffer_groups, buffer_roots
 from ..onnx_utils import MEMSCHED_DOMAIN
 from ..ops import CONSTANT_OPS, HOISTED_OPS, VIEW_OPS, draws_random
 from ..ort import providers_for
-from ..schedule import Plan
+from ..schedule import COPIES, Plan, RUNS, StepKind
 
 if TYPE_CHECKING:
     from .device import Runtime
@@ -171,9 +171,9 @@ def lower(plan: Plan, profile: MemoryProfile, rt: "Runtime", hooks: "Hooks") -> 
                        if any(lo < b and a < hi for a, b in regions)})
 
     for i, step in enumerate(schedule):
-        if step.kind in ("compute", "recompute"):
+        if step.kind in RUNS:
             op = graph.op_by_name[step.target]
-            if step.kind == "recompute" and draws_random(op):
+            if step.kind == StepKind.RECOMPUTE and draws_random(op):
                 raise ScheduleError(f"op '{op.name}' ({op.op_type}) draws random numbers; recomputing it "
                                     f"would change its result")
             reads = [(t, *region(covering(t, i).key)) for t in op.inputs if t]
@@ -184,14 +184,14 @@ def lower(plan: Plan, profile: MemoryProfile, rt: "Runtime", hooks: "Hooks") -> 
             touched = [(lo, hi) for _, lo, hi in reads] + [(lo, hi) for _, lo, hi, _ in writes]
             actions.append(Run(op, reads, writes, waits_for(touched)))
             pending = [p for p in pending if p[0] not in actions[-1].waits]
-        elif step.kind in ("swap_out", "swap_in"):
+        elif step.kind in COPIES:
             tier = step.tier or "dram"
             t = step.target
-            r = covering(t, i) if step.kind == "swap_out" else starting(t, i)
+            r = covering(t, i) if step.kind == StepKind.SWAP_OUT else starting(t, i)
             lo, hi = region(r.key)
             store = stores[(tier, t)]
             waits = waits_for([(lo, hi)])
-            if step.kind == "swap_out":
+            if step.kind == StepKind.SWAP_OUT:
                 swapped[tier] += r.nbytes
                 on_host_copy[(t, tier)] = events
             elif (t, tier) in on_host_copy:
@@ -341,7 +341,7 @@ def input_roots(plan: Plan, inputs: list[str]) -> dict[str, str]:
 
 def _swapped(plan: Plan) -> set[str]:
     """The tensors `plan` swaps out or in somewhere in the step."""
-    return {s.target for s in plan.schedule if s.kind in ("swap_out", "swap_in")}
+    return {s.target for s in plan.schedule if s.kind in COPIES}
 
 
 def _unwritten(plan: Plan, host_values: dict) -> frozenset[str]:
@@ -402,7 +402,7 @@ def _copy_run(copy: Copy, base: int) -> Run:
     tensor = copy.key[0]
     store = copy.store.ctypes.data - base
     arena, host = (copy.lo, copy.hi), (store, store + copy.hi - copy.lo)
-    source, target = (arena, host) if copy.kind == "swap_out" else (host, arena)
+    source, target = (arena, host) if copy.kind == StepKind.SWAP_OUT else (host, arena)
     op = Op(f"{copy.kind}/{tensor}", "Identity", [tensor], [tensor])
     return Run(op, [(tensor, *source)], [(copy.key, *target, None)], list(copy.waits))
 
@@ -572,7 +572,7 @@ def _first_swap_in_tiers(plan: Plan) -> dict[str, str]:
     """Static tensors that start on the host -> the tier their first swap-in reads."""
     tiers: dict[str, str] = {}
     for step in plan.schedule:
-        if step.kind == "swap_in" and step.target in plan.on_host:
+        if step.kind == StepKind.SWAP_IN and step.target in plan.on_host:
             tiers.setdefault(step.target, step.tier or "dram")
     for name in plan.on_host:
         tiers.setdefault(name, "dram")
@@ -583,7 +583,7 @@ def _store_sizes(plan: Plan, host_initial_tier: dict[str, str]) -> dict[tuple[st
     """(tier, tensor) -> bytes: one place per tensor in each tier it visits."""
     sizes = {(tier, t): plan.graph.tensors[t].nbytes for t, tier in host_initial_tier.items()}
     for step in plan.schedule:
-        if step.kind in ("swap_out", "swap_in"):
+        if step.kind in COPIES:
             sizes[(step.tier or "dram", step.target)] = plan.graph.tensors[step.target].nbytes
     return sizes
 
@@ -598,7 +598,7 @@ def _finals(plan: Plan, by_tensor, region, stores, n: int) -> dict:
         if last is not None and last.end >= n - 1:
             finals[name] = ("arena", *region(last.key))
             continue
-        swapped = [s for s in plan.schedule if s.target == name and s.kind == "swap_out"]
+        swapped = [s for s in plan.schedule if s.target == name and s.kind == StepKind.SWAP_OUT]
         if last is not None and swapped:     # a value never changes: its host copy holds it still
             finals[name] = ("store", stores[(swapped[-1].tier or "dram", name)])
         else:

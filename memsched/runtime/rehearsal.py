@@ -8,6 +8,7 @@ import numpy as np
 from ..errors import ScheduleError
 from ..memory import MemoryProfile
 from .program import Copy, Program, Run
+from ..schedule import StepKind
 
 
 # ---- the rehearsal: the executor's own accounting -------------------------------------------
@@ -55,7 +56,7 @@ def rehearse(program: Program, profile: MemoryProfile) -> tuple[np.ndarray, int]
             for key, lo, hi, shares in action.writes:
                 allocate(key, lo, hi, shares, i)
         elif isinstance(action, Copy):
-            if action.kind == "swap_out":
+            if action.kind == StepKind.SWAP_OUT:
                 read(action.key[0], action.lo, action.hi, i)
             else:
                 allocate(action.key, action.lo, action.hi, None, i)

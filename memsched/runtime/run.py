@@ -15,7 +15,7 @@ from ..ir import Graph, tensor_value
 from ..measure import ProcessMemory, release_free_heap, require_host_memory
 from ..memory import check_placement, validate
 from ..ort import check_threads, resolve_device, warm_environment
-from ..schedule import Plan
+from ..schedule import Plan, StepKind
 from .check import Reference, check_summary, compare_outputs, feed_back, statics
 from .device import POISON, Runtime
 from .program import (Const, Hooks, Program, Run, Segment, host_constants, host_inputs, input_roots, lower, subtract,
@@ -405,7 +405,7 @@ def _execute(program: Program, rt: "Runtime", poison: bool, hooks: "Hooks") -> N
                 hooks.after[item.last](_views(rt, program, written))
         elif isinstance(item, Const):
             rt.write(item.lo, item.data)
-        elif item.kind == "swap_out":
+        elif item.kind == StepKind.SWAP_OUT:
             rt.copy_out(item.lo, item.hi, item.store, item.event)
         else:
             rt.copy_in(item.lo, item.hi, item.store, item.event)

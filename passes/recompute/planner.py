@@ -81,7 +81,7 @@ from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.ir import Graph, Op
 from memsched.memory import analyze, validate
 from memsched.ops import VIEW_OPS, draws_random
-from memsched.schedule import Plan, Schedule, compute, order_schedule, recompute
+from memsched.schedule import compute, order_schedule, Plan, recompute, Schedule, StepKind
 from memsched.simulate import simulate
 from memsched.units import format_bytes
 
@@ -165,7 +165,7 @@ def recompute_pass(plan: Plan, time_limit: float = 30.0, method: str = "auto", d
     new_plan = dataclasses.replace(plan, schedule=schedule, aliases=aliases, offsets=None)
     validate(new_plan)   # the judge has the last word (raises if anything is off)
     before, after = simulate(plan, hw, costs).step_time, simulate(new_plan, hw, costs).step_time
-    replays = [step.target for step in schedule if step.kind == "recompute"]
+    replays = [step.target for step in schedule if step.kind == StepKind.RECOMPUTE]
     lower = result.lower_bound
     notes = {
         "status": result.status, "method": result.method, "base_order": base_name,

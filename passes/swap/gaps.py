@@ -40,7 +40,7 @@ from memsched.cost import op_time
 from memsched.hardware import Hardware
 from memsched.memory import MemoryProfile, Residency, buffer_groups
 from memsched.ops import draws_random
-from memsched.schedule import Plan
+from memsched.schedule import Plan, RUNS, StepKind
 
 TICKS_PER_STEP_TIME = 2**20     # resolution of the time axis: the step is about 2^20 ticks long
 PREFETCH_MULTIPLES = (1, 2, 4, 8, 16)   # swap distances offered to the solver, in transfer times
@@ -105,7 +105,7 @@ class Problem:
 def find_problem(plan: Plan, profile: MemoryProfile, hw: Hardware, source, budget: int) -> Problem:
     """Gaps, options and the time axis of `plan` (source: a Hardware or CostTable for op times)."""
     graph, schedule, n = plan.graph, plan.schedule, len(plan.schedule)
-    durations = [op_time(graph.op_by_name[s.target], graph, source) if s.kind in ("compute", "recompute")
+    durations = [op_time(graph.op_by_name[s.target], graph, source) if s.kind in RUNS
                  else 0.0 for s in schedule]
     total = sum(durations)
     tick = 2.0 ** math.floor(math.log2(total / TICKS_PER_STEP_TIME)) if total > 0 else 1e-6
@@ -146,10 +146,10 @@ def _uses(plan: Plan) -> dict[str, list[int]]:
     """tensor -> steps that read it (compute/recompute inputs, swap-outs), ascending."""
     uses: dict[str, list[int]] = {}
     for i, step in enumerate(plan.schedule):
-        if step.kind in ("compute", "recompute"):
+        if step.kind in RUNS:
             for t in dict.fromkeys(plan.graph.op_by_name[step.target].present_inputs):
                 uses.setdefault(t, []).append(i)
-        elif step.kind == "swap_out":
+        elif step.kind == StepKind.SWAP_OUT:
             uses.setdefault(step.target, []).append(i)
     return uses
 
@@ -157,10 +157,10 @@ def _uses(plan: Plan) -> dict[str, list[int]]:
 def _maker(plan: Plan, r: Residency) -> int:
     """The step that made residency r (-1: resident from the start of the step)."""
     step = plan.schedule[r.start] if plan.schedule else None
-    if step is not None and step.kind in ("compute", "recompute"):
+    if step is not None and step.kind in RUNS:
         if r.tensor in plan.graph.op_by_name[step.target].present_outputs:
             return r.start
-    if step is not None and step.kind == "swap_in" and step.target == r.tensor:
+    if step is not None and step.kind == StepKind.SWAP_IN and step.target == r.tensor:
         return r.start
     return -1
 
@@ -213,7 +213,7 @@ def _new_gap(problem: Problem, r: Residency, p: int, q: int, maker: int, index: 
     for tier in problem.tiers:
         g.d_out[tier] = _ticks(problem.hw.transfer_time(r.nbytes, tier, "d2h"), problem.tick)
         g.d_in[tier] = _ticks(problem.hw.transfer_time(r.nbytes, tier, "h2d"), problem.tick)
-    if "recompute" in modes and maker >= 0 and plan.schedule[maker].kind in ("compute", "recompute"):
+    if "recompute" in modes and maker >= 0 and plan.schedule[maker].kind in RUNS:
         g.producer, g.producer_step = plan.schedule[maker].target, maker
     return g
 
@@ -243,7 +243,7 @@ def _link(problem: Problem, profile: MemoryProfile) -> None:
     residencies: dict[str, list[Residency]] = {}
     for r in profile.residencies:
         residencies.setdefault(r.tensor, []).append(r)
-    computed_at = {s.target: i for i, s in enumerate(problem.plan.schedule) if s.kind == "compute"}
+    computed_at = {s.target: i for i, s in enumerate(problem.plan.schedule) if s.kind == StepKind.COMPUTE}
     for g in problem.gaps:
         chain = _replay_chain(problem, g, residencies, computed_at) if g.producer is not None else None
         if chain is None:
