@@ -165,10 +165,10 @@ class Ledger:
 class Best:
     step_time: float
     plan: Plan
-    record: int          # index of its attempt in Search.tried
+    record: int          # index of its attempt in FitSearch.tried
 
 
-class Search:
+class FitSearch:
     """The fit search of one start plan (a training step in some form, reordered and reused)
     against `budget` (None: placed as it is). `run(name, apply, plan)` applies a pass and judges it (plan, peak);
     `passes` maps pass names to `f(plan, seconds, deadline)`; `time_limit` is the command's,

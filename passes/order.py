@@ -23,7 +23,7 @@ are judged with greedy in-place aliases (`passes.reuse.choose_aliases`), and in 
 each eligible (output, input) pair is a choice: taken, every other reader of the input
 runs first and the output takes no bytes of its own (the memory model's rule 4). A view
 always shares its input's storage: the model keeps one tensor per buffer, read by the
-readers of every view of it (`Problem.buffer`).
+readers of every view of it (`OrderProblem.buffer`).
 
 Lower bounds (`LowerBound`), valid for every order (with any in-place aliases): the
 structural one -- at each op, the tensors produced by an ancestor and read by a descendant
@@ -88,7 +88,7 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
         raise ScheduleError("the order pass needs a schedule of compute steps only; run it before "
                             "recompute and swap")
     inplace = bool(plan.aliases) if inplace is None else inplace
-    problem = Problem.build(plan.graph, inplace)
+    problem = OrderProblem.build(plan.graph, inplace)
     judge = Judge(plan, inplace)
 
     budget = max(0.0, float(time_limit))
@@ -100,7 +100,7 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     lower = bounds.value
 
     # the search stops a little early: the wrap-up (a judge call, the notes) fits in the limit
-    search = Search(problem, judge, best, ends_at - WRAP_UP_SHARE * budget, lower, outer, SEARCH_SHARE * budget)
+    search = OrderSearch(problem, judge, best, ends_at - WRAP_UP_SHARE * budget, lower, outer, SEARCH_SHARE * budget)
     if peaks[first] <= lower:
         search.ended = "the start meets the lower bound"
     elif len(order) <= WHOLE_GRAPH_OPS:
@@ -136,7 +136,7 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
 
 # ---- the problem, indexed ----------------------------------------------------------------
 @dataclass
-class Problem:
+class OrderProblem:
     """The graph as integers: ops by index (graph order), tensors with producer/readers."""
 
     graph: Graph
@@ -157,7 +157,7 @@ class Problem:
                                    # the tensor whose storage a view of it shares
 
     @classmethod
-    def build(cls, graph: Graph, inplace: bool) -> "Problem":
+    def build(cls, graph: Graph, inplace: bool) -> "OrderProblem":
         names = [op.name for op in graph.ops]
         index = {name: i for i, name in enumerate(names)}
         preds = [sorted({index[p] for p in graph.nx.predecessors(name)}) for name in names]
@@ -233,7 +233,7 @@ class Judge:
 
 
 # ---- heuristics ----------------------------------------------------------------------------
-def starts(problem: Problem, graph: Graph, order: list[str], judge: "Judge", work: Work):
+def starts(problem: OrderProblem, graph: Graph, order: list[str], judge: "Judge", work: Work):
     """The heuristic orders and their judged peaks: the given order always, the others (each
     base, then sunk, then sunk and hoisted) while `work` allows (each priced at
     HEURISTIC_SECONDS_PER_OP), best-first as measured on the model zoo. Returns
@@ -257,7 +257,7 @@ def starts(problem: Problem, graph: Graph, order: list[str], judge: "Judge", wor
     return orders, peaks
 
 
-def list_schedule(problem: Problem) -> list[str]:
+def list_schedule(problem: OrderProblem) -> list[str]:
     """XLA's list scheduler: run the ready op with the most bytes freed minus bytes defined
     (ties: graph order). With in-place, an output that can take a parameter's storage at its
     last read defines nothing."""
@@ -307,7 +307,7 @@ def list_schedule(problem: Problem) -> list[str]:
     return order
 
 
-def dfs_schedule(problem: Problem, order: list[str]) -> list[str]:
+def dfs_schedule(problem: OrderProblem, order: list[str]) -> list[str]:
     """Depth-first: always run an op made ready by the last one (latest in `order` first
     among them), so each chain is finished -- and its temporaries freed -- before the next."""
     position = {problem.index[name]: k for k, name in enumerate(order)}
@@ -326,7 +326,7 @@ def dfs_schedule(problem: Problem, order: list[str]) -> list[str]:
     return result
 
 
-def _last_reads(problem: Problem, order: list[str]) -> tuple[dict[str, int], set[str], dict[str, int]]:
+def _last_reads(problem: OrderProblem, order: list[str]) -> tuple[dict[str, int], set[str], dict[str, int]]:
     """Per modelled tensor (a storage buffer: views of it included) the step of its last
     reader in `order`, the tensors whose storage goes after that read (not graph outputs),
     and their sizes."""
@@ -340,23 +340,23 @@ def _last_reads(problem: Problem, order: list[str]) -> tuple[dict[str, int], set
     return last_read, freeable, nbytes
 
 
-def _buffers(problem: Problem, names: list[str]) -> list[str]:
+def _buffers(problem: OrderProblem, names: list[str]) -> list[str]:
     """The modelled tensors (storage buffers) behind `names`, once each, statics left out."""
     return [problem.tensors[k] for k in _buffer_indices(problem, names)]
 
 
-def _buffer_indices(problem: Problem, names: list[str]) -> list[int]:
+def _buffer_indices(problem: OrderProblem, names: list[str]) -> list[int]:
     """The indices of those tensors (views resolved), once each."""
     return list(dict.fromkeys(problem.buffer[t] for t in names if t in problem.buffer))
 
 
-def _balance(problem: Problem, op, k: int, last_read, freeable, nbytes) -> tuple[list[str], int, int]:
+def _balance(problem: OrderProblem, op, k: int, last_read, freeable, nbytes) -> tuple[list[str], int, int]:
     """(buffers the op at step k frees, bytes freed, bytes defined: a view defines none)."""
     freed = [t for t in _buffers(problem, op.present_inputs) if last_read.get(t) == k and t in freeable]
     return freed, sum(nbytes[t] for t in freed), sum(nbytes.get(t, 0) for t in op.present_outputs)
 
 
-def sink(problem: Problem, order: list[str]) -> list[str]:
+def sink(problem: OrderProblem, order: list[str]) -> list[str]:
     """`order` with each op that defines more bytes than it frees moved down to just before
     the first op that needs it: the first reader of one of its outputs, or the last reader
     of an input it does not free. Between its old and new step the outputs are not yet there
@@ -413,7 +413,7 @@ def sink(problem: Problem, order: list[str]) -> list[str]:
     return result
 
 
-def hoist(problem: Problem, order: list[str]) -> list[str]:
+def hoist(problem: OrderProblem, order: list[str]) -> list[str]:
     """`order` with each op that frees more bytes than it defines moved up to just after the
     last op it waits for: the producers of its inputs and the other readers of the inputs
     it frees. Between its new and old step the freed inputs are gone and the outputs there,
@@ -464,7 +464,7 @@ def hoist(problem: Problem, order: list[str]) -> list[str]:
     return result
 
 
-def drain(problem: Problem, order: list[str]) -> list[str]:
+def drain(problem: OrderProblem, order: list[str]) -> list[str]:
     """`order` with buffers drained: after each op, the readers still to come of each buffer
     it makes or reads run right away -- with what they still wait for -- where all of them may
     (no op of another phase joins, but an update in the backward) and together they free more
@@ -526,7 +526,7 @@ def drain(problem: Problem, order: list[str]) -> list[str]:
 
 
 # ---- lower bound -------------------------------------------------------------------------
-def reachability(problem: Problem) -> tuple[list[int], list[int]]:
+def reachability(problem: OrderProblem) -> tuple[list[int], list[int]]:
     """Per op, bitsets (bit i = op index i) of its ancestors and of its descendants, itself
     included in both."""
     n = len(problem.names)
@@ -546,7 +546,7 @@ def reachability(problem: Problem) -> tuple[list[int], list[int]]:
     return anc, desc
 
 
-def structural_bound(problem: Problem, reach: tuple[list[int], list[int]]) -> tuple[int, np.ndarray]:
+def structural_bound(problem: OrderProblem, reach: tuple[list[int], list[int]]) -> tuple[int, np.ndarray]:
     """The bytes resident at each op's step in *every* order -- tensors produced by an
     ancestor (or the op) and read by a descendant (or the op) -- and the largest such sum,
     static bytes included. Returns (bound, bytes per op)."""
@@ -589,7 +589,7 @@ def structural_bound(problem: Problem, reach: tuple[list[int], list[int]]) -> tu
     return int(totals.max()) + always, totals + always
 
 
-def cut_bound(problem: Problem, u: int, reach: tuple[list[int], list[int]]) -> int:
+def cut_bound(problem: OrderProblem, u: int, reach: tuple[list[int], list[int]]) -> int:
     """Bytes resident at op u's step in every order, by a minimum cut.
 
     The ops run by u's step form a set S holding u and its ancestors, none of its
@@ -664,7 +664,7 @@ def _add_capacity(arcs: dict[tuple, int | None], tail, head, nbytes: int) -> Non
         arcs[(tail, head)] += nbytes
 
 
-def cut_candidates(problem: Problem, reach, totals: np.ndarray, count: int = 5) -> list[int]:
+def cut_candidates(problem: OrderProblem, reach, totals: np.ndarray, count: int = 5) -> list[int]:
     """Ops worth a min cut: the largest structural sums, and the ops with the most ancestors
     times descendants (in a training step, where the forward hands over to the backward)."""
     anc, desc = reach
@@ -678,7 +678,7 @@ class LowerBound:
     """The best proven lower bound so far: structural at once, min cuts while `work` allows
     (each priced at CUT_SECONDS_PER_OP per op)."""
 
-    def __init__(self, problem: Problem, work: Work):
+    def __init__(self, problem: OrderProblem, work: Work):
         self.problem = problem
         self.work = work
         self.cut_count = 0
@@ -713,7 +713,7 @@ class LowerBound:
                 self.value, self.kind = value, "min-cut"
 
 
-def _static_residency(problem: Problem) -> tuple[int, list[tuple[int, list[int]]]]:
+def _static_residency(problem: OrderProblem) -> tuple[int, list[tuple[int, list[int]]]]:
     """Static bytes resident at every step, and the statics that may leave early.
 
     A parameter overwritten in place by an update keeps its storage to the end when the
@@ -741,7 +741,7 @@ def _static_residency(problem: Problem) -> tuple[int, list[tuple[int, list[int]]
     return always, released
 
 
-def _per_op_bound(problem: Problem) -> int:
+def _per_op_bound(problem: OrderProblem) -> int:
     """Each op's non-static inputs and outputs (less those it may write in place)."""
     at = np.zeros(len(problem.names), dtype=np.int64)
     for k, nbytes in enumerate(problem.nbytes):
@@ -755,7 +755,7 @@ def _per_op_bound(problem: Problem) -> int:
     return int(at.max()) + _static_residency(problem)[0]
 
 
-def _topological(problem: Problem) -> list[int]:
+def _topological(problem: OrderProblem) -> list[int]:
     waiting = [len(p) for p in problem.preds]
     ready = [i for i, w in enumerate(waiting) if w == 0]
     result = []
@@ -770,10 +770,10 @@ def _topological(problem: Problem) -> list[int]:
 
 
 # ---- CP-SAT --------------------------------------------------------------------------------
-class Search:
+class OrderSearch:
     """CP-SAT improvement of an order: one whole-graph model, or windows around the peak."""
 
-    def __init__(self, problem: Problem, judge: Judge, order: list[str], deadline: float,
+    def __init__(self, problem: OrderProblem, judge: Judge, order: list[str], deadline: float,
                  lower_bound: int = 0, outer: Deadline | None = None, seconds: float = math.inf):
         self.problem = problem
         self.outer = outer
@@ -895,7 +895,7 @@ def _better(new, old) -> bool:
     return (new.peak_bytes, new_count) < (old.peak_bytes, old_count)
 
 
-def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: dict[str, str],
+def window_model(problem: OrderProblem, order: list[str], ws: int, we: int, aliases: dict[str, str],
                  floor: int = 0):
     """CP-SAT model of steps [ws, we) of `order` with every other op fixed.
 
@@ -1009,7 +1009,7 @@ def window_model(problem: Problem, order: list[str], ws: int, we: int, aliases: 
     return model, pos, scale, pairs, modelled_static
 
 
-def _alias_choices(problem: Problem, model: cp_model.CpModel, pos: dict, position: dict, we: int,
+def _alias_choices(problem: OrderProblem, model: cp_model.CpModel, pos: dict, position: dict, we: int,
                    aliases: dict[str, str]) -> list:
     """A bool per eligible (output, source) pair at a window op, each source and output used
     once; taken, every other reader of the source precedes the op. Hinted with `aliases`."""
@@ -1048,7 +1048,7 @@ def _groups(items: list, key) -> list[list]:
     return list(groups.values())
 
 
-def _fixed_end(problem: Problem, k: int, position: dict[int, int], n: int) -> int:
+def _fixed_end(problem: OrderProblem, k: int, position: dict[int, int], n: int) -> int:
     """Last step of tensor k when none of its ops moves (the memory model's rule 2)."""
     if problem.held[k]:
         return n - 1

@@ -40,7 +40,7 @@ from memsched.units import format_bytes, parse_bytes, parse_percent
 
 from memsched.passes.rewrites.batch_split import batch_split_step, given_graph
 from memsched.passes.rewrites.concat_split import reuse_variants
-from memsched.passes.fit import DRAINED, MAX_LEVELS, Ledger, Search
+from memsched.passes.fit import DRAINED, MAX_LEVELS, Ledger, FitSearch
 from memsched.passes.reuse import FUSED_KEY, baseline_aliases
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")
@@ -180,7 +180,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
 
     ledger = Ledger(time_limit)
 
-    def search(step: Plan, step_variants: dict[str, Graph], label: str) -> Search:
+    def search(step: Plan, step_variants: dict[str, Graph], label: str) -> FitSearch:
         """The fit search of `step` after reuse and order, its first plans made. The order pass
         gets ORDER of the time limit without a budget (its peak is the plan's), the ledger's
         fixed effort with one (so that a longer limit starts the search from the same order)."""
@@ -193,7 +193,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
                 if name == "order" and budget_bytes is not None:
                     ledger.charge(effort)
                 start, peak = run(name, lambda p, f=passes[name]: f(p, effort, deadline), start)
-        found = Search(start, peak, budget_bytes, strategies, passes, run, time_limit, deadline, costs, say, label,
+        found = FitSearch(start, peak, budget_bytes, strategies, passes, run, time_limit, deadline, costs, say, label,
                        ledger)
         found.first_plans()
         return found
@@ -233,7 +233,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     return result
 
 
-def improvement_levels(searches: dict[str, Search], ledger: Ledger, deadline: Deadline) -> None:
+def improvement_levels(searches: dict[str, FitSearch], ledger: Ledger, deadline: Deadline) -> None:
     """The improvement levels over every search of the command, fastest first, while the
     ledger affords them: level k re-plans each search's fastest candidates at `Ledger.level(k)`
     seconds a pass; after level 1, the searches explore drained orders."""
@@ -248,11 +248,11 @@ def improvement_levels(searches: dict[str, Search], ledger: Ledger, deadline: De
             found.explore()
 
 
-def _best_time(search: Search) -> float:
+def _best_time(search: FitSearch) -> float:
     return search.best.step_time if search.best is not None else float("inf")
 
 
-def _faster(searches: dict[str, Search], chunks: int | None, strategies, hw, costs) -> Plan:
+def _faster(searches: dict[str, FitSearch], chunks: int | None, strategies, hw, costs) -> Plan:
     """The faster of the plan of the step as given and the plan of its micro-batched step (the
     simulator's step time), with what both gave in its notes ("batch_split"); where neither
     fit, the error that reached the smaller peak."""

@@ -145,7 +145,7 @@ def test_an_arena_over_the_budget_says_when_the_time_limit_cut_the_search():
     def failure(cut: bool) -> str:
         deadline = unlimited()
         deadline.cut = cut
-        search = fit.Search(None, 1000, 1000, ("order", "reuse", "swap"), {}, None, 10, deadline)
+        search = fit.FitSearch(None, 1000, 1000, ("order", "reuse", "swap"), {}, None, 10, deadline)
         search.lowest, search.smallest_arena = 990, 1100
         error = search.failure(search.strategies)
         assert error.smallest_feasible_bytes == 1100
@@ -177,8 +177,8 @@ def test_the_rescue_places_the_nearest_attempt_again_with_more_time():
     holds the budget; a search that kept a plan, or whose time is up, places nothing again."""
     efforts = []
 
-    def search(deadline, time_limit: float = 40) -> fit.Search:
-        found = fit.Search(None, 1000, 1000, ("order", "reuse", "swap"), {"placement": _placement(efforts)},
+    def search(deadline, time_limit: float = 40) -> fit.FitSearch:
+        found = fit.FitSearch(None, 1000, 1000, ("order", "reuse", "swap"), {"placement": _placement(efforts)},
                            lambda name, apply, plan: (apply(plan), 0), time_limit, deadline)
         found.tried = [{"candidate": "swap", "target_bytes": 1000, "step_time_s": 1.5, "fits": True}]
         found.nearest, found.smallest_arena, found.lowest = (1100, _Placed(), 0), 1100, 980
@@ -248,7 +248,7 @@ def _fake_passes(seed: int) -> dict:
 
 
 def _fake_command(seed: int, time_limit: float, monkeypatch, deadline: Deadline | None = None,
-                  slowest_round: float | None = None) -> fit.Search:
+                  slowest_round: float | None = None) -> fit.FitSearch:
     """The fit part of a compile (first plans, the improvement levels, the rescue) with the fake
     passes and no deadline (or `deadline`): only the ledger ends it. `slowest_round`: the wall
     time the rounds are taken to have needed, from the first plan on."""
@@ -259,7 +259,7 @@ def _fake_command(seed: int, time_limit: float, monkeypatch, deadline: Deadline 
     monkeypatch.setattr(fit, "simulate", lambda plan, hardware, costs: SimpleNamespace(step_time=plan.notes["time"]))
     monkeypatch.setattr(fit, "drains_anything", lambda plan: seed % 2 == 0)
     deadline, ledger = deadline or unlimited(), fit.Ledger(time_limit)
-    search = fit.Search(_FakePlan(None, {"time": 1.0, "peak": 2000}), 2000, 1000,
+    search = fit.FitSearch(_FakePlan(None, {"time": 1.0, "peak": 2000}), 2000, 1000,
                         ("order", "reuse", "recompute", "swap"), _fake_passes(seed),
                         lambda name, apply, plan: (lambda p: (p, p.notes["peak"]))(apply(plan)), time_limit,
                         deadline, ledger=ledger)
@@ -376,7 +376,7 @@ def test_the_rescue_places_the_start_again_where_its_live_bytes_fit():
     """With order and reuse alone, a start whose live bytes fit the budget but whose first
     arena overshoots is placed once more by the rescue, and kept as it is."""
     efforts = []
-    search = fit.Search(_Placed(), 980, 1000, ("order", "reuse"), {"placement": _placement(efforts)},
+    search = fit.FitSearch(_Placed(), 980, 1000, ("order", "reuse"), {"placement": _placement(efforts)},
                         lambda name, apply, plan: (apply(plan), 0), 40, unlimited())
     search.first_plans()
     assert search.best is None and efforts[-1] < 2.5
@@ -395,7 +395,7 @@ def test_an_attempt_past_the_time_limit_says_why_the_search_goes_on():
 
     for deadline, late in ((Deadline(0.0), True), (unlimited(), False)):
         said.clear()
-        search = fit.Search(_Placed(), 1200, 1000, ("order", "reuse", "swap"), {"swap": swap},
+        search = fit.FitSearch(_Placed(), 1200, 1000, ("order", "reuse", "swap"), {"swap": swap},
                             lambda name, apply, plan: (apply(plan), 900), 10, deadline, say=said.append)
         search.attempt(fit.Candidate("swap"), 0.0, 1)
         assert len(said) == 1 and said[0].endswith("past the time limit, going on to a first plan") == late

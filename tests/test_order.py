@@ -11,8 +11,8 @@ import pytest
 from memsched.errors import ScheduleError
 from memsched.memory import analyze, analyze_plan, validate
 from memsched.schedule import Plan, compute, free, order_schedule
-from memsched.passes.order import (WHOLE_FIRST_OPS, WHOLE_GRAPH_OPS, Problem, Search, Judge, cut_bound, drain, hoist,
-                          order_pass, reachability, sink, structural_bound)
+from memsched.passes.order import (WHOLE_FIRST_OPS, WHOLE_GRAPH_OPS, Judge, OrderProblem, OrderSearch, cut_bound, drain,
+                                   hoist, order_pass, reachability, sink, structural_bound)
 from memsched.passes.placement import place_pass
 from memsched.passes.reuse import choose_aliases, reuse_pass
 
@@ -93,7 +93,7 @@ def test_sink_runs_a_prologue_where_it_is_needed():
     g.output("out")
     graph = g.graph()
     order = [op.name for op in graph.ops]
-    moved = sink(Problem.build(graph, False), order)
+    moved = sink(OrderProblem.build(graph, False), order)
     assert moved == ["mid", "use_m", "early", "use_e"]
     assert list(analyze(graph, order_schedule(order)).live_bytes) == [108, 308, 316, 124]
     assert list(analyze(graph, order_schedule(moved)).live_bytes) == [208, 216, 116, 124]
@@ -112,7 +112,7 @@ def test_sink_moves_an_op_that_only_passes_on_what_a_sunk_op_defined():
     g.output("out")
     graph = g.graph()
     order = [op.name for op in graph.ops]
-    moved = sink(Problem.build(graph, False), order)
+    moved = sink(OrderProblem.build(graph, False), order)
     assert moved == ["other", "red", "sub", "mul", "use"]
     assert analyze(graph, order_schedule(order)).peak_bytes == 312
     assert analyze(graph, order_schedule(moved)).peak_bytes == 212
@@ -131,7 +131,7 @@ def test_with_inplace_a_view_shares_storage_wherever_it_runs():
     g.output("out")
     graph = g.graph()
     order = [op.name for op in graph.ops]
-    problem = Problem.build(graph, True)
+    problem = OrderProblem.build(graph, True)
     assert sink(problem, order) == order
     assert "V" not in problem.tensors and problem.buffer["V"] == problem.buffer["A"]
     assert problem.readers[problem.buffer["A"]] == [problem.index[n] for n in ("view", "use_a", "use_v")]
@@ -150,7 +150,7 @@ def test_hoist_runs_a_reduction_as_soon_as_it_can():
     g.output("Y")
     graph = g.graph()
     order = [op.name for op in graph.ops]
-    moved = hoist(Problem.build(graph, False), order)
+    moved = hoist(OrderProblem.build(graph, False), order)
     assert moved == ["big", "red", "other", "final"]
     assert list(analyze(graph, order_schedule(order)).live_bytes) == [208, 358, 354, 162]
     assert list(analyze(graph, order_schedule(moved)).live_bytes) == [208, 212, 162, 162]
@@ -169,7 +169,7 @@ def test_drain_sums_two_parts_before_the_third_is_made():
     g.output("Y")
     graph = g.graph()
     order = [op.name for op in graph.ops]
-    moved = drain(Problem.build(graph, False), order)
+    moved = drain(OrderProblem.build(graph, False), order)
     assert moved == ["part0", "part1", "sum1", "part2", "sum2"]
     assert list(analyze(graph, order_schedule(order)).live_bytes) == [108, 208, 308, 400, 300]
     assert list(analyze(graph, order_schedule(moved)).live_bytes) == [108, 208, 308, 208, 300]
@@ -192,7 +192,7 @@ def test_drain_runs_a_gradients_readers_with_what_they_wait_for():
     g.output("out")
     graph = g.graph()
     order = [op.name for op in graph.ops]
-    problem = Problem.build(graph, True)
+    problem = OrderProblem.build(graph, True)
     moved = drain(problem, order)
     assert moved == ["fwd", "grad", "view_g", "view_a", "dw", "dx", "other", "join"]
     assert graph.is_topological(moved)
@@ -214,7 +214,7 @@ def test_drain_keeps_the_backward_out_of_the_forward():
     g.output("out")
     graph = g.graph()
     order = [op.name for op in graph.ops]
-    assert drain(Problem.build(graph, False), order) == order
+    assert drain(OrderProblem.build(graph, False), order) == order
 
 
 def test_drain_leaves_readers_that_keep_more_than_they_free():
@@ -230,7 +230,7 @@ def test_drain_leaves_readers_that_keep_more_than_they_free():
     g.output("out")
     graph = g.graph()
     order = [op.name for op in graph.ops]
-    assert drain(Problem.build(graph, False), order) == order
+    assert drain(OrderProblem.build(graph, False), order) == order
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -238,7 +238,7 @@ def test_drain_gives_a_topological_order_of_every_op(seed):
     graph = random_dag(seed, 60)
     order = [op.name for op in graph.ops]
     for inplace in (False, True):
-        moved = drain(Problem.build(graph, inplace), order)
+        moved = drain(OrderProblem.build(graph, inplace), order)
         assert sorted(moved) == sorted(order) and graph.is_topological(moved)
 
 
@@ -256,7 +256,7 @@ def test_min_cut_proves_what_the_structure_cannot():
     g.op("b2", "Mul", ["P", "D"], [("B", 8)], phase="backward")
     g.output("B")
     graph = g.graph()
-    problem = Problem.build(graph, False)
+    problem = OrderProblem.build(graph, False)
     reach = reachability(problem)
     structural, per_op = structural_bound(problem, reach)
     seed = problem.index["g"]
@@ -313,12 +313,12 @@ def test_window_search_stops_at_its_deadline():
     deterministic)."""
     graph = random_dag(5, 400)
     plan = Plan.initial(graph)
-    problem = Problem.build(graph, False)
+    problem = OrderProblem.build(graph, False)
     order = [op.name for op in graph.ops]
-    search = Search(problem, Judge(plan, False), order, time.perf_counter())
+    search = OrderSearch(problem, Judge(plan, False), order, time.perf_counter())
     search.windows()
     assert search.ended.startswith("the clock") and search.solves == 0 and not search.deterministic
-    counted = Search(problem, Judge(plan, False), order, time.perf_counter() + 3600, seconds=0.5)
+    counted = OrderSearch(problem, Judge(plan, False), order, time.perf_counter() + 3600, seconds=0.5)
     counted.windows()
     assert counted.ended == "time limit" and counted.solves == 0 and counted.deterministic
 

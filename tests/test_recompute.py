@@ -571,7 +571,7 @@ def _fit_search(start, target, strategies=("reuse", "recompute", "swap")):
         return planned, analyze_plan(dataclasses.replace(planned, budget=None)).peak_bytes
 
     peak = analyze_plan(start).peak_bytes
-    return fit.Search(start, peak, target, strategies, pipeline._passes(), run, 20, unlimited(),
+    return fit.FitSearch(start, peak, target, strategies, pipeline._passes(), run, 20, unlimited(),
                       ledger=fit.Ledger(math.inf))
 
 

@@ -86,7 +86,7 @@ from memsched.simulate import simulate
 from memsched.units import format_bytes
 
 from memsched.passes.recompute import dag
-from memsched.passes.order import Problem as OrderProblem, drain
+from memsched.passes.order import OrderProblem, drain
 from memsched.passes.reuse import alias_table, choose_aliases, compute_order, priority_order, training_order
 
 MAX_ROUNDS = 6

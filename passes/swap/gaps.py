@@ -74,7 +74,7 @@ class Gap:
 
 
 @dataclass
-class Problem:
+class SwapProblem:
     """Everything the heuristic, the CP-SAT model and the emitter share."""
 
     plan: Plan
@@ -102,7 +102,7 @@ class Problem:
         return limit
 
 
-def find_problem(plan: Plan, profile: MemoryProfile, hw: Hardware, source, budget: int) -> Problem:
+def find_problem(plan: Plan, profile: MemoryProfile, hw: Hardware, source, budget: int) -> SwapProblem:
     """Gaps, options and the time axis of `plan` (source: a Hardware or CostTable for op times)."""
     graph, schedule, n = plan.graph, plan.schedule, len(plan.schedule)
     durations = [op_time(graph.op_by_name[s.target], graph, source) if s.kind in RUNS
@@ -116,7 +116,7 @@ def find_problem(plan: Plan, profile: MemoryProfile, hw: Hardware, source, budge
     for r in profile.residencies:
         if r.shares_with is None and _maker(plan, r) == r.start:
             fresh[r.start] += r.nbytes
-    problem = Problem(plan, hw, n, tick, T, durations, profile.live_bytes.astype(np.int64), fresh, budget,
+    problem = SwapProblem(plan, hw, n, tick, T, durations, profile.live_bytes.astype(np.int64), fresh, budget,
                       tiers, {t: hw.tier(t).capacity for t in tiers}, [])
     uses = _uses(plan)
     over = problem.over()
@@ -195,7 +195,7 @@ def _gap_bounds(plan: Plan, r: Residency, uses: list[int], n: int):
             yield p, q, maker
 
 
-def _new_gap(problem: Problem, r: Residency, p: int, q: int, maker: int, index: int) -> Gap:
+def _new_gap(problem: SwapProblem, r: Residency, p: int, q: int, maker: int, index: int) -> Gap:
     plan, n = problem.plan, problem.n
     t = plan.graph.tensors[r.tensor]
     static = t.is_static
@@ -229,7 +229,7 @@ def _renumber(gaps: list[Gap]) -> list[Gap]:
     return gaps
 
 
-def _link(problem: Problem, profile: MemoryProfile) -> None:
+def _link(problem: SwapProblem, profile: MemoryProfile) -> None:
     """Earlier gaps of the same tensor (for evict), and the recompute input conditions."""
     by_tensor: dict[str, list[Gap]] = {}
     for g in problem.gaps:
@@ -260,7 +260,7 @@ def _link(problem: Problem, profile: MemoryProfile) -> None:
 MAX_REPLAY = 12     # ops in one replay chain
 
 
-def _replay_chain(problem: Problem, g: Gap, residencies, computed_at) -> tuple[list[str], set[str], int] | None:
+def _replay_chain(problem: SwapProblem, g: Gap, residencies, computed_at) -> tuple[list[str], set[str], int] | None:
     """The ops to replay before step q to rebuild g's tensor from tensors resident there, the
     resident tensors read (leaves), and the bytes its dead intermediates add over what step q
     holds; None when it cannot be done (multi-output or update ops, dead graph inputs, ...)."""
@@ -322,7 +322,7 @@ def _replay_peak(graph, aliases, order: list[str], temps: set[str]) -> int:
     return peak
 
 
-def _menus(problem: Problem, g: Gap) -> None:
+def _menus(problem: SwapProblem, g: Gap) -> None:
     """Release slots J and reload slots K offered to the solver.
 
     j: right after p, at the first over-budget step (latest release that still frees it), and

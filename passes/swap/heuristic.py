@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from memsched.deadline import Deadline
-from memsched.passes.swap.gaps import Gap, Problem
+from memsched.passes.swap.gaps import Gap, SwapProblem
 
 MOVING = ("swap", "evict", "host")      # modes that put the tensor on a host tier
 TRIALS = 64                             # phase 3's replay trials per phase-1 order, at most, and
@@ -83,17 +83,17 @@ class Timing:
         return int(self.D[-1])
 
 
-def out_order(problem: Problem, choices: list[Choice]) -> list[Gap]:
+def out_order(problem: SwapProblem, choices: list[Choice]) -> list[Gap]:
     """Copies out in link order: by release anchor p (the emitter orders swap-outs so)."""
     return sorted((g for g in problem.gaps if choices[g.index].mode == "swap"), key=lambda g: (g.p, g.index))
 
 
-def in_order(problem: Problem, choices: list[Choice]) -> list[Gap]:
+def in_order(problem: SwapProblem, choices: list[Choice]) -> list[Gap]:
     """Copies in in link order: by use q."""
     return sorted((g for g in problem.gaps if reloads(g, choices[g.index])), key=lambda g: (g.q, g.index))
 
 
-def timeline(problem: Problem, choices: list[Choice]) -> Timing:
+def timeline(problem: SwapProblem, choices: list[Choice]) -> Timing:
     """Evaluate the time model (see the module docstring) in one sweep over the steps."""
     n, T = problem.n, problem.T
     outs, ins = out_order(problem, choices), in_order(problem, choices)
@@ -160,7 +160,7 @@ def timeline(problem: Problem, choices: list[Choice]) -> Timing:
     return Timing(D, Dp, out_t, in_t)
 
 
-def freed(problem: Problem, choices: list[Choice]) -> np.ndarray:
+def freed(problem: SwapProblem, choices: list[Choice]) -> np.ndarray:
     """Bytes each gap's choice frees at every original step (difference array over [j, k))."""
     diff = np.zeros(problem.n + 1, dtype=np.int64)
     for g in problem.gaps:
@@ -178,7 +178,7 @@ class HostSpace:
     """Bytes held per host tier over the steps, per tensor over [first gap, last gap]
     (covers the simulator's span from the first swap-out to the last swap-in)."""
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: SwapProblem):
         self.problem = problem
         self.used = {t: np.zeros(problem.n + 1, dtype=np.int64) for t in problem.tiers}
         self.tier_of: dict[str, str] = {}
@@ -199,7 +199,7 @@ class HostSpace:
         self.tier_of[tensor] = tier
 
 
-def _idle(problem: Problem, g: Gap) -> int:
+def _idle(problem: SwapProblem, g: Gap) -> int:
     return int(problem.T[g.q if not g.tail else problem.n] - problem.T[g.ready[0]])
 
 
@@ -208,7 +208,7 @@ def _rec_ok(g: Gap, choices: list[Choice]) -> bool:
     return g.producer is not None and all(choices[h].j > g.q for h in g.rec_inputs)
 
 
-def _option(problem: Problem, g: Gap, choices: list[Choice], host: HostSpace) -> Choice | None:
+def _option(problem: SwapProblem, g: Gap, choices: list[Choice], host: HostSpace) -> Choice | None:
     """How g frees its interior now: start on the host (statics), swap to the tensor's tier or
     the first tier with room, else recompute; None if none is possible."""
     tier = host.tier_of.get(g.tensor)
@@ -234,7 +234,7 @@ SELECT_ORDERS = {
 }
 
 
-def _priority(problem: Problem, g: Gap, order: str) -> tuple:
+def _priority(problem: SwapProblem, g: Gap, order: str) -> tuple:
     """Lower is better: statics that start on the host (no copy out); then tensors whose copies
     are mostly bandwidth rather than per-transfer latency (tiny tensors free little and cost a
     latency each); then by the SELECT_ORDERS entry `order`."""
@@ -245,12 +245,12 @@ def _priority(problem: Problem, g: Gap, order: str) -> tuple:
     return (copies, latency_bound, SELECT_ORDERS[order](_idle(problem, g), moved, g), -g.nbytes, g.index)
 
 
-def _ticks_of_latency(problem: Problem, tier: str) -> int:
+def _ticks_of_latency(problem: SwapProblem, tier: str) -> int:
     """Ticks a zero-byte transfer takes (link and tier latency)."""
     return int(problem.hw.transfer_time(0, tier, "h2d") / problem.tick)
 
 
-def select(problem: Problem, require: bool = True, order: str = "idle per transfer time") -> list[Choice] | None:
+def select(problem: SwapProblem, require: bool = True, order: str = "idle per transfer time") -> list[Choice] | None:
     """Phase 1: free gaps in the SELECT_ORDERS entry `order` until every step fits the budget;
     None when it cannot be done (with require=False: as far as it gets, which with a zero
     budget is everything that can move)."""
@@ -294,7 +294,7 @@ def select(problem: Problem, require: bool = True, order: str = "idle per transf
     return retier(problem, _chain(problem, choices))
 
 
-def _chain(problem: Problem, choices: list[Choice]) -> list[Choice]:
+def _chain(problem: SwapProblem, choices: list[Choice]) -> list[Choice]:
     """A later swap of a tensor the host already holds (same tier) needs no copy out: evict."""
     held: set[str] = set()
     out = list(choices)
@@ -307,7 +307,7 @@ def _chain(problem: Problem, choices: list[Choice]) -> list[Choice]:
     return out
 
 
-def retier(problem: Problem, choices: list[Choice]) -> list[Choice]:
+def retier(problem: SwapProblem, choices: list[Choice]) -> list[Choice]:
     """When some tensors had to go to a slower tier, give DRAM (the first tier) to the tensors
     whose idle interval hides the slower tier's transfer worst. Keeps `choices` if the re-deal
     does not fit."""
@@ -336,7 +336,7 @@ def retier(problem: Problem, choices: list[Choice]) -> list[Choice]:
 
 
 # ---- phase 2: placement --------------------------------------------------------------------
-def place(problem: Problem, chosen: list[Choice], delay: np.ndarray | None = None) -> list[Choice] | None:
+def place(problem: SwapProblem, chosen: list[Choice], delay: np.ndarray | None = None) -> list[Choice] | None:
     """Phase 2: move releases later and reloads earlier where that hides transfers and memory
     allows. `delay` (ticks per step, from an earlier timeline) refines the step times. A
     tensor a replay reads is back by the replay's slot; None if memory does not allow that."""
@@ -410,7 +410,7 @@ def _stretch_left(live: np.ndarray, want: int, hi: int, nbytes: int, budget: np.
 
 
 # ---- phase 3: exchange ---------------------------------------------------------------------
-def improve(problem: Problem, chosen: list[Choice], max_trials: int | None = None,
+def improve(problem: SwapProblem, chosen: list[Choice], max_trials: int | None = None,
             deadline: Deadline | None = None) -> tuple[list[Choice], Timing]:
     """Phases 2 and 3: place, then try recomputation instead of the swaps whose replay costs
     least against their copies, keeping each change that lowers the model's delay; at most
@@ -468,16 +468,16 @@ def _replayable(g: Gap, choices: list[Choice]) -> bool:
     return g.producer is not None and all(choices[h].j > g.q or choices[h].mode in MOVING for h in g.rec_inputs)
 
 
-def _needed_by_recompute(problem: Problem, g: Gap, choices: list[Choice]) -> bool:
+def _needed_by_recompute(problem: SwapProblem, g: Gap, choices: list[Choice]) -> bool:
     return g.index in _read_by_recompute(problem, choices)
 
 
-def _read_by_recompute(problem: Problem, choices: list[Choice]) -> set[int]:
+def _read_by_recompute(problem: SwapProblem, choices: list[Choice]) -> set[int]:
     """The gaps whose tensors a replay chosen in `choices` reads."""
     return {h for d in problem.gaps if choices[d.index].mode == "recompute" for h in d.rec_inputs}
 
 
-def consistent(problem: Problem, choices: list[Choice]) -> bool:
+def consistent(problem: SwapProblem, choices: list[Choice]) -> bool:
     """The rules the emitter relies on: the budget at every step (replays' intermediates
     included), out before back in, a replay's inputs resident at its slot (kept there or
     reloaded by then), evicts after a copy of the same tensor."""
@@ -500,7 +500,7 @@ def consistent(problem: Problem, choices: list[Choice]) -> bool:
     return True
 
 
-def heuristic(problem: Problem, deadline: Deadline | None = None) -> tuple[list[Choice], Timing, str] | None:
+def heuristic(problem: SwapProblem, deadline: Deadline | None = None) -> tuple[list[Choice], Timing, str] | None:
     """All three phases from each of phase 1's SELECT_ORDERS; the choices with the least
     modelled delay (ties: the first order), their timing and the order's name. None when
     phase 1 meets the budget in none of them. Past the command's `deadline`, the first order

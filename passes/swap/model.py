@@ -33,7 +33,7 @@ from ortools.sat.python import cp_model
 from memsched.deadline import Deadline
 
 from memsched.passes import solver as cpsat
-from memsched.passes.swap.gaps import Gap, Problem
+from memsched.passes.swap.gaps import Gap, SwapProblem
 from memsched.passes.swap.heuristic import Choice, MOVING, Timing, in_order, out_order, timeline
 
 # Seconds to build the model per (release slot x reload slot) pair of a gap, a loaded core's
@@ -42,7 +42,7 @@ from memsched.passes.swap.heuristic import Choice, MOVING, Timing, in_order, out
 BUILD_COST = 1e-4
 
 
-def build_seconds(problem: Problem) -> float:
+def build_seconds(problem: SwapProblem) -> float:
     """What building the model of `problem` is priced at (BUILD_COST per slot pair): a count,
     so whether the model is built depends on the problem and the time limit alone."""
     return BUILD_COST * sum(len(g.J) * len(g.K) for g in problem.gaps)
@@ -57,7 +57,7 @@ class Solved:
     seconds: float
 
 
-def solve(problem: Problem, hint: list[Choice], time_limit: float, started: float | None = None,
+def solve(problem: SwapProblem, hint: list[Choice], time_limit: float, started: float | None = None,
           deadline: Deadline | None = None) -> Solved:
     """Build the model with `hint` (a valid heuristic answer) as a complete hint and solve it
     in what is left of `time_limit` seconds counted from `started` (default now; never less
@@ -83,7 +83,7 @@ def solve(problem: Problem, hint: list[Choice], time_limit: float, started: floa
 
 
 class _Model:
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: SwapProblem):
         self.p = problem
         self.m = cp_model.CpModel()
         gaps, n, T = problem.gaps, problem.n, problem.T

@@ -33,7 +33,7 @@ from memsched.memory import analyze_plan, validate
 from memsched.schedule import Plan, free, recompute, swap_in, swap_out
 from memsched.simulate import Simulation, simulate
 
-from memsched.passes.swap.gaps import Problem, find_problem
+from memsched.passes.swap.gaps import SwapProblem, find_problem
 from memsched.passes.swap.heuristic import MOVING, Choice, heuristic, improve, reloads, select
 from memsched.passes.swap.model import Solved, build_seconds, solve
 
@@ -76,7 +76,7 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
         results.append(("cp-sat", solved.choices))
     best, rejected = None, None
     for name, picked in results:
-        candidate = emit(problem, picked)
+        candidate = plan_with(problem, picked)
         try:
             validate(candidate)                     # the judges: memory model, then simulator
             sim = simulate(candidate, hw, costs)
@@ -98,19 +98,19 @@ def swap_pass(plan: Plan, time_limit: float = DEFAULT_TIME_LIMIT, costs: CostTab
     return dataclasses.replace(result, notes={**plan.notes, "swap": notes})
 
 
-def _floor(plan: Plan, profile, hw, source) -> tuple[Problem, list[Choice]]:
+def _floor(plan: Plan, profile, hw, source) -> tuple[SwapProblem, list[Choice]]:
     """Every gap freed as far as the host tiers allow: the least memory this pass reaches.
     Raises BudgetError when even that is over the budget; else the problem and choices."""
     problem = find_problem(plan, profile, hw, source, 0)
     chosen = select(problem, require=False)
-    peak = analyze_plan(emit(problem, chosen)).peak_bytes
+    peak = analyze_plan(plan_with(problem, chosen)).peak_bytes
     if peak > plan.budget:
         raise BudgetError(f"the budget of {plan.budget} bytes cannot be met by swapping and recomputing; "
                           f"the smallest this plan reaches is {peak} bytes", peak)
     return dataclasses.replace(problem, budget=plan.budget), chosen
 
 
-def emit(problem: Problem, choices: list[Choice]) -> Plan:
+def plan_with(problem: SwapProblem, choices: list[Choice]) -> Plan:
     """The plan with the choices' steps inserted before original steps: frees and swap-outs
     (link order), then swap-ins (link order), then replays (graph order)."""
     plan, n = problem.plan, problem.n
@@ -140,7 +140,7 @@ def emit(problem: Problem, choices: list[Choice]) -> Plan:
                                offsets=None if changed else plan.offsets)
 
 
-def _seconds(problem: Problem, ticks: int | None) -> float | None:
+def _seconds(problem: SwapProblem, ticks: int | None) -> float | None:
     return None if ticks is None else ticks * problem.tick
 
 
