@@ -2,7 +2,7 @@
 
 For each model (an MLP and a small CNN without BatchNorm, one global batch) and each number of
 workers N, the training step is compiled with `--data-parallel N` (each worker's step takes 1/N
-of the batch; hardware `cpu`) and run by `memsched.distributed.launch` on N local processes,
+of the batch; hardware `cpu`) and run by `memsched.runtime.distributed.launch` on N local processes,
 with the all-reduces overlapped with the backward and without (all of them after it), the two
 alternating `--repeats` times (the run with the lowest step time of each kept: the machine's other
 load only adds time). Reported per run: the slowest rank's median step time, the time waiting
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import onnx  # noqa: E402
 
 from memsched import models  # noqa: E402
-from memsched.distributed import launch  # noqa: E402
+from memsched.runtime.distributed import launch  # noqa: E402
 from memsched.emit import write_plan  # noqa: E402
 from memsched.models.cnn import plain_cnn  # noqa: E402
 from memsched.passes.pipeline import compile as compile_plan  # noqa: E402

@@ -321,7 +321,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from memsched.distributed import launched
+    from memsched.runtime.distributed import launched
     from memsched.emit import read_plan
     from memsched.passes.rebuild import model_step
     from memsched.errors import UserError
@@ -378,7 +378,7 @@ def cmd_train(args) -> int:
 
     from memsched import lr_schedules
     from memsched.data import load_arrays, sample_count, steps_per_epoch
-    from memsched.distributed import launch_command, launched, rank_of
+    from memsched.runtime.distributed import launch_command, launched, rank_of
     from memsched.emit import read_plan
     from memsched.errors import UserError
     from memsched.runtime.train_loop import FitOptions, fit
@@ -461,8 +461,8 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 
 def cmd_run_workers(args) -> int:
-    """`run --workers N`, or one rank under torchrun: a data-parallel run (memsched.distributed)."""
-    from memsched.distributed import launch, launched, run_rank
+    """`run --workers N`, or one rank under torchrun: a data-parallel run (memsched.runtime.distributed)."""
+    from memsched.runtime.distributed import launch, launched, run_rank
     from memsched.emit import read_plan
     from memsched.errors import UserError
 

@@ -8,7 +8,7 @@ bucket, which closes once it holds `bucket_bytes` (DDP's default 25 MiB) -- or e
 op is about to read one of its gradients (an update that runs before the bucket would fill).
 A bucket's all-reduce starts when the op that closes it (its last gradient's maker) ends; an op
 that reads a gradient waits for that gradient's bucket only. The buckets are a function of the
-plan, so every worker, the estimate and the runtime (memsched.distributed) see the same ones.
+plan, so every worker, the estimate and the runtime (memsched.runtime.distributed) see the same ones.
 
 A ring all-reduce of a bucket takes
 

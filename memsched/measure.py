@@ -265,18 +265,32 @@ def _value_info(graph: Graph, tensor: str, name: str) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, t.dtype, list(t.shape))
 
 
-def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    """Values for the graph inputs: standard normal floats, zero integers (valid indices/labels)."""
+def prepare_inputs(graph: Graph, given: dict[str, np.ndarray] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """The graph's inputs: `given` ones checked against their declared types, the rest made up.
+
+    Made-up values are reproducible: floats from a seeded normal, integers and booleans zero
+    (a valid class label, token id or index for any graph)."""
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(graph.inputs))
+    if unknown:
+        raise UserError(f"the graph has no input named '{unknown[0]}' (inputs: {', '.join(graph.inputs)})")
+    require_host_memory(sum(graph.tensors[name].nbytes for name in graph.inputs), "the step's input data")
     rng = np.random.default_rng(seed)
-    values = {}
+    feeds = {}
     for name in graph.inputs:
         t = graph.tensors[name]
         dtype = helper.tensor_dtype_to_np_dtype(t.dtype)
-        if np.issubdtype(dtype, np.floating):
-            values[name] = rng.standard_normal(t.shape).astype(dtype)
+        if name in given:
+            value = np.asarray(given[name])
+            if value.shape != t.shape or value.dtype != dtype:
+                raise UserError(f"input '{name}' must be {dtype} of shape {t.shape}, not {value.dtype} "
+                                f"of shape {value.shape}")
+            feeds[name] = np.ascontiguousarray(value)
+        elif np.issubdtype(dtype, np.floating):
+            feeds[name] = rng.standard_normal(t.shape).astype(dtype)
         else:
-            values[name] = np.zeros(t.shape, dtype)
-    return values
+            feeds[name] = np.zeros(t.shape, dtype)
+    return feeds
 
 
 def feed_values(graph: Graph, inputs: list[str], feeds: list[str], values: dict[str, np.ndarray]) -> dict:
@@ -301,7 +315,7 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
         dram = dram_reads(graph, cache)
     else:                                   # GPU caches are small next to HBM bandwidth: not modelled
         cache, dram_bw, dram = 0, 0.0, {}
-    values = random_inputs(graph, seed)
+    values = prepare_inputs(graph, seed=seed)
     last_use = {}
     for i, op in enumerate(graph.ops):
         for name in op.present_inputs:
@@ -421,7 +435,7 @@ def calibrate(device: str = "cpu", repeats: int = 20, threads: int = 0,
     for g in _benchmarks():
         op = g.ops[0]
         model, feeds = single_op_model(op, g)
-        values = random_inputs(g)
+        values = prepare_inputs(g)
         outputs = [(n, g.tensors[n].shape, np_dtype(g, n)) for n in op.present_outputs]
         inputs = [i.name for i in model.graph.input]
         timer = Timer.bind(op_session(model, device, threads), feed_values(g, inputs, feeds, values), outputs,

@@ -43,7 +43,7 @@ from onnx import TensorProto, numpy_helper
 
 from .dtypes import FLOAT_TYPES
 from .errors import UserError
-from .runtime import prepare_inputs
+from .measure import prepare_inputs
 from .ir import Graph, Op, Tensor, tensor_value
 from .measure import single_op_model
 from .ort import make_session

@@ -18,7 +18,7 @@ from memsched.models.cnn import plain_cnn, small_resnet
 from memsched.passes.pipeline import compile as compile_plan
 
 torch = pytest.importorskip("torch")
-from memsched.distributed import global_inputs, import_torch, launch, shard  # noqa: E402
+from memsched.runtime.distributed import global_inputs, import_torch, launch, shard  # noqa: E402
 
 WORKERS, BATCH, STEPS = 2, 4, 2      # the whole batch is WORKERS * BATCH
 TIMEOUT_S = 120
@@ -132,7 +132,7 @@ def _rank(path, rank: int, port, timeout: float = 2.0):
     import subprocess
 
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return subprocess.run([sys.executable, "-m", "memsched.distributed", str(path), "--timeout", str(timeout),
+    return subprocess.run([sys.executable, "-m", "memsched.runtime.distributed", str(path), "--timeout", str(timeout),
                            "--summary", str(path) + ".json"], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -140,7 +140,7 @@ def _rank(path, rank: int, port, timeout: float = 2.0):
 def test_a_rank_that_cannot_meet_its_group_is_one_line(tmp_path):
     import socket
 
-    from memsched.distributed import free_port
+    from memsched.runtime.distributed import free_port
 
     path = write_plan(compiled(mlp(WORKERS * BATCH), tmp_path, WORKERS), tmp_path / "plan.onnx")
     lonely = _rank(path, 1, free_port())                          # nobody listens there
@@ -154,7 +154,7 @@ def test_a_rank_that_cannot_meet_its_group_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("port", ["abc", "0", "70000", "", "８０"])
 def test_a_master_port_is_a_tcp_port(monkeypatch, port):
-    from memsched.distributed import _store_address
+    from memsched.runtime.distributed import _store_address
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", port)
@@ -231,7 +231,7 @@ def test_a_record_that_leaves_a_per_sample_input_out_is_refused(tmp_path):
     import json
 
     from memsched.data_parallel import PLAN_KEY
-    from memsched.distributed import check_plan
+    from memsched.runtime.distributed import check_plan
 
     plan = compiled(mlp(WORKERS * BATCH), tmp_path, WORKERS)
     check_plan(plan, WORKERS)

@@ -7,12 +7,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-from onnx import helper
 
 from ..cuda import device_memory, load_cudart
 from ..errors import UserError
 from ..ir import Graph, tensor_value
-from ..measure import ProcessMemory, release_free_heap, require_host_memory
+from ..measure import ProcessMemory, prepare_inputs, release_free_heap, require_host_memory
 from ..memory import check_placement, validate
 from ..ort import check_threads, resolve_device, warm_environment
 from ..schedule import Plan, StepKind
@@ -84,7 +83,7 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
     `before` and `after` (CPU only): schedule step -> a callable run, every step, just before
     that step's op runs (given its inputs) or just after (given its outputs), each as a
     {tensor: numpy view of its bytes in the arena}: a caller's way to act on tensors in place
-    between ops (memsched.distributed all-reduces gradients so). Those steps' ops start and end
+    between ops (memsched.runtime.distributed all-reduces gradients so). Those steps' ops start and end
     sessions of their own; what the callables take is inside the step time.
 
     On CUDA a checked run keeps float32 kernels off TF32 tensor cores, in its sessions and in
@@ -317,32 +316,6 @@ class _DeviceMemory:
                 "overhead_bytes": used - arena}
 
 
-def prepare_inputs(graph: Graph, given: dict[str, np.ndarray] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
-    """The graph's inputs: `given` ones checked against their declared types, the rest made up.
-
-    Made-up values are reproducible: floats from a seeded normal, integers and booleans zero
-    (a valid class label, token id or index for any graph)."""
-    given = dict(given or {})
-    unknown = sorted(set(given) - set(graph.inputs))
-    if unknown:
-        raise UserError(f"the graph has no input named '{unknown[0]}' (inputs: {', '.join(graph.inputs)})")
-    require_host_memory(sum(graph.tensors[name].nbytes for name in graph.inputs), "the step's input data")
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for name in graph.inputs:
-        t = graph.tensors[name]
-        dtype = helper.tensor_dtype_to_np_dtype(t.dtype)
-        if name in given:
-            value = np.asarray(given[name])
-            if value.shape != t.shape or value.dtype != dtype:
-                raise UserError(f"input '{name}' must be {dtype} of shape {t.shape}, not {value.dtype} "
-                                f"of shape {value.shape}")
-            feeds[name] = np.ascontiguousarray(value)
-        elif np.issubdtype(dtype, np.floating):
-            feeds[name] = rng.standard_normal(t.shape).astype(dtype)
-        else:
-            feeds[name] = np.zeros(t.shape, dtype)
-    return feeds
 
 
 # ---- running ----------------------------------------------------------------------------

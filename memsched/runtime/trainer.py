@@ -68,7 +68,7 @@ class Trainer:
     rate, or None for the plan's own. `hyperparameters` can also be changed directly
     (`trainer.hyperparameters["lr"] = 0.01`); a schedule sets lr before every step. `before`
     and `after`: step hooks as `memsched.runtime.run_plan` takes them (CPU only; a data-parallel
-    rank's all-reduces, `memsched.distributed.rank_of`)."""
+    rank's all-reduces, `memsched.runtime.distributed.rank_of`)."""
 
     def __init__(self, plan: Plan | str | os.PathLike, device: str = "cpu", threads: int = 0,
                  nvdimm_dir: str | None = None, allow_fallback: bool = True,

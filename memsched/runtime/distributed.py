@@ -22,7 +22,7 @@ update) first waits for that bucket's work handles only. Gradients nothing reads
 own buffers are outside the plan's bytes. Without overlap (`overlap=False`), closed buckets are
 all-reduced only when an op needs one of them, and compute waits for all of them there.
 
-Processes: `launch` starts N local ranks (`python -m memsched.distributed`, with torchrun's
+Processes: `launch` starts N local ranks (`python -m memsched.runtime.distributed`, with torchrun's
 environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT) and
 collects rank 0's summary; under torchrun the same `run_rank` runs in each process torchrun
 started. The backend is gloo (CPU): the executor's hooks hand out views of the CPU arena.
@@ -49,11 +49,12 @@ from pathlib import Path
 import numpy as np
 from onnx import helper
 
-from .data_parallel import (INTERCONNECT, Bucket, batch_statistics, data_parallel, gradient_buckets,
+from ..data_parallel import (INTERCONNECT, Bucket, batch_statistics, data_parallel, gradient_buckets,
                             per_sample_inputs, plan_options, readers)
-from .errors import MemschedError, UserError, first_line
-from .runtime import prepare_inputs, run_plan, steady_step_time
-from .schedule import Plan, RUNS, StepKind
+from ..errors import MemschedError, UserError, first_line
+from ..measure import prepare_inputs
+from .run import run_plan, steady_step_time
+from ..schedule import Plan, RUNS, StepKind
 
 BACKEND = "gloo"
 TIMEOUT_S = 300.0          # a rank that does not finish in this time fails the run
@@ -267,8 +268,8 @@ def summarize(plan: Plan, path: str | None, ranks: list[dict], result, buckets: 
               threads: int) -> dict:
     """The run's summary: measured (the slowest rank's median step) next to predicted (the
     data-parallel estimate on the `cpu` profile and the default interconnect)."""
-    from .hardware import load
-    from .simulate import simulate
+    from ..hardware import load
+    from ..simulate import simulate
 
     workers = len(ranks)
     estimate = data_parallel(plan, simulate(plan, load("cpu")), workers)
@@ -449,7 +450,7 @@ def launch(plan_path: str, workers: int, steps: int = 1, threads: int = 1, input
     """Start `workers` local ranks on `plan_path` (loopback, gloo) and return the run's summary.
     `inputs`: an .npz of the whole batch; `outputs`: a directory where each rank writes its
     outputs as rank<r>.npz. A rank that fails or runs past `timeout` seconds fails the run."""
-    from .emit import read_plan
+    from ..emit import read_plan
 
     if workers < 1:
         raise UserError(f"--workers needs at least 1 worker, not {workers}")
@@ -470,7 +471,7 @@ def _collect(procs: list, tmp: str, plan_path: str, workers: int, steps: int, th
     port = free_port()
     summary_path = Path(tmp) / "summary.json"
     for rank in range(workers):
-        args = [sys.executable, "-m", "memsched.distributed", str(plan_path), "--steps", str(steps),
+        args = [sys.executable, "-m", "memsched.runtime.distributed", str(plan_path), "--steps", str(steps),
                 "--threads", str(threads), "--timeout", str(timeout), "--summary", str(summary_path)]
         args += ["--inputs", str(inputs)] if inputs else []
         args += ["--outputs", str(outputs)] if outputs else []
@@ -496,9 +497,9 @@ def _collect(procs: list, tmp: str, plan_path: str, workers: int, steps: int, th
 
 def main(argv: list[str] | None = None) -> int:
     """One rank started by `launch`: run it, write rank 0's summary and each rank's outputs."""
-    from .emit import read_plan
+    from ..emit import read_plan
 
-    parser = argparse.ArgumentParser(prog="python -m memsched.distributed")
+    parser = argparse.ArgumentParser(prog="python -m memsched.runtime.distributed")
     parser.add_argument("plan")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
