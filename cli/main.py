@@ -7,6 +7,7 @@ import signal
 import sys
 
 from memsched.cli.options import attach_negative_values, build_parser
+
 from memsched.errors import MemschedError
 from memsched.outputs import Terminated, install_sigterm_handler
 
