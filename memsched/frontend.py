@@ -345,10 +345,17 @@ def _infer_shapes(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelPro
     values), whose inferred value infos, outputs and nodes (their subgraphs' value infos) it
     takes; a probe run for what that leaves unknown. Returns the shaped view, for the checker."""
     try:
-        view = onnx.shape_inference.infer_shapes(checkable_view(model), check_type=True, strict_mode=False,
+        view = onnx.shape_inference.infer_shapes(checkable_view(model), check_type=True, strict_mode=True,
                                                  data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        # strict: an op whose operands cannot compose (a MatMul of 2x3 by 4x5) or a declared
+        # shape the op cannot make is refused, not planned by its declared shapes; the
+        # convolutions' own checks and the empty inputs say it in their words where they apply
         _explain_empty_inputs(model)
+        try:
+            _check_convolutions(onnx.shape_inference.infer_shapes(checkable_view(model), strict_mode=False))
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+            pass
         raise UserError(f"shape inference failed: {first_line(exc)}") from None
     _check_convolutions(view)
     graph = model.graph

@@ -210,6 +210,22 @@ def test_a_convolution_whose_groups_do_not_divide_its_channels_is_one_line(tmp_p
         frontend.load(path)
 
 
+@pytest.mark.parametrize("op_type, shapes, message", [
+    ("MatMul", ([2, 3], [4, 5], [2, 5]), "MatMul.*Incompatible dimensions for matrix multiplication"),
+    ("Add", ([2, 3], [4, 5], [2, 3]), "Add.*Incompatible dimensions"),
+])
+def test_ops_whose_operands_do_not_compose_are_refused_at_load(tmp_path, op_type, shapes, message):
+    """A graph whose declared shapes no run could have (it would be planned by its declared
+    shapes, then fail in ONNX Runtime) is refused in one line naming the op."""
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph([helper.make_node(op_type, ["x", "y"], ["z"])], "g",
+                              [vi("x", TensorProto.FLOAT, shapes[0]), vi("y", TensorProto.FLOAT, shapes[1])],
+                              [vi("z", TensorProto.FLOAT, shapes[2])])
+    path = save_model_atomic(make_model(graph), tmp_path / "bad.onnx")
+    with pytest.raises(UserError, match=f"shape inference failed: .*{message}"):
+        frontend.load(path)
+
+
 @pytest.mark.parametrize("op_type, group, channels, kernel_shape", [
     ("Conv", 3, 3, (6, 1, 3, 3)), ("Conv", 1, 3, (6, 3, 3, 3)), ("Conv", 2, 4, (6, 2, 3, 3)),
     ("ConvTranspose", 3, 3, (3, 2, 3, 3)), ("ConvTranspose", 1, 3, (3, 5, 3, 3)),

@@ -167,7 +167,8 @@ def _variance_step(stable: bool) -> onnx.ModelProto:
                   helper.make_node("ReduceMean", ["x2"], ["e2"], keepdims=0),
                   helper.make_node("Mul", ["m", "m"], ["m2"]), helper.make_node("Reshape", ["m2", "scalar"], ["m2s"]),
                   helper.make_node("Sub", ["e2", "m2s"], ["v"])]
-    nodes += [helper.make_node("Mul", ["w", "v"], ["w.grad"]), helper.make_node("ReduceSum", ["w"], ["loss"])]
+    nodes += [helper.make_node("Mul", ["w", "v"], ["w.grad"]),
+              helper.make_node("ReduceSum", ["w"], ["loss"], keepdims=0)]
     inits = [numpy_helper.from_array(np.linspace(1, 2, 4).astype(np.float32), "w"),
              numpy_helper.from_array(np.zeros(0, np.int64), "scalar")]
     graph = helper.make_graph(nodes, "var", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4096])],
