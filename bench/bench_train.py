@@ -5,10 +5,12 @@ digits) and a conv-BN-ReLU network exported by `memsched.torch.export_for_traini
 trained by memsched's Trainer and by torch.optim from the same initial weights on the same
 batches (one thread each side, --epochs epochs), and reported:
 
-- the largest per-step loss difference over the first 100 steps and over the whole run;
+- the largest per-step loss difference over the first 100 steps and over the whole run, against
+  PyTorch in float32 and in float64 (the same module in double precision on the same batches:
+  the exact maths; PyTorch's own float32 run drifts from it on some CPUs);
 - the test accuracy of the saved inference model in a plain onnxruntime.InferenceSession,
   and PyTorch's in eval mode;
-- BatchNorm running statistics against PyTorch's after 50 steps (the CNN);
+- BatchNorm running statistics against PyTorch's after 50 steps, float32 and float64 (the CNN);
 - speed: the Trainer's median step time over --steps steps against a plain ONNX Runtime
   training loop of the same step graph with IOBinding (every static bound as an input, each
   `<name>.updated` output bound as the next step's `<name>`), same threads; interleaved in
@@ -22,6 +24,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -107,16 +110,20 @@ def compare(name: str, path: Path, module, dims, train, test, epochs: int, threa
                           time_limit=time_limit)
     plan, report = result.plan, result.report
     schedule = [b for e in range(epochs) for b in batches(train, BATCH, e, shuffle=True, seed=1)]
-    run = digits.TorchRun(module, "momentum", LR)
+    exact = copy.deepcopy(module).double()
+    run, run64 = digits.TorchRun(module, "momentum", LR), digits.TorchRun(exact, "momentum", LR)
+    schedule64 = [{**b, "input": b["input"].astype(np.float64)} for b in schedule]
     with Trainer(plan, threads=threads) as trainer:
         ours = [trainer.step(b).loss for b in schedule[:50]]
-        theirs = run.losses(schedule[:50])
-        state, reference = trainer.state_dict(), module.state_dict()
+        theirs, theirs64 = run.losses(schedule[:50]), run64.losses(schedule64[:50])
+        state, reference, reference64 = trainer.state_dict(), module.state_dict(), exact.state_dict()
         running = {k: float(np.abs(state[k] - reference[k].numpy()).max()) for k in state if "running" in k}
+        running64 = {k: float(np.abs(state[k] - reference64[k].numpy()).max()) for k in state if "running" in k}
         ours += [trainer.step(b).loss for b in schedule[50:]]
         theirs += run.losses(schedule[50:])
+        theirs64 += run64.losses(schedule64[50:])
         saved = export_inference(trainer.graph, trainer.state_dict(), folder / f"{name}.onnx")
-    diff = np.abs(np.subtract(ours, theirs))
+    diff, diff64 = np.abs(np.subtract(ours, theirs)), np.abs(np.subtract(ours, theirs64))
     accuracy, torch_accuracy = digits.onnx_accuracy(saved, test), digits.torch_accuracy(module, test)
     return {
         "model": name, "budget_bytes": report["budget_bytes"], "baseline_peak_bytes": report["baseline"]["peak_bytes"],
@@ -124,9 +131,11 @@ def compare(name: str, path: Path, module, dims, train, test, epochs: int, threa
         "strategies_used": sorted(k for k in ("recompute", "swap") if k in plan.notes),
         "steps": len(ours), "max_loss_diff_first_100": float(diff[:100].max()),
         "max_loss_diff_all": float(diff.max()), "final_loss": ours[-1], "torch_final_loss": theirs[-1],
+        "max_loss_diff_first_100_float64": float(diff64[:100].max()), "max_loss_diff_all_float64": float(diff64.max()),
         "test_accuracy_plain_ort": accuracy, "torch_test_accuracy": torch_accuracy,
         "accuracy_diff": abs(accuracy - torch_accuracy),
         "running_statistics_max_diff_after_50_steps": running or None,
+        "running_statistics_max_diff_after_50_steps_float64": running64 or None,
         "speed": speed(plan, train, steps, threads),
     }
 
