@@ -108,48 +108,55 @@ class Hooks:
     after: dict[int, Callable]
 
 
+class _Places:
+    """Where the plan puts each residency: its (lo, hi) in the arena, and which residency of a
+    tensor covers or starts at a schedule step."""
+
+    def __init__(self, plan: Plan, profile: MemoryProfile, types: dict):
+        self.plan, self.types = plan, types
+        self.by_key = {r.key: r for r in profile.residencies}
+        self.by_tensor: dict[str, list[Residency]] = defaultdict(list)
+        for r in profile.residencies:
+            self.by_tensor[r.tensor].append(r)
+        self.roots = buffer_roots(profile)
+
+    def region(self, key) -> tuple[int, int]:
+        r = self.by_key[key]
+        lo = self.plan.offsets.get(self.roots[key], 0) if r.nbytes else 0
+        itemsize = self.types[r.tensor][0].itemsize
+        if lo % itemsize:
+            raise ScheduleError(f"tensor '{r.tensor}' is placed at arena offset {lo}, not a multiple of "
+                                f"its element size {itemsize}")
+        return lo, lo + r.nbytes
+
+    def covering(self, tensor: str, step: int) -> Residency:
+        for r in self.by_tensor[tensor]:
+            if r.start <= step <= r.end:
+                return r
+        raise ScheduleError(f"tensor '{tensor}' is not resident at step {step}")
+
+    def starting(self, tensor: str, step: int) -> Residency:
+        for r in self.by_tensor[tensor]:
+            if r.start == step:
+                return r
+        raise ScheduleError(f"tensor '{tensor}' gets no residency at step {step}")
+
+
 def lower(plan: Plan, profile: MemoryProfile, rt: "Runtime", hooks: "Hooks") -> Program:
     """The plan as a program over the arena: what each schedule step binds, the releases, the
     moves of the updates, and the items that run (segments cut for ONNX Runtime's order,
     copies, constant writes), not yet given sessions (`Runtime.bind`). Of `rt` it reads the
     device, the arena's address, the values read from host arrays, and it asks it for the host
     tiers' stores: a stand-in with those runs no ONNX Runtime (tests/test_lowering.py)."""
-    graph, schedule = plan.graph, plan.schedule
-    n = len(schedule)
-    by_key = {r.key: r for r in profile.residencies}
-    by_tensor: dict[str, list[Residency]] = defaultdict(list)
-    for r in profile.residencies:
-        by_tensor[r.tensor].append(r)
+    graph, n = plan.graph, len(plan.schedule)
     types = {name: (helper.tensor_dtype_to_np_dtype(t.dtype), t.shape) for name, t in graph.tensors.items()}
-    roots = buffer_roots(profile)
-
-    def region(key) -> tuple[int, int]:
-        r = by_key[key]
-        lo = plan.offsets.get(roots[key], 0) if r.nbytes else 0
-        itemsize = types[r.tensor][0].itemsize
-        if lo % itemsize:
-            raise ScheduleError(f"tensor '{r.tensor}' is placed at arena offset {lo}, not a multiple of "
-                                f"its element size {itemsize}")
-        return lo, lo + r.nbytes
-
-    def covering(tensor: str, step: int) -> Residency:
-        for r in by_tensor[tensor]:
-            if r.start <= step <= r.end:
-                return r
-        raise ScheduleError(f"tensor '{tensor}' is not resident at step {step}")
-
-    def starting(tensor: str, step: int) -> Residency:
-        for r in by_tensor[tensor]:
-            if r.start == step:
-                return r
-        raise ScheduleError(f"tensor '{tensor}' gets no residency at step {step}")
-
+    places = _Places(plan, profile, types)
     sharers = buffer_groups(profile)       # buffer -> its residencies (in-place chains, views)
     releases: list[list] = [[] for _ in range(n)]
     for r in profile.residencies:
         if 0 <= r.end < n:
-            kept = any(m.key != r.key and m.start <= r.end < m.end for m in sharers[roots[r.key]])
-            releases[r.end].append((r.key, *region(r.key), kept))
+            kept = any(m.key != r.key and m.start <= r.end < m.end for m in sharers[places.roots[r.key]])
+            releases[r.end].append((r.key, *places.region(r.key), kept))
 
     host_initial_tier = _first_swap_in_tiers(plan)
     stores = rt.stores(_store_sizes(plan, host_initial_tier))
@@ -157,55 +164,11 @@ def lower(plan: Plan, profile: MemoryProfile, rt: "Runtime", hooks: "Hooks") -> 
     static_at_start = [r for r in profile.residencies if r.index == 0 and r.start == 0
                        and (r.tensor in graph.inputs or (graph.tensors[r.tensor].is_static
                                                          and r.tensor not in plan.on_host))]
-    initial = [(r.key, *region(r.key)) for r in static_at_start]
-    finals = _finals(plan, by_tensor, region, stores, n)
-
-    actions: list = []
-    swapped = Counter()
-    pending: list[tuple[int, int, int, str, str]] = []    # event, lo, hi, kind, tensor@tier
-    on_host_copy: dict[tuple[str, str], int] = {}          # (tensor, tier) -> event of its swap-out
-    events = 0
-
-    def waits_for(regions: list[tuple[int, int]]) -> list[int]:
-        return sorted({e for e, lo, hi, _, _ in pending
-                       if any(lo < b and a < hi for a, b in regions)})
-
-    for i, step in enumerate(schedule):
-        if step.kind in RUNS:
-            op = graph.op_by_name[step.target]
-            if step.kind == StepKind.RECOMPUTE and draws_random(op):
-                raise ScheduleError(f"op '{op.name}' ({op.op_type}) draws random numbers; recomputing it "
-                                    f"would change its result")
-            reads = [(t, *region(covering(t, i).key)) for t in op.inputs if t]
-            writes = []
-            for t in op.present_outputs:
-                r = starting(t, i)
-                writes.append((r.key, *region(r.key), r.shares_with))
-            touched = [(lo, hi) for _, lo, hi in reads] + [(lo, hi) for _, lo, hi, _ in writes]
-            actions.append(Run(op, reads, writes, waits_for(touched)))
-            pending = [p for p in pending if p[0] not in actions[-1].waits]
-        elif step.kind in COPIES:
-            tier = step.tier or "dram"
-            t = step.target
-            r = covering(t, i) if step.kind == StepKind.SWAP_OUT else starting(t, i)
-            lo, hi = region(r.key)
-            store = stores[(tier, t)]
-            waits = waits_for([(lo, hi)])
-            if step.kind == StepKind.SWAP_OUT:
-                swapped[tier] += r.nbytes
-                on_host_copy[(t, tier)] = events
-            elif (t, tier) in on_host_copy:
-                waits = sorted(set(waits) | {on_host_copy[(t, tier)]})
-            elif host_initial_tier.get(t) != tier:
-                raise ScheduleError(f"tensor '{t}' is swapped in from {tier} at step {i} but no copy of it "
-                                    f"was put there")
-            actions.append(Copy(step.kind, r.key, lo, hi, tier, store, events, waits))
-            pending.append((events, lo, hi, step.kind, f"{t}@{tier}"))
-            events += 1
-        else:
-            actions.append(None)
+    initial = [(r.key, *places.region(r.key)) for r in static_at_start]
+    finals = _finals(plan, places.by_tensor, places.region, stores, n)
+    actions, swapped, events = _actions(plan, places, stores, host_initial_tier)
     program = Program(actions, releases, initial, host_initial, finals, types, swapped, events)
-    program.updates = _updates(plan, program, region)
+    program.updates = _updates(plan, program, places.region)
     # ONNX Runtime adds nodes of its own around float16 kernels it runs in float32 (Casts): those
     # run out of index order, so such a step is cut for any order. On CUDA it may add copies
     # between devices; a segment where it did is found at build (adds_no_nodes) and re-cut.
@@ -217,11 +180,62 @@ def lower(plan: Plan, profile: MemoryProfile, rt: "Runtime", hooks: "Hooks") -> 
     copy_base = rt.base if rt.device == "cpu" and order == _OrderGuard.ORDERED else None
     program.items = _items(program.actions, graph, rt.device == "cuda", order, hooks, unwritten, copy_base)
     program.exact = order == _OrderGuard.ORDERED
-    program.regions = {r.key: region(r.key) for r in profile.residencies}
+    program.regions = {r.key: places.region(r.key) for r in profile.residencies}
     for run in program.actions:          # a Constant is written, or read from the host: no session runs it
         if isinstance(run, Run) and run.op.op_type in CONSTANT_OPS:
             run.provider = providers_for(rt.device)[0] if rt.device == "cpu" else "CUDAExecutionProvider"
     return program
+
+
+def _actions(plan: Plan, places: _Places, stores: dict, host_initial_tier: dict[str, str]) -> tuple[list, Counter, int]:
+    """One action per schedule step (a Run, a Copy, or None for a free), each with the copy
+    events it waits for: those still in flight over bytes it touches; and the bytes swapped out
+    per tier and the number of copy events."""
+    graph = plan.graph
+    actions: list = []
+    swapped = Counter()
+    pending: list[tuple[int, int, int, str, str]] = []    # event, lo, hi, kind, tensor@tier
+    on_host_copy: dict[tuple[str, str], int] = {}          # (tensor, tier) -> event of its swap-out
+    events = 0
+
+    def waits_for(regions: list[tuple[int, int]]) -> list[int]:
+        return sorted({e for e, lo, hi, _, _ in pending
+                       if any(lo < b and a < hi for a, b in regions)})
+
+    for i, step in enumerate(plan.schedule):
+        if step.kind in RUNS:
+            op = graph.op_by_name[step.target]
+            if step.kind == StepKind.RECOMPUTE and draws_random(op):
+                raise ScheduleError(f"op '{op.name}' ({op.op_type}) draws random numbers; recomputing it "
+                                    f"would change its result")
+            reads = [(t, *places.region(places.covering(t, i).key)) for t in op.inputs if t]
+            writes = []
+            for t in op.present_outputs:
+                r = places.starting(t, i)
+                writes.append((r.key, *places.region(r.key), r.shares_with))
+            touched = [(lo, hi) for _, lo, hi in reads] + [(lo, hi) for _, lo, hi, _ in writes]
+            actions.append(Run(op, reads, writes, waits_for(touched)))
+            pending = [p for p in pending if p[0] not in actions[-1].waits]
+        elif step.kind in COPIES:
+            tier = step.tier or "dram"
+            t = step.target
+            r = places.covering(t, i) if step.kind == StepKind.SWAP_OUT else places.starting(t, i)
+            lo, hi = places.region(r.key)
+            waits = waits_for([(lo, hi)])
+            if step.kind == StepKind.SWAP_OUT:
+                swapped[tier] += r.nbytes
+                on_host_copy[(t, tier)] = events
+            elif (t, tier) in on_host_copy:
+                waits = sorted(set(waits) | {on_host_copy[(t, tier)]})
+            elif host_initial_tier.get(t) != tier:
+                raise ScheduleError(f"tensor '{t}' is swapped in from {tier} at step {i} but no copy of it "
+                                    f"was put there")
+            actions.append(Copy(step.kind, r.key, lo, hi, tier, stores[(tier, t)], events, waits))
+            pending.append((events, lo, hi, step.kind, f"{t}@{tier}"))
+            events += 1
+        else:
+            actions.append(None)
+    return actions, swapped, events
 
 
 def recut(program: Program, segment: Segment, graph: Graph, split_at_waits: bool, hooks: "Hooks") -> list:
