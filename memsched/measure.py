@@ -254,7 +254,7 @@ def single_op_model(op: Op, graph: Graph) -> tuple[onnx.ModelProto, list[str]]:
     node.attribute.extend(helper.make_attribute(k, v) for k, v in op.attributes.items())
     g = helper.make_graph([node], op.name, infos, [_value_info(graph, n, n) for n in op.present_outputs])
     opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 17))
-    return make_model(g, opset=opset, ir_version=graph.ir_version), _feeds_of(op, graph)
+    return make_model(g, opset=opset, ir_version=graph.ir_version), _feeds_of(op)
 
 
 FEED_PREFIX = "memsched.input."
@@ -338,7 +338,7 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
             timer = sessions[sig][0]
             inputs = [i.name for i in timer.session.get_inputs()]
             names = [o.name for o in timer.session.get_outputs()]
-            timer = Timer.bind(timer.session, feed_values(graph, inputs, _feeds_of(op, graph), values),
+            timer = Timer.bind(timer.session, feed_values(graph, inputs, _feeds_of(op), values),
                                [(s, shape, dtype) for s, (_, shape, dtype) in zip(names, outputs)], device,
                                threads)
             timer.run()
@@ -359,7 +359,7 @@ def profile_graph(graph: Graph, device: str = "cpu", repeats: int = 10, threads:
     return CostTable(times, by_signature, meta)
 
 
-def _feeds_of(op: Op, graph: Graph) -> list[str]:
+def _feeds_of(op: Op) -> list[str]:
     """The tensors that fill `op`'s input slots, in order (a tensor in two slots twice)."""
     return [n for n in op.inputs if n]
 

@@ -342,7 +342,7 @@ def make_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    return _checked_session(model, options, device, [PROVIDERS.get(device)])
+    return _checked_session(model, options, device)
 
 
 def op_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
@@ -351,10 +351,12 @@ def op_session(model: onnx.ModelProto, device: str = "cpu", threads: int = 0):
     from the shared arena): what the profiler times an op in, so a measured op is the kernel
     a plan's run executes (on CUDA: the executor's provider options). UserError as
     `make_session`."""
-    return _checked_session(model, bound_options(threads), device, providers_for(device) if device in PROVIDERS else [])
+    return _checked_session(model, bound_options(threads), device, executors=True)
 
 
-def _checked_session(model: onnx.ModelProto, options, device: str, providers: list):
+def _checked_session(model: onnx.ModelProto, options, device: str, executors: bool = False):
+    """The session on `device`'s provider alone, or with `executors` on the executor's provider
+    list and options (`providers_for`); UserError where it cannot be made or fell back."""
     import onnxruntime as ort
 
     if device not in PROVIDERS:
@@ -366,7 +368,8 @@ def _checked_session(model: onnx.ModelProto, options, device: str, providers: li
         preload()
     with quiet_logger():
         try:
-            session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+            session = ort.InferenceSession(model.SerializeToString(), options,
+                                           providers=providers_for(device) if executors else [wanted])
         except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
             raise UserError(f"ONNX Runtime cannot load the model: {_error_line(exc)}") from None
     if session.get_providers()[0] != wanted:

@@ -53,8 +53,8 @@ from ..data_parallel import (INTERCONNECT, Bucket, batch_statistics, data_parall
                             per_sample_inputs, plan_options, readers)
 from ..errors import MemschedError, UserError, first_line
 from ..measure import prepare_inputs
+from ..schedule import RUNS, Plan, StepKind
 from .run import run_plan, steady_step_time
-from ..schedule import Plan, RUNS, StepKind
 
 BACKEND = "gloo"
 TIMEOUT_S = 300.0          # a rank that does not finish in this time fails the run
