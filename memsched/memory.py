@@ -121,92 +121,125 @@ def analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str] | None = N
 def _analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str],
              on_host: frozenset[str] | set[str]) -> MemoryProfile:
     n = len(schedule)
+    walk = _Walk(graph, aliases, on_host)
+    for i, step in enumerate(schedule):
+        walk.step(i, step)
+    closed = walk.finish(n)
+    _end_written_over(closed, walk.alias_events)
     tensors = graph.tensors
-    held_to_end = set(graph.outputs)
-    ends = held_to_end | set(graph.inputs)      # no output may take these tensors' storage
-    open_: dict[str, dict] = {}          # tensor -> the open residency being built
-    closed: list[dict] = []
-    counts: dict[str, int] = {}
-    computed: set[str] = set()
-    ever_produced: set[str] = set()
-    alias_events: list[tuple] = []   # (output, index), (source, index), step, is a view
+    residencies = [Residency(r["tensor"], r["index"], r["start"], r["end"], tensors[r["tensor"]].nbytes,
+                             tensors[r["tensor"]].kind, r["shares_with"]) for r in closed]
+    groups = _groups(residencies)
+    held = {(r["tensor"], r["index"]) for r in closed if r["closed_by"] == "end of step"}
+    _check_writers_own_buffers(groups, walk.alias_events, held)
+    first = _counted_from(groups)
+    for r in residencies:                   # set once, before anyone else holds them
+        object.__setattr__(r, "counted_from", first[r.key])
+    live, by_kind = _timeline(residencies, n)
+    return MemoryProfile(residencies, live, by_kind, [str(s) for s in schedule])
 
-    def start(name: str, step: int) -> None:
-        index = counts.get(name, 0)
-        counts[name] = index + 1
-        open_[name] = {"tensor": name, "index": index, "start": step, "last_use": step, "end": None,
-                       "shares_with": None}
-        ever_produced.add(name)
 
-    def close(name: str, end: int, reason: str) -> None:
-        res = open_.pop(name)
+class _Walk:
+    """Rules 1-3 applied step by step: the residencies of one schedule as they open and
+    close, and the in-place events that rule 4 checks once the walk is over."""
+
+    def __init__(self, graph: Graph, aliases: dict[str, str], on_host: frozenset[str] | set[str]):
+        self.graph, self.aliases = graph, aliases
+        self.held_to_end = set(graph.outputs)
+        self.ends = self.held_to_end | set(graph.inputs)    # no output may take these tensors' storage
+        self.open: dict[str, dict] = {}          # tensor -> the open residency being built
+        self.closed: list[dict] = []
+        self.counts: dict[str, int] = {}
+        self.computed: set[str] = set()
+        self.ever_produced: set[str] = set()
+        self.alias_events: list[tuple] = []   # (output, index), (source, index), step, is a view
+        for name in graph.inputs:
+            self.start(name, 0)
+        for t in graph.initializers():
+            if t.name not in on_host:
+                self.start(t.name, 0)
+            else:
+                self.ever_produced.add(t.name)
+
+    def start(self, name: str, step: int) -> None:
+        index = self.counts.get(name, 0)
+        self.counts[name] = index + 1
+        self.open[name] = {"tensor": name, "index": index, "start": step, "last_use": step, "end": None,
+                           "shares_with": None}
+        self.ever_produced.add(name)
+
+    def close(self, name: str, end: int, reason: str) -> None:
+        res = self.open.pop(name)
         res["end"], res["closed_by"] = end, reason
-        closed.append(res)
+        self.closed.append(res)
 
-    def use(name: str, step: int, what: str) -> None:
-        if name not in open_:
-            if name in ever_produced:
+    def use(self, name: str, step: int, what: str) -> None:
+        if name not in self.open:
+            if name in self.ever_produced:
                 raise ScheduleError(f"tensor '{name}' is read by {what} at step {step} but is not "
                                     f"resident there (freed or swapped out earlier)")
             raise ScheduleError(f"tensor '{name}' is read by {what} at step {step} before it is produced")
-        open_[name]["last_use"] = step
+        self.open[name]["last_use"] = step
 
-    for name in graph.inputs:
-        start(name, 0)
-    for t in graph.initializers():
-        if t.name not in on_host:
-            start(t.name, 0)
-        else:
-            ever_produced.add(t.name)
-
-    for i, step in enumerate(schedule):
+    def step(self, i: int, step) -> None:
+        target, open_ = step.target, self.open
         if step.kind in RUNS:
-            op = graph.op_by_name.get(step.target)
-            if op is None:
-                raise ScheduleError(f"step {i} names op '{step.target}', which the graph does not have")
-            if step.kind == StepKind.COMPUTE:
-                if op.name in computed:
-                    raise ScheduleError(f"op '{op.name}' is computed twice (step {i}); mark replays "
-                                        f"as recompute")
-                computed.add(op.name)
-            elif op.name not in computed:
-                raise ScheduleError(f"op '{op.name}' is recomputed at step {i} before it is computed")
-            for name in op.present_inputs:
-                use(name, i, f"op '{op.name}'")
-            for name in op.present_outputs:
-                if name in open_:
-                    close(name, open_[name]["last_use"], "last use")
-                start(name, i)
-                source = aliases.get(name)
-                if source is not None:
-                    _check_alias(graph, op, name, source, ends)
-                    open_[name]["shares_with"] = (source, counts[source] - 1)
-                    alias_events.append(((name, counts[name] - 1), (source, counts[source] - 1), i,
-                                         op.op_type in VIEW_OPS))
+            self.run(i, step)
         elif step.kind == StepKind.SWAP_OUT:
-            use(step.target, i, "a swap-out")
-            close(step.target, i, StepKind.SWAP_OUT)
+            self.use(target, i, "a swap-out")
+            self.close(target, i, StepKind.SWAP_OUT)
         elif step.kind == StepKind.SWAP_IN:
-            if step.target in open_:
-                raise ScheduleError(f"tensor '{step.target}' is swapped in at step {i} while resident")
-            if step.target not in ever_produced:
-                raise ScheduleError(f"tensor '{step.target}' is swapped in at step {i} before it exists")
-            start(step.target, i)
+            if target in open_:
+                raise ScheduleError(f"tensor '{target}' is swapped in at step {i} while resident")
+            if target not in self.ever_produced:
+                raise ScheduleError(f"tensor '{target}' is swapped in at step {i} before it exists")
+            self.start(target, i)
         elif step.kind == StepKind.FREE:
-            if step.target not in open_:
-                raise ScheduleError(f"tensor '{step.target}' is freed at step {i} but is not resident")
-            close(step.target, i - 1, StepKind.FREE)
+            if target not in open_:
+                raise ScheduleError(f"tensor '{target}' is freed at step {i} but is not resident")
+            self.close(target, i - 1, StepKind.FREE)
         else:
             raise ScheduleError(f"step {i} has unknown kind '{step.kind}'")
 
-    for name in list(open_):
-        t = tensors[name]
-        if t.is_static or name in held_to_end:
-            close(name, max(n - 1, open_[name]["start"]), "end of step")
-        else:
-            close(name, open_[name]["last_use"], "last use")
+    def run(self, i: int, step) -> None:
+        """A compute or recompute step: its inputs read, its outputs made (rule 3)."""
+        graph, open_, counts = self.graph, self.open, self.counts
+        op = graph.op_by_name.get(step.target)
+        if op is None:
+            raise ScheduleError(f"step {i} names op '{step.target}', which the graph does not have")
+        if step.kind == StepKind.COMPUTE:
+            if op.name in self.computed:
+                raise ScheduleError(f"op '{op.name}' is computed twice (step {i}); mark replays "
+                                    f"as recompute")
+            self.computed.add(op.name)
+        elif op.name not in self.computed:
+            raise ScheduleError(f"op '{op.name}' is recomputed at step {i} before it is computed")
+        for name in op.present_inputs:
+            self.use(name, i, f"op '{op.name}'")
+        for name in op.present_outputs:
+            if name in open_:
+                self.close(name, open_[name]["last_use"], "last use")
+            self.start(name, i)
+            source = self.aliases.get(name)
+            if source is not None:
+                _check_alias(graph, op, name, source, self.ends)
+                open_[name]["shares_with"] = (source, counts[source] - 1)
+                self.alias_events.append(((name, counts[name] - 1), (source, counts[source] - 1), i,
+                                          op.op_type in VIEW_OPS))
 
-    # in-place: a writer's source must die at the aliasing op; its residency ends there
+    def finish(self, n: int) -> list[dict]:
+        """Close what is still open at the end of the step (rule 2); the closed residencies."""
+        tensors = self.graph.tensors
+        for name in list(self.open):
+            if tensors[name].is_static or name in self.held_to_end:
+                self.close(name, max(n - 1, self.open[name]["start"]), "end of step")
+            else:
+                self.close(name, self.open[name]["last_use"], "last use")
+        return self.closed
+
+
+def _end_written_over(closed: list[dict], alias_events: list[tuple]) -> None:
+    """In-place (rule 4): a writer's source must die at the aliasing op; its residency ends there."""
     by_key = {(r["tensor"], r["index"]): r for r in closed}
     for (output, _), (source, index), step, view in alias_events:
         src = by_key[(source, index)]
@@ -216,20 +249,6 @@ def _analyze(graph: Graph, schedule: Schedule, aliases: dict[str, str],
             raise ScheduleError(f"'{output}' may not alias '{source}': '{source}' is still used after "
                                 f"step {step}")
         src["end"], src["closed_by"] = step, "written over"
-
-    raw = [Residency(r["tensor"], r["index"], r["start"], r["end"], tensors[r["tensor"]].nbytes,
-                     tensors[r["tensor"]].kind, r["shares_with"]) for r in closed]
-    groups = _groups(raw)
-    held = {(r["tensor"], r["index"]) for r in closed if r["closed_by"] == "end of step"}
-    _check_writers_own_buffers(groups, alias_events, held)
-    first = _counted_from(groups)
-    for r in raw:                   # set once, before anyone else holds them
-        object.__setattr__(r, "counted_from", first[r.key])
-    residencies = raw
-
-    live, by_kind = _timeline(residencies, n)
-    names = [str(s) for s in schedule]
-    return MemoryProfile(residencies, live, by_kind, names)
 
 
 def _check_alias(graph: Graph, op, output: str, source: str, ends: set[str]) -> None:

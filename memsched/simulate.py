@@ -126,109 +126,128 @@ def simulate(plan: Plan, hardware: "Hardware | str | None" = None, costs: CostTa
     hw = hardware_mod.load(spec) if spec is not None else None
     if hw is None and costs is None:
         raise UserError("simulating a plan needs a hardware profile or a cost table")
-    source = costs if costs is not None else hw
     profile = analyze_plan(plan)
     if plan.offsets is not None:
         check_placement(profile, plan.offsets)
-    graph, schedule = plan.graph, plan.schedule
-    n = len(schedule)
-
-    made_at = {(r.tensor, r.start): r for r in profile.residencies}
-    roots = buffer_roots(profile) if plan.offsets is not None else {}
-    current: dict[str, object] = {}            # tensor -> its open residency (to find its arena range)
-    ready: dict[str, float] = {}               # tensor -> when its current device copy is complete
-    host_copy: dict[str, tuple[str, float]] = {t: ("", 0.0) for t in plan.on_host}   # tensor -> (tier, time)
-    for r in profile.residencies:
-        if r.start == 0 and r.index == 0 and not _made_by(schedule[0] if n else None, graph, r.tensor):
-            ready[r.tensor] = 0.0
-            current[r.tensor] = r
-
-    clock = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0}
-    busy = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0}
-    swapouts_done = 0.0                         # step rule: latest end of any earlier swap-out
-    pending: list[tuple[int, int, float]] = []  # offsets rule: (lo, hi, end) of earlier swap-outs
-    traffic: dict[str, dict[str, int]] = {}
-    events: list[Event] = []
+    n = len(plan.schedule)
+    streams = _Streams(plan, profile, hw, source=costs if costs is not None else hw)
     start_t, end_t, compute_clock_at = [0.0] * n, [0.0] * n, [0.0] * n
-    stall = 0.0
+    for i, step in enumerate(plan.schedule):
+        if step.kind in RUNS:
+            start, end = streams.run(i, step)
+        elif step.kind in COPIES:
+            start, end = streams.copy(i, step)
+        else:  # free: no time, no stream
+            start = end = streams.clock["compute"]
+        start_t[i], end_t[i] = start, end
+        compute_clock_at[i] = streams.clock["compute"]
 
-    def alloc_wait(new) -> float:
+    step_time = max(streams.clock.values())
+    times, by_kind = _memory_timeline(profile, plan, start_t, end_t, compute_clock_at, step_time)
+    return Simulation(step_time=step_time, compute_busy=streams.busy["compute"], stall=streams.stall,
+                      stream_busy=streams.busy, traffic=streams.traffic, host_peak=_host_tiers(plan, hw),
+                      events=streams.events, step_start=start_t, step_end=end_t,
+                      memory_times=times, memory_by_kind=by_kind, profile=profile,
+                      hardware=hw.name if hw else None,
+                      cost_source="measured" if costs is not None else "roofline")
+
+
+class _Streams:
+    """The three streams (compute, d2h, h2d) as a schedule's steps are issued: each stream's
+    clock, when each tensor's device copy is ready, and the host copies swapped out."""
+
+    def __init__(self, plan: Plan, profile, hw, source):
+        self.plan, self.hw, self.source = plan, hw, source
+        graph, schedule = plan.graph, plan.schedule
+        self.made_at = {(r.tensor, r.start): r for r in profile.residencies}
+        self.roots = buffer_roots(profile) if plan.offsets is not None else {}
+        self.current: dict[str, object] = {}     # tensor -> its open residency (to find its arena range)
+        self.ready: dict[str, float] = {}        # tensor -> when its current device copy is complete
+        self.host_copy: dict[str, tuple[str, float]] = {t: ("", 0.0) for t in plan.on_host}  # -> (tier, time)
+        first = schedule[0] if schedule else None
+        for r in profile.residencies:
+            if r.start == 0 and r.index == 0 and not _made_by(first, graph, r.tensor):
+                self.ready[r.tensor] = 0.0
+                self.current[r.tensor] = r
+        self.clock = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0}
+        self.busy = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0}
+        self.swapouts_done = 0.0                         # step rule: latest end of any earlier swap-out
+        self.pending: list[tuple[int, int, float]] = []  # offsets rule: (lo, hi, end) of earlier swap-outs
+        self.traffic: dict[str, dict[str, int]] = {}
+        self.events: list[Event] = []
+        self.stall = 0.0
+
+    def alloc_wait(self, new) -> float:
+        """When the storage of the residencies `new` is free to be written: after every earlier
+        swap-out (no offsets), or after those whose arena range it overlaps."""
         new = [r for r in new if r.shares_with is None and r.nbytes > 0]
         if not new:
             return 0.0
-        if plan.offsets is None:
-            return swapouts_done
+        if self.plan.offsets is None:
+            return self.swapouts_done
         wait = 0.0
         for r in new:
-            lo = plan.offsets[r.key]
+            lo = self.plan.offsets[r.key]
             hi = lo + r.nbytes
-            for p_lo, p_hi, p_end in pending:
+            for p_lo, p_hi, p_end in self.pending:
                 if lo < p_hi and p_lo < hi:
                     wait = max(wait, p_end)
         return wait
 
-    for i, step in enumerate(schedule):
-        kind = step.kind
-        if kind in RUNS:
-            op = graph.op_by_name[step.target]
-            new = [made_at[(t, i)] for t in op.present_outputs]
-            start = max([clock["compute"], alloc_wait(new)] + [ready[t] for t in op.present_inputs])
-            end = start + op_time(op, graph, source)
-            stall += start - clock["compute"]
-            busy["compute"] += end - start
-            clock["compute"] = end
-            for r in new:
-                ready[r.tensor] = end
-                current[r.tensor] = r
-            events.append(Event("compute", kind, step.target, i, start, end))
-        elif kind in COPIES:
-            if hw is None:
-                raise UserError("the plan swaps tensors; simulating it needs a hardware profile")
-            t, tier = step.target, step.tier or "dram"
-            nbytes = graph.tensors[t].nbytes
-            flow = traffic.setdefault(tier, {"out": 0, "in": 0})
-            if kind == StepKind.SWAP_OUT:
-                stream = "d2h"
-                start = max(ready[t], clock[stream])
-                end = start + hw.transfer_time(nbytes, tier, stream)
-                host_copy[t] = (tier, end)
-                flow["out"] += nbytes
-                if plan.offsets is None:
-                    swapouts_done = max(swapouts_done, end)
-                else:
-                    lo = plan.offsets[roots[current[t].key]]
-                    pending = [p for p in pending if p[2] > clock["compute"]] + [(lo, lo + nbytes, end)]
-            else:
-                stream = "h2d"
-                if t not in host_copy:
-                    raise ScheduleError(f"tensor '{t}' is swapped in at step {i} but has no copy on the host")
-                home, copied = host_copy[t]
-                if home and home != tier:
-                    raise ScheduleError(f"tensor '{t}' is swapped in from '{tier}' at step {i} but its host "
-                                        f"copy is in '{home}'")
-                host_copy[t] = (tier, copied)
-                r = made_at[(t, i)]
-                start = max(clock["compute"], clock[stream], copied, alloc_wait([r]))
-                end = start + hw.transfer_time(nbytes, tier, stream)
-                ready[t] = end
-                current[t] = r
-                flow["in"] += nbytes
-            busy[stream] += end - start
-            clock[stream] = end
-            events.append(Event(stream, kind, t, i, start, end, nbytes, tier))
-        else:  # free: no time, no stream
-            start = end = clock["compute"]
-        start_t[i], end_t[i] = start, end
-        compute_clock_at[i] = clock["compute"]
+    def run(self, i: int, step) -> tuple[float, float]:
+        """A compute or recompute step on the compute stream: (start, end)."""
+        graph, clock, ready = self.plan.graph, self.clock, self.ready
+        op = graph.op_by_name[step.target]
+        new = [self.made_at[(t, i)] for t in op.present_outputs]
+        start = max([clock["compute"], self.alloc_wait(new)] + [ready[t] for t in op.present_inputs])
+        end = start + op_time(op, graph, self.source)
+        self.stall += start - clock["compute"]
+        self.busy["compute"] += end - start
+        clock["compute"] = end
+        for r in new:
+            ready[r.tensor] = end
+            self.current[r.tensor] = r
+        self.events.append(Event("compute", step.kind, step.target, i, start, end))
+        return start, end
 
-    step_time = max(clock.values())
-    host_peak = _host_tiers(plan, hw)
-    times, by_kind = _memory_timeline(profile, plan, start_t, end_t, compute_clock_at, step_time)
-    return Simulation(step_time=step_time, compute_busy=busy["compute"], stall=stall, stream_busy=busy,
-                      traffic=traffic, host_peak=host_peak, events=events, step_start=start_t, step_end=end_t,
-                      memory_times=times, memory_by_kind=by_kind, profile=profile,
-                      hardware=hw.name if hw else None,
-                      cost_source="measured" if costs is not None else "roofline")
+    def copy(self, i: int, step) -> tuple[float, float]:
+        """A swap-out on the d2h stream or a swap-in on the h2d stream: (start, end)."""
+        hw, clock = self.hw, self.clock
+        if hw is None:
+            raise UserError("the plan swaps tensors; simulating it needs a hardware profile")
+        t, tier = step.target, step.tier or "dram"
+        nbytes = self.plan.graph.tensors[t].nbytes
+        flow = self.traffic.setdefault(tier, {"out": 0, "in": 0})
+        if step.kind == StepKind.SWAP_OUT:
+            stream = "d2h"
+            start = max(self.ready[t], clock[stream])
+            end = start + hw.transfer_time(nbytes, tier, stream)
+            self.host_copy[t] = (tier, end)
+            flow["out"] += nbytes
+            if self.plan.offsets is None:
+                self.swapouts_done = max(self.swapouts_done, end)
+            else:
+                lo = self.plan.offsets[self.roots[self.current[t].key]]
+                self.pending = [p for p in self.pending if p[2] > clock["compute"]] + [(lo, lo + nbytes, end)]
+        else:
+            stream = "h2d"
+            if t not in self.host_copy:
+                raise ScheduleError(f"tensor '{t}' is swapped in at step {i} but has no copy on the host")
+            home, copied = self.host_copy[t]
+            if home and home != tier:
+                raise ScheduleError(f"tensor '{t}' is swapped in from '{tier}' at step {i} but its host "
+                                    f"copy is in '{home}'")
+            self.host_copy[t] = (tier, copied)
+            r = self.made_at[(t, i)]
+            start = max(clock["compute"], clock[stream], copied, self.alloc_wait([r]))
+            end = start + hw.transfer_time(nbytes, tier, stream)
+            self.ready[t] = end
+            self.current[t] = r
+            flow["in"] += nbytes
+        self.busy[stream] += end - start
+        clock[stream] = end
+        self.events.append(Event(stream, step.kind, t, i, start, end, nbytes, tier))
+        return start, end
 
 
 def _made_by(step, graph, tensor: str) -> bool:
