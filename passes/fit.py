@@ -48,8 +48,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from memsched.deadline import Deadline
 from memsched.errors import BudgetError
+from memsched.passes.context import DRAINED, PassRunner
 from memsched.schedule import Plan
 from memsched.simulate import simulate
 from memsched.units import format_bytes
@@ -86,7 +86,6 @@ WORK_SHARE = 0.25
 # PLACE_SHARE_SECONDS).
 PLACE_SHARE = 0.03
 PLACE_SHARE_SECONDS = 10.0
-DRAINED = "recompute (drained orders too)"
 
 
 @dataclass(frozen=True)
@@ -170,18 +169,18 @@ class Best:
 
 class FitSearch:
     """The fit search of one start plan (a training step in some form, reordered and reused)
-    against `budget` (None: placed as it is). `run(name, apply, plan)` applies a pass and judges it (plan, peak);
-    `passes` maps pass names to `f(plan, seconds, deadline)`; `time_limit` is the command's,
+    against `budget` (None: placed as it is). `runner` applies each pass by name and judges
+    it (passes.context: its context holds the deadline and the cost table); `time_limit` is the command's,
     which sets the efforts and the `ledger` (shared by every search of the command); `say`
     reports progress. Once any search of the command keeps a plan (`Deadline.planned`), an
     attempt runs only where the ledger affords it and the deadline has not passed."""
 
-    def __init__(self, start: Plan, start_peak: int, budget: int | None, strategies, passes: dict[str, Callable],
-                 run: Callable, time_limit: float, deadline: Deadline, costs=None,
-                 say: Callable[[str], None] = lambda message: None, label: str = "", ledger: Ledger | None = None):
+    def __init__(self, start: Plan, start_peak: int, budget: int | None, strategies, runner: PassRunner,
+                 time_limit: float, say: Callable[[str], None] = lambda message: None, label: str = "",
+                 ledger: Ledger | None = None):
         self.start, self.start_peak, self.budget = start, start_peak, budget
-        self.strategies, self.passes, self.run = tuple(strategies), passes, run
-        self.time_limit, self.deadline, self.costs = time_limit, deadline, costs
+        self.strategies, self.runner = tuple(strategies), runner
+        self.time_limit, self.deadline, self.costs = time_limit, runner.context.deadline, runner.context.costs
         self.ledger = ledger or Ledger(time_limit)
         self.say, self.label = say, label
         self.tried: list[dict] = []
@@ -326,8 +325,7 @@ class FitSearch:
         try:
             for pass_name, budget in candidate.steps(target):
                 if peak > budget:
-                    plan, peak = self.run(pass_name, lambda p, f=self.passes[pass_name], b=budget:
-                                          f(dataclasses.replace(p, budget=b), effort, self.deadline), plan)
+                    plan, peak = self.runner.apply(pass_name, dataclasses.replace(plan, budget=budget), effort)
         except BudgetError as err:
             reached = err.smallest_feasible_bytes
             self.tried.append({**record, "fits": False, "smallest_peak_bytes": reached, "chosen": False})
@@ -341,8 +339,7 @@ class FitSearch:
 
     def _place(self, plan: Plan, record: int | None, seconds: float) -> int:
         """Place `plan` (kept as self.placed) in `seconds`; its arena, noted in its record."""
-        self.placed, _ = self.run("placement", lambda p: self.passes["placement"](
-            dataclasses.replace(p, budget=self.budget), seconds, self.deadline), plan)
+        self.placed, _ = self.runner.apply("placement", dataclasses.replace(plan, budget=self.budget), seconds)
         arena = self.placed.notes["placement"]["arena_bytes"]
         if record is not None:
             self.tried[record]["arena_bytes"] = arena

@@ -19,7 +19,6 @@ The result carries both plans and the report dict (the `compile`/`report` JSON o
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -40,7 +39,8 @@ from memsched.units import format_bytes, parse_bytes, parse_percent
 
 from memsched.passes.rewrites.batch_split import batch_split_step, given_graph
 from memsched.passes.rewrites.concat_split import reuse_variants
-from memsched.passes.fit import DRAINED, MAX_LEVELS, Ledger, FitSearch
+from memsched.passes.fit import MAX_LEVELS, Ledger, FitSearch
+from memsched.passes.context import PassContext, PassRunner
 from memsched.passes.reuse import FUSED_KEY, baseline_aliases
 
 STRATEGIES = ("order", "reuse", "recompute", "swap")
@@ -164,39 +164,14 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
 
     initial = Plan.initial(graph, hardware=hw)
     baseline = framework_baseline(initial)
-    baseline_profile = validate(baseline)
-    budget_bytes = parse_budget(budget, baseline_profile.peak_bytes)
+    budget_bytes = parse_budget(budget, validate(baseline).peak_bytes)
     costs = CostTable.load(costs) if isinstance(costs, (str, Path)) else costs
-    timings: dict[str, float] = {}
-
-    def run(name: str, apply, start: Plan) -> tuple[Plan, int]:
-        """Apply a pass to `start`, time it, and judge the result: (plan, its peak)."""
-        started = time.perf_counter()
-        try:
-            planned = apply(start)
-            return planned, validate(dataclasses.replace(planned, budget=None)).peak_bytes  # every pass is judged
-        finally:
-            timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
-
+    runner = PassRunner(PassContext(costs, deadline, bool(data_parallel)))
     ledger = Ledger(time_limit)
 
-    def search(step: Plan, step_variants: dict[str, Graph], label: str) -> FitSearch:
-        """The fit search of `step` after reuse and order, its first plans made. The order pass
-        gets ORDER of the time limit without a budget (its peak is the plan's), the ledger's
-        fixed effort with one (so that a longer limit starts the search from the same order)."""
-        passes = _passes(data_parallel=data_parallel, variants=step_variants, costs=costs)
-        start, peak = dataclasses.replace(step, budget=None), validate(step).peak_bytes
-        effort = ORDER * time_limit if budget_bytes is None else ledger.order
-        for name in ("reuse", "order"):
-            if name in strategies:
-                say(f"{label}{name} ({len(start.schedule)} steps)")
-                if name == "order" and budget_bytes is not None:
-                    ledger.charge(effort)
-                start, peak = run(name, lambda p, f=passes[name]: f(p, effort, deadline), start)
-        found = FitSearch(start, peak, budget_bytes, strategies, passes, run, time_limit, deadline, costs, say, label,
-                       ledger)
-        found.first_plans()
-        return found
+    def search(step: Plan, variants: dict[str, Graph], label: str) -> FitSearch:
+        return _search(step, runner.with_variants(variants), budget_bytes, strategies, time_limit, ledger, say,
+                       label)
 
     with deadline.reserving(REPORT_SECONDS_PER_OP * len(graph.ops) + (reserve(graph) if reserve else 0.0)):
         searches, split = {"given": search(initial, variants, "")}, None
@@ -223,14 +198,31 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
     if data_parallel:
         record_options(plan.graph, data_parallel, bucket_bytes, batch_inputs(forward, plan.graph))
     say("simulating the baseline and the plan")
-    result = assess(plan, baseline, strategies, timings, model, costs, data_parallel)
-    result.report["solver"]["deadline_hit"] = deadline.cut
-    result.report["solver"]["interrupted"] = deadline.stopped
-    result.report["solver"]["first_fit_s"] = min((h["seconds"] for f in searches.values() for h in f.history),
-                                                 default=None)
-    result.report["solver"]["wall_s"] = round(deadline.elapsed(), 3)
+    result = assess(plan, baseline, strategies, runner.timings, model, costs, data_parallel)
+    result.report["solver"].update(
+        deadline_hit=deadline.cut, interrupted=deadline.stopped,
+        first_fit_s=min((h["seconds"] for f in searches.values() for h in f.history), default=None),
+        wall_s=round(deadline.elapsed(), 3))
     result.report["time_limit_s"] = time_limit
     return result
+
+
+def _search(step: Plan, runner: PassRunner, budget_bytes: int | None, strategies, time_limit: float,
+            ledger: Ledger, say: Callable[[str], None], label: str) -> FitSearch:
+    """The fit search of `step` after reuse and order, its first plans made. The order pass
+    gets ORDER of the time limit without a budget (its peak is the plan's), the ledger's
+    fixed effort with one (so that a longer limit starts the search from the same order)."""
+    start, peak = dataclasses.replace(step, budget=None), validate(step).peak_bytes
+    effort = ORDER * time_limit if budget_bytes is None else ledger.order
+    for name in ("reuse", "order"):
+        if name in strategies:
+            say(f"{label}{name} ({len(start.schedule)} steps)")
+            if name == "order" and budget_bytes is not None:
+                ledger.charge(effort)
+            start, peak = runner.apply(name, start, effort)
+    found = FitSearch(start, peak, budget_bytes, strategies, runner, time_limit, say, label, ledger)
+    found.first_plans()
+    return found
 
 
 def improvement_levels(searches: dict[str, FitSearch], ledger: Ledger, deadline: Deadline) -> None:
@@ -319,32 +311,6 @@ def assess(plan: Plan, baseline: Plan, strategies, timings: dict[str, float], mo
 def strategies_of(plan: Plan) -> tuple[str, ...]:
     """The strategies a plan was made with, from the notes its passes left."""
     return tuple(s for s in STRATEGIES if s in plan.notes)
-
-
-def _passes(data_parallel: bool = False, variants: dict[str, Graph] | None = None,
-            costs: CostTable | None = None) -> dict[str, Callable]:
-    """Strategy name -> pass as `f(plan, seconds, deadline)`; imported on use so loading the
-    pipeline stays cheap. `costs`: the measured cost table recompute and swap price by (as
-    fit and the report do), where given.
-    `data_parallel`: the step all-reduces every gradient, so reuse fuses no update into its
-    dW Gemm, and reuse and order leave the updates last (passes.reuse.updates_last);
-    `variants`: rewritten training steps reuse may pick instead (passes.rewrites.concat_split)."""
-    from memsched.passes.order import order_pass
-    from memsched.passes.placement import place_pass
-    from memsched.passes.recompute.planner import recompute_pass
-    from memsched.passes.reuse import reuse_pass, updates_last
-    from memsched.passes.swap.planner import swap_pass
-
-    def last(plan: Plan) -> Plan:
-        return updates_last(plan) if data_parallel else plan
-
-    return {"order": lambda plan, limit, deadline: last(order_pass(plan, limit, deadline=deadline)),
-            "reuse": lambda plan, limit, deadline: last(reuse_pass(plan, not data_parallel, variants)),
-            "recompute": lambda plan, limit, deadline: recompute_pass(plan, limit, deadline=deadline, costs=costs),
-            DRAINED: lambda plan, limit, deadline: recompute_pass(plan, limit, drained=True, deadline=deadline,
-                                                                  costs=costs),
-            "swap": lambda plan, limit, deadline: swap_pass(plan, limit, deadline=deadline, costs=costs),
-            "placement": place_pass}
 
 
 # ---- the report ----------------------------------------------------------------------------

@@ -23,11 +23,17 @@ from memsched.errors import BudgetError
 from memsched.frontend import lower
 from memsched.onnx_utils import save_model_atomic
 from memsched.passes import fit
+from memsched.passes.context import PassContext, PassRunner
 from memsched.passes.pipeline import compile as compile_plan
 
 from .conftest import ROOT
 
 SMALL = dict(batch=2, size=32, weights=False)     # a ResNet-18 whose training step needs recompute or swap at 50%
+
+
+def _runner(table: dict, deadline: Deadline, judge=lambda plan: 0) -> PassRunner:
+    """A pass runner over the fake passes of `table`, with `deadline`, judging each plan's peak by `judge`."""
+    return PassRunner(PassContext(deadline=deadline), table, judge)
 
 
 @functools.cache
@@ -145,7 +151,7 @@ def test_an_arena_over_the_budget_says_when_the_time_limit_cut_the_search():
     def failure(cut: bool) -> str:
         deadline = unlimited()
         deadline.cut = cut
-        search = fit.FitSearch(None, 1000, 1000, ("order", "reuse", "swap"), {}, None, 10, deadline)
+        search = fit.FitSearch(None, 1000, 1000, ("order", "reuse", "swap"), _runner({}, deadline), 10)
         search.lowest, search.smallest_arena = 990, 1100
         error = search.failure(search.strategies)
         assert error.smallest_feasible_bytes == 1100
@@ -165,7 +171,7 @@ class _Placed:
 def _placement(efforts: list):
     """A placement pass whose arena holds a budget of 1,000 B only with 2.5 s or more (990 B;
     1,100 B with less); the seconds of each call go to `efforts`."""
-    def placement(plan, seconds, deadline):
+    def placement(plan, seconds, context):
         efforts.append(seconds)
         return dataclasses.replace(plan, notes={"placement": {"arena_bytes": 990 if seconds >= 2.5 else 1100}})
     return placement
@@ -178,8 +184,8 @@ def test_the_rescue_places_the_nearest_attempt_again_with_more_time():
     efforts = []
 
     def search(deadline, time_limit: float = 40) -> fit.FitSearch:
-        found = fit.FitSearch(None, 1000, 1000, ("order", "reuse", "swap"), {"placement": _placement(efforts)},
-                           lambda name, apply, plan: (apply(plan), 0), time_limit, deadline)
+        found = fit.FitSearch(None, 1000, 1000, ("order", "reuse", "swap"),
+                              _runner({"placement": _placement(efforts)}, deadline), time_limit)
         found.tried = [{"candidate": "swap", "target_bytes": 1000, "step_time_s": 1.5, "fits": True}]
         found.nearest, found.smallest_arena, found.lowest = (1100, _Placed(), 0), 1100, 980
         return found
@@ -229,7 +235,7 @@ def _fake_passes(seed: int) -> dict:
     import random
 
     def planner(name: str):
-        def apply(plan, effort, deadline):
+        def apply(plan, effort, context):
             r = random.Random(repr((seed, name, plan.budget, round(effort, 6), plan.notes.get("time"))))
             if r.random() < 0.2:
                 raise BudgetError("not this time", plan.budget + r.randrange(1, 200))
@@ -238,7 +244,7 @@ def _fake_passes(seed: int) -> dict:
                                            "peak": plan.budget - r.randrange(100)}, None)
         return apply
 
-    def placement(plan, seconds, deadline):
+    def placement(plan, seconds, context):
         r = random.Random(repr((seed, plan.notes.get("time"), plan.budget, round(seconds, 6))))
         return dataclasses.replace(plan, notes={**plan.notes, "placement": {
             "arena_bytes": plan.notes["peak"] + r.randrange(-20, 120)}})
@@ -260,9 +266,9 @@ def _fake_command(seed: int, time_limit: float, monkeypatch, deadline: Deadline 
     monkeypatch.setattr(fit, "drains_anything", lambda plan: seed % 2 == 0)
     deadline, ledger = deadline or unlimited(), fit.Ledger(time_limit)
     search = fit.FitSearch(_FakePlan(None, {"time": 1.0, "peak": 2000}), 2000, 1000,
-                        ("order", "reuse", "recompute", "swap"), _fake_passes(seed),
-                        lambda name, apply, plan: (lambda p: (p, p.notes["peak"]))(apply(plan)), time_limit,
-                        deadline, ledger=ledger)
+                           ("order", "reuse", "recompute", "swap"),
+                           _runner(_fake_passes(seed), deadline, judge=lambda plan: plan.notes["peak"]), time_limit,
+                           ledger=ledger)
     search.first_plans()
     if slowest_round is not None:
         search.slowest_round = slowest_round
@@ -376,8 +382,8 @@ def test_the_rescue_places_the_start_again_where_its_live_bytes_fit():
     """With order and reuse alone, a start whose live bytes fit the budget but whose first
     arena overshoots is placed once more by the rescue, and kept as it is."""
     efforts = []
-    search = fit.FitSearch(_Placed(), 980, 1000, ("order", "reuse"), {"placement": _placement(efforts)},
-                        lambda name, apply, plan: (apply(plan), 0), 40, unlimited())
+    search = fit.FitSearch(_Placed(), 980, 1000, ("order", "reuse"),
+                           _runner({"placement": _placement(efforts)}, unlimited()), 40)
     search.first_plans()
     assert search.best is None and efforts[-1] < 2.5
     search.rescue()
@@ -390,12 +396,12 @@ def test_an_attempt_past_the_time_limit_says_why_the_search_goes_on():
     one fits: each attempt's progress line says so, so a late answer is not a silent overrun."""
     said = []
 
-    def swap(plan, seconds, deadline):
+    def swap(plan, seconds, context):
         raise BudgetError("not this time", 1100)
 
     for deadline, late in ((Deadline(0.0), True), (unlimited(), False)):
         said.clear()
-        search = fit.FitSearch(_Placed(), 1200, 1000, ("order", "reuse", "swap"), {"swap": swap},
-                            lambda name, apply, plan: (apply(plan), 900), 10, deadline, say=said.append)
+        search = fit.FitSearch(_Placed(), 1200, 1000, ("order", "reuse", "swap"),
+                               _runner({"swap": swap}, deadline, judge=lambda plan: 900), 10, say=said.append)
         search.attempt(fit.Candidate("swap"), 0.0, 1)
         assert len(said) == 1 and said[0].endswith("past the time limit, going on to a first plan") == late

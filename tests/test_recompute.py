@@ -564,15 +564,12 @@ def _fit_search(start, target, strategies=("reuse", "recompute", "swap")):
     """A fit search of `start` against `target` with no deadline and no end to its effort (every
     phase runs whole)."""
     from memsched.deadline import unlimited
-    from memsched.passes import fit, pipeline
-
-    def run(name, apply, plan):
-        planned = apply(plan)
-        return planned, analyze_plan(dataclasses.replace(planned, budget=None)).peak_bytes
+    from memsched.passes import fit
+    from memsched.passes.context import PassContext, PassRunner
 
     peak = analyze_plan(start).peak_bytes
-    return fit.FitSearch(start, peak, target, strategies, pipeline._passes(), run, 20, unlimited(),
-                      ledger=fit.Ledger(math.inf))
+    return fit.FitSearch(start, peak, target, strategies, PassRunner(PassContext(deadline=unlimited())), 20,
+                         ledger=fit.Ledger(math.inf))
 
 
 @pytest.mark.slow
@@ -634,7 +631,7 @@ def test_a_measured_cost_table_prices_the_replays(graphs):
     do), not by the hardware's roofline: the problem's node costs are the table's, and so is
     the plan's added compute. Each op here costs its position in the table (1, 2, ... ms)."""
     from memsched.cost import CostTable
-    from memsched.passes import pipeline
+    from memsched.passes.context import PassContext, PassRunner
     from memsched.passes.recompute.planner import to_problem
 
     plan = reused(graphs("gpt2"))
@@ -644,7 +641,7 @@ def test_a_measured_cost_table_prices_the_replays(graphs):
     assert priced == {name: table.times[name] for name in priced} and len(priced) == len(plan.graph.ops)
     assert priced != {v: c for v, c in zip(to_problem(plan).ids, to_problem(plan).cost) if v in table.times}
     budget = int(FRACTION["gpt2"] * analyze_plan(plan).peak_bytes)
-    run = pipeline._passes(costs=table)["recompute"]
-    notes = run(dataclasses.replace(plan, budget=budget), 3, None).notes["recompute"]
+    planned, _ = PassRunner(PassContext(costs=table)).apply("recompute", dataclasses.replace(plan, budget=budget), 3)
+    notes = planned.notes["recompute"]
     assert notes["recomputed_ops"]
     assert notes["added_compute_s"] == pytest.approx(sum(table.times[name] for name in notes["recomputed_ops"]))
