@@ -84,9 +84,20 @@ def torchvision_classifier(name: str, classes: int = 1000):
     torchvision writes them (ReLU and ReLU6 in place, BN after every conv, no dropout: the
     bundled models leave it out too), for PyTorch's own peak memory of a training step."""
     import torch
-    from torch import nn
 
     torch.manual_seed(0)
+    builders = {"resnet18": lambda: _resnet("basic", [2, 2, 2, 2], classes),
+                "resnet50": lambda: _resnet("bottleneck", [3, 4, 6, 3], classes),
+                "mobilenetv2": lambda: _mobilenetv2(classes)}
+    if name not in builders:
+        raise ValueError(f"no torch version of {name!r}; known: {', '.join(builders)}")
+    return builders[name]()
+
+
+def _resnet(block_kind: str, counts: list[int], classes: int):
+    """torchvision's ResNet with basic (18, 34) or bottleneck (50) blocks, `counts` per stage."""
+    import torch
+    from torch import nn
 
     class Basic(nn.Module):
         expansion = 1
@@ -142,6 +153,14 @@ def torchvision_classifier(name: str, classes: int = 1000):
         def forward(self, x):
             return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
 
+    return ResNet(Basic if block_kind == "basic" else Bottleneck, counts)
+
+
+def _mobilenetv2(classes: int):
+    """torchvision's mobilenet_v2 (width 1.0)."""
+    import torch
+    from torch import nn
+
     def conv_bn_relu6(cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1):
         return nn.Sequential(nn.Conv2d(cin, cout, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
                              nn.BatchNorm2d(cout), nn.ReLU6(inplace=True))
@@ -173,8 +192,4 @@ def torchvision_classifier(name: str, classes: int = 1000):
         def forward(self, x):
             return self.classifier(torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1))
 
-    builders = {"resnet18": lambda: ResNet(Basic, [2, 2, 2, 2]), "resnet50": lambda: ResNet(Bottleneck, [3, 4, 6, 3]),
-                "mobilenetv2": MobileNetV2}
-    if name not in builders:
-        raise ValueError(f"no torch version of {name!r}; known: {', '.join(builders)}")
-    return builders[name]()
+    return MobileNetV2()

@@ -46,6 +46,7 @@ export a module in train mode to train with its Dropout, in eval mode to train w
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -102,45 +103,25 @@ def export_for_training(module, example_inputs, path, *, input_names=None, outpu
     output_names = None if output_names is None else _names(output_names, "output_names")
     path = Path(path)
     check_writable(path)
-
     dynamic_axes = None
     if batch_dim_symbolic:
         dynamic_axes = {name: {0: BATCH_DIM} for name, arg in zip(input_names, args) if arg.dim() >= 1}
         dynamic_axes.update({name: {0: BATCH_DIM} for name in output_names or ()})
     name = type(module).__name__
-    flags = [(m, m.training) for m in module.modules()]
-    own_forward = module.__dict__.get("forward")     # an instance's own forward, put back after
-    buffers = {key: b.detach().clone() for key, b in module.named_buffers()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix=".memsched-export-", dir=path.parent) as folder, \
-                torch.random.fork_rng(devices=_cuda_devices(module)), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", ".*legacy TorchScript-based ONNX export", DeprecationWarning)
-            warnings.filterwarnings("ignore", message=".*num_batches_tracked")
-            warnings.filterwarnings("ignore", "The feature will be removed", DeprecationWarning, r"torch\.onnx")
-            # batch_norm's check of the batch size (more than one value per channel) in train mode
-            warnings.filterwarnings("ignore", "Converting a tensor to a Python boolean",
-                                    module=r"torch\.nn\.functional$")
-            exported = os.path.join(folder, "model.onnx")
-            try:
-                positional_forward(module)
-                torch.onnx.export(module, args, exported, dynamo=False, opset_version=opset,
-                                  training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
-                                  export_params=True, keep_initializers_as_inputs=True,
-                                  input_names=input_names, output_names=output_names, dynamic_axes=dynamic_axes)
-            except Exception as exc:  # noqa: BLE001 - any exporter failure is the user's module
-                raise UserError(f"cannot export {name} to ONNX: {_reason(exc)}") from exc
-            model = onnx.load(exported)     # loads external data the exporter wrote for a big model
-    finally:
-        module.__dict__.pop("forward", None)
-        if own_forward is not None:
-            module.__dict__["forward"] = own_forward
-        with torch.no_grad():
-            for key, b in module.named_buffers():
-                if key in buffers:
-                    b.copy_(buffers[key])
-        for m, training in flags:
-            m.training = training
+    with _module_kept(torch, module) as buffers, \
+            tempfile.TemporaryDirectory(prefix=".memsched-export-", dir=path.parent) as folder, \
+            torch.random.fork_rng(devices=_cuda_devices(module)), _exporter_quiet():
+        exported = os.path.join(folder, "model.onnx")
+        try:
+            positional_forward(module)
+            torch.onnx.export(module, args, exported, dynamo=False, opset_version=opset,
+                              training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
+                              export_params=True, keep_initializers_as_inputs=True,
+                              input_names=input_names, output_names=output_names, dynamic_axes=dynamic_axes)
+        except Exception as exc:  # noqa: BLE001 - any exporter failure is the user's module
+            raise UserError(f"cannot export {name} to ONNX: {_reason(exc)}") from exc
+        model = onnx.load(exported)     # loads external data the exporter wrote for a big model
 
     state = {key: value.detach() for key, value in module.state_dict().items() if isinstance(value, torch.Tensor)}
     _initializers_not_inputs(model)
@@ -155,6 +136,40 @@ def export_for_training(module, example_inputs, path, *, input_names=None, outpu
         entry = model.metadata_props.add()
         entry.key, entry.value = STATE_DICT_NAMES_KEY, json.dumps(renamed, sort_keys=True)
     return str(save_model_atomic(model, path))
+
+
+@contextlib.contextmanager
+def _module_kept(torch, module):
+    """The module's train/eval flags, its instance's own forward (if any) and its buffers'
+    values as they were before the block, put back after it; yields {key: buffer value}."""
+    flags = [(m, m.training) for m in module.modules()]
+    own_forward = module.__dict__.get("forward")     # an instance's own forward, put back after
+    buffers = {key: b.detach().clone() for key, b in module.named_buffers()}
+    try:
+        yield buffers
+    finally:
+        module.__dict__.pop("forward", None)
+        if own_forward is not None:
+            module.__dict__["forward"] = own_forward
+        with torch.no_grad():
+            for key, b in module.named_buffers():
+                if key in buffers:
+                    b.copy_(buffers[key])
+        for m, training in flags:
+            m.training = training
+
+
+@contextlib.contextmanager
+def _exporter_quiet():
+    """The TorchScript exporter's warnings that say nothing to a memsched user, silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*legacy TorchScript-based ONNX export", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*num_batches_tracked")
+        warnings.filterwarnings("ignore", "The feature will be removed", DeprecationWarning, r"torch\.onnx")
+        # batch_norm's check of the batch size (more than one value per channel) in train mode
+        warnings.filterwarnings("ignore", "Converting a tensor to a Python boolean",
+                                module=r"torch\.nn\.functional$")
+        yield
 
 
 def state_dict_names(model: onnx.ModelProto, state: dict) -> dict[str, str]:

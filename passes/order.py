@@ -909,104 +909,125 @@ def window_model(problem: OrderProblem, order: list[str], ws: int, we: int, alia
     Pairs at ops outside the window keep `aliases`. `floor` (whole graph only) is a known
     lower bound on the peak, given to the solver to shorten its proof.
     """
-    index = problem.index
-    graph = problem.graph
-    n = len(order)
-    position = {index[name]: k for k, name in enumerate(order)}
-    inside = [index[name] for name in order[ws:we]]
-    inside_set = set(inside)
+    window = _Window(problem, order, ws, we, aliases)
+    for k, nbytes in enumerate(problem.nbytes):
+        window.add_tensor(k, nbytes)
+    for x in window.statics:
+        window.add_static(x)
+    window.minimize_peak(floor)
+    return window.model, window.pos, window.scale, window.pairs, window.modelled_static
 
-    model = cp_model.CpModel()
-    pos = {i: model.NewIntVar(ws, we - 1, f"p{i}") for i in inside}
-    # one op per step; a NoOverlap of unit intervals, which CP-SAT does not expand into a
-    # Boolean permutation matrix as it does an AllDifferent over exactly n values
-    model.AddNoOverlap([model.NewFixedSizeIntervalVar(v, 1, f"o{i}") for i, v in pos.items()])
-    for i in inside:
-        model.AddHint(pos[i], position[i])
-        for p in problem.preds[i]:
-            if p in inside_set:
-                model.Add(pos[p] + 1 <= pos[i])
 
-    pairs = _alias_choices(problem, model, pos, position, we, aliases) if problem.inplace else []
-    takes: dict[str, list] = {}       # output -> its pair variables
-    taken_by: dict[str, list] = {}    # source -> its pair variables
-    for out, src, var in pairs:
-        takes.setdefault(out, []).append(var)
-        taken_by.setdefault(src, []).append(var)
-    statics = sorted({src for _, src, _ in pairs if graph.tensors[src].is_static})
-    modelled_static = sum(graph.tensors[x].nbytes for x in statics)
-    scale = math.gcd(*problem.nbytes, *(graph.tensors[x].nbytes for x in statics)) or 1
-    intervals, demands = [], []
-    load = np.zeros(we - ws + 1, dtype=np.int64)     # the hinted order's bytes per window step
+class _Window:
+    """The CP-SAT model of one window of an order as `window_model` builds it: the position
+    variables, the tensors' intervals and byte demands (in units of `scale`), and the hinted
+    order's bytes per window step (`load`)."""
 
-    def hinted(var, value: int):
-        model.AddHint(var, int(value))
+    def __init__(self, problem: OrderProblem, order: list[str], ws: int, we: int, aliases: dict[str, str]):
+        self.problem, self.ws, self.we, self.aliases, self.n = problem, ws, we, aliases, len(order)
+        index, graph = problem.index, problem.graph
+        self.position = position = {index[name]: k for k, name in enumerate(order)}
+        inside = [index[name] for name in order[ws:we]]
+        self.inside = inside_set = set(inside)
+        self.model = model = cp_model.CpModel()
+        self.pos = pos = {i: model.NewIntVar(ws, we - 1, f"p{i}") for i in inside}
+        # one op per step; a NoOverlap of unit intervals, which CP-SAT does not expand into a
+        # Boolean permutation matrix as it does an AllDifferent over exactly n values
+        model.AddNoOverlap([model.NewFixedSizeIntervalVar(v, 1, f"o{i}") for i, v in pos.items()])
+        for i in inside:
+            model.AddHint(pos[i], position[i])
+            for p in problem.preds[i]:
+                if p in inside_set:
+                    model.Add(pos[p] + 1 <= pos[i])
+        self.pairs = _alias_choices(problem, model, pos, position, we, aliases) if problem.inplace else []
+        self.takes: dict[str, list] = {}       # output -> its pair variables
+        self.taken_by: dict[str, list] = {}    # source -> its pair variables
+        for out, src, var in self.pairs:
+            self.takes.setdefault(out, []).append(var)
+            self.taken_by.setdefault(src, []).append(var)
+        self.statics = sorted({src for _, src, _ in self.pairs if graph.tensors[src].is_static})
+        self.modelled_static = sum(graph.tensors[x].nbytes for x in self.statics)
+        self.scale = math.gcd(*problem.nbytes, *(graph.tensors[x].nbytes for x in self.statics)) or 1
+        self.intervals: list = []
+        self.demands: list[int] = []
+        self.load = np.zeros(we - ws + 1, dtype=np.int64)     # the hinted order's bytes per window step
+
+    def hinted(self, var, value: int):
+        self.model.AddHint(var, int(value))
         return var
 
-    def readers_end(readers: list[int], name: str):
+    def readers_end(self, readers: list[int], name: str):
         """The window step of the last of `readers` (a variable when several move), and its hint."""
-        inner = [r for r in readers if r in inside_set]
-        last = max(position[r] for r in inner)
+        inner = [r for r in readers if r in self.inside]
+        last = max(self.position[r] for r in inner)
         if len(inner) == 1:
-            return pos[inner[0]], last
-        end = hinted(model.NewIntVar(ws, we - 1, f"e{name}"), last)
-        model.AddMaxEquality(end, [pos[r] for r in inner])
+            return self.pos[inner[0]], last
+        end = self.hinted(self.model.NewIntVar(self.ws, self.we - 1, f"e{name}"), last)
+        self.model.AddMaxEquality(end, [self.pos[r] for r in inner])
         return end, last
 
-    def add(start, end, nbytes: int, name: str, hint: tuple[int, int]) -> None:
-        size = hinted(model.NewIntVar(0, we - ws, f"s{name}"), hint[1] + 1 - hint[0])
-        intervals.append(model.NewIntervalVar(start, size, end + 1, f"t{name}"))
-        demands.append(nbytes // scale)
-        load[hint[0] - ws] += nbytes // scale
-        load[hint[1] + 1 - ws] -= nbytes // scale
+    def demand(self, interval, nbytes: int, first: int, last: int) -> None:
+        """`interval` holds `nbytes`; in the hinted order, from window step `first` to `last`."""
+        self.intervals.append(interval)
+        self.demands.append(nbytes // self.scale)
+        self.load[first - self.ws] += nbytes // self.scale
+        self.load[last + 1 - self.ws] -= nbytes // self.scale
 
-    for k, nbytes in enumerate(problem.nbytes):
-        name = problem.tensors[k]
-        u = problem.producer[k]
-        readers = problem.readers[k]
-        if not (u in inside_set or any(r in inside_set for r in readers)):
-            first = (position[u] + (name in aliases)) if u >= 0 else 0
-            last = _fixed_end(problem, k, position, n)
+    def add(self, start, end, nbytes: int, name: str, hint: tuple[int, int]) -> None:
+        size = self.hinted(self.model.NewIntVar(0, self.we - self.ws, f"s{name}"), hint[1] + 1 - hint[0])
+        self.demand(self.model.NewIntervalVar(start, size, end + 1, f"t{name}"), nbytes, *hint)
+
+    def add_tensor(self, k: int, nbytes: int) -> None:
+        """Tensor `k`: an interval from its producer to its last reader, clipped to the window."""
+        problem, position, inside, ws, we = self.problem, self.position, self.inside, self.ws, self.we
+        name, u, readers = problem.tensors[k], problem.producer[k], problem.readers[k]
+        if not (u in inside or any(r in inside for r in readers)):
+            first = (position[u] + (name in self.aliases)) if u >= 0 else 0
+            last = _fixed_end(problem, k, position, self.n)
             if (first > ws or last < we - 1) and first <= we - 1 and last >= ws:
                 lo, hi = max(first, ws), min(last, we - 1)
-                intervals.append(model.NewIntervalVar(lo, hi - lo + 1, hi + 1, f"c{k}"))
-                demands.append(nbytes // scale)
-                load[lo - ws] += nbytes // scale
-                load[hi + 1 - ws] -= nbytes // scale
-            continue
-        if u in inside_set:
-            first = position[u] + (name in aliases and name in takes)
-            start = hinted(model.NewIntVar(ws, we, f"b{k}"), first)
-            model.Add(start == pos[u] + sum(takes.get(name, [])))
+                self.demand(self.model.NewIntervalVar(lo, hi - lo + 1, hi + 1, f"c{k}"), nbytes, lo, hi)
+            return
+        if u in inside:
+            first = position[u] + (name in self.aliases and name in self.takes)
+            start = self.hinted(self.model.NewIntVar(ws, we, f"b{k}"), first)
+            self.model.Add(start == self.pos[u] + sum(self.takes.get(name, [])))
         else:
             start = first = ws
         if problem.held[k] or any(position[r] >= we for r in readers):
             end = last = we - 1
-        elif any(r in inside_set for r in readers):
-            end, last = readers_end(readers, str(k))
+        elif any(r in inside for r in readers):
+            end, last = self.readers_end(readers, str(k))
         else:
-            end, last = pos[u], position[u]
-        add(start, end, nbytes, str(k), (first, last))
-    for x in statics:
-        # to the end of the step, or -- overwritten -- to its last reader, the overwriting op
-        readers = [index[c.name] for c in graph.consumers.get(x, [])]
-        overwritten = x in aliases.values()
-        taken = hinted(model.NewBoolVar(f"taken_{x}"), overwritten)
-        model.Add(taken == sum(taken_by[x]))
-        last, last_hint = readers_end(readers, x)
+            end, last = self.pos[u], position[u]
+        self.add(start, end, nbytes, str(k), (first, last))
+
+    def add_static(self, x: str) -> None:
+        """A parameter that may be overwritten: to the end of the step, or -- overwritten -- to
+        its last reader, the overwriting op."""
+        model, graph, ws, we = self.model, self.problem.graph, self.ws, self.we
+        readers = [self.problem.index[c.name] for c in graph.consumers.get(x, [])]
+        overwritten = x in self.aliases.values()
+        taken = self.hinted(model.NewBoolVar(f"taken_{x}"), overwritten)
+        model.Add(taken == sum(self.taken_by[x]))
+        last, last_hint = self.readers_end(readers, x)
         hint = last_hint if overwritten else we - 1
-        end = hinted(model.NewIntVar(ws, we - 1, f"end_{x}"), hint)
+        end = self.hinted(model.NewIntVar(ws, we - 1, f"end_{x}"), hint)
         model.Add(end == last).OnlyEnforceIf(taken)
         model.Add(end == we - 1).OnlyEnforceIf(taken.Not())
-        add(ws, end, graph.tensors[x].nbytes, x, (ws, hint))
-    hint = int(np.cumsum(load)[:-1].max(initial=0))
-    least = 0
-    if floor and (ws, we) == (0, n):
-        least = min(hint, max(0, -(-(floor - (problem.static_bytes - modelled_static)) // scale)))
-    capacity = hinted(model.NewIntVar(least, max(least, sum(demands)), "peak"), hint)
-    model.AddCumulative(intervals, demands, capacity)
-    model.Minimize(capacity)
-    return model, pos, scale, pairs, modelled_static
+        self.add(ws, end, graph.tensors[x].nbytes, x, (ws, hint))
+
+    def minimize_peak(self, floor: int) -> None:
+        """The objective: the least capacity that holds every interval at every step, hinted
+        with the given order's peak and bounded below by `floor` over the whole graph."""
+        hint = int(np.cumsum(self.load)[:-1].max(initial=0))
+        least = 0
+        if floor and (self.ws, self.we) == (0, self.n):
+            unmodelled = self.problem.static_bytes - self.modelled_static
+            least = min(hint, max(0, -(-(floor - unmodelled) // self.scale)))
+        capacity = self.hinted(self.model.NewIntVar(least, max(least, sum(self.demands)), "peak"), hint)
+        self.model.AddCumulative(self.intervals, self.demands, capacity)
+        self.model.Minimize(capacity)
 
 
 def _alias_choices(problem: OrderProblem, model: cp_model.CpModel, pos: dict, position: dict, we: int,

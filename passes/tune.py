@@ -116,42 +116,9 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
                         "baseline peak changes with the batch size")
     capacity = parse_bytes(budget) if budget is not None else hw.device_memory
     sets = strategy_sets or STRATEGY_SETS
-    rows: list[dict] = []
-    cache: dict[int, Graph] = {}
     options = dict(train=train, loss=loss, optimizer=optimizer, time_limit=compile_time_limit(time_limit),
                    deadline=deadline)
-
-    last = [0.0]        # seconds the last compile took: one that the time left cannot hold is not started
-
-    def evaluate(name: str, strategies: tuple[str, ...], batch: int) -> dict:
-        if deadline.expired or deadline.left() < last[0]:
-            deadline.cut = True
-            raise _OutOfTime
-        began = time.perf_counter()
-        say(f"{name}: batch {batch}")
-        if batch not in cache:
-            cache.clear()  # graphs are rebuilt per batch; keep one
-            cache[batch] = build(batch)
-        graph = cache[batch]
-        if deadline.cuts():        # building the graph took the rest
-            raise _OutOfTime
-        row = {"strategy": name, "batch": batch}
-        try:
-            result = compile_batch(graph, strategies, hw, capacity, **options)
-        except BudgetError as exc:
-            row.update(fits=False, peak_bytes=exc.smallest_feasible_bytes, step_time_s=None, time_per_sample_s=None)
-        else:
-            report = result.report
-            peak = report["plan"]["peak_bytes"]
-            row.update(fits=peak <= capacity, peak_bytes=peak, arena_bytes=report["plan"]["arena_bytes"],
-                       baseline_peak_bytes=report["baseline"]["peak_bytes"],
-                       step_time_s=report["plan"]["step_time_s"],
-                       time_per_sample_s=report["plan"]["step_time_s"] / batch,
-                       overhead=report["plan"]["overhead"])
-        rows.append(row)
-        last[0] = time.perf_counter() - began
-        return row
-
+    trials = _Trials(build, hw, capacity, options, deadline, say)
     largest: dict[str, int | None] = {}
     best: dict[str, dict | None] = {}
     complete: dict[str, bool] = {}
@@ -160,7 +127,7 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
 
         def row(b: int) -> dict:
             if b not in seen:
-                seen[b] = evaluate(name, strategies, b)
+                seen[b] = trials.row(name, strategies, b)
             return seen[b]
         try:
             largest[name] = search_largest(lambda b: row(b)["fits"], max_batch)
@@ -179,8 +146,51 @@ def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: s
                 say(f"{name}: measuring batch {row['batch']} on {measure}")
                 row.update(measure_row(measure_build or build, row["batch"], sets[name], hw, capacity, measure,
                                        measure_steps, options))
-    overall = _fastest(rows)
-    return TuneResult(rows, largest, best, overall, capacity, complete)
+    return TuneResult(trials.rows, largest, best, _fastest(trials.rows), capacity, complete)
+
+
+class _Trials:
+    """Each (strategy set, batch) compiled once, as a row of the result; the graph of the
+    last batch kept. A compile that the time left cannot hold (the last one took longer) is
+    not started: `_OutOfTime`, and the deadline is marked cut."""
+
+    def __init__(self, build: Callable[[int], Graph], hw, capacity: int, options: dict, deadline: Deadline,
+                 say: Callable[[str], None]):
+        self.build, self.hw, self.capacity, self.options = build, hw, capacity, options
+        self.deadline, self.say = deadline, say
+        self.rows: list[dict] = []
+        self.cache: dict[int, Graph] = {}
+        self.last = 0.0        # seconds the last compile took
+
+    def row(self, name: str, strategies: tuple[str, ...], batch: int) -> dict:
+        deadline = self.deadline
+        if deadline.expired or deadline.left() < self.last:
+            deadline.cut = True
+            raise _OutOfTime
+        began = time.perf_counter()
+        self.say(f"{name}: batch {batch}")
+        if batch not in self.cache:
+            self.cache.clear()  # graphs are rebuilt per batch; keep one
+            self.cache[batch] = self.build(batch)
+        graph = self.cache[batch]
+        if deadline.cuts():        # building the graph took the rest
+            raise _OutOfTime
+        row = {"strategy": name, "batch": batch}
+        try:
+            result = compile_batch(graph, strategies, self.hw, self.capacity, **self.options)
+        except BudgetError as exc:
+            row.update(fits=False, peak_bytes=exc.smallest_feasible_bytes, step_time_s=None, time_per_sample_s=None)
+        else:
+            report = result.report
+            peak = report["plan"]["peak_bytes"]
+            row.update(fits=peak <= self.capacity, peak_bytes=peak, arena_bytes=report["plan"]["arena_bytes"],
+                       baseline_peak_bytes=report["baseline"]["peak_bytes"],
+                       step_time_s=report["plan"]["step_time_s"],
+                       time_per_sample_s=report["plan"]["step_time_s"] / batch,
+                       overhead=report["plan"]["overhead"])
+        self.rows.append(row)
+        self.last = time.perf_counter() - began
+        return row
 
 
 def compile_batch(graph: Graph, strategies: tuple[str, ...], hw, capacity: int, **options):

@@ -1,4 +1,4 @@
-"""The package's shape: one installed namespace, and imports that point one way (docs/design.md).
+"""The package's shape: one installed namespace, imports that point one way, short functions (docs/design.md).
 
 The repository keeps the compiler's stages as folders (`memsched/` the core, `passes/`,
 `models/`, `cli/`); pyproject.toml installs them all inside the one package `memsched`. The
@@ -79,3 +79,19 @@ def test_imports_point_one_way():
                     wrong.append(f"{path.relative_to(ROOT)} imports {module}")
             assert not any(m.split(".")[0] in {"passes", "models", "cli"} for m in imported_modules(path)), path
     assert not wrong, "\n".join(wrong)
+
+
+LONGEST_FUNCTION = 80     # lines, docstring included
+
+
+def test_no_function_outside_tests_is_longer_than_a_screen():
+    """A function longer than LONGEST_FUNCTION lines does more than one thing: split it."""
+    long = []
+    for folder in (*FOLDERS, "bench", "docs"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                        node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}, "
+                                f"{node.end_lineno - node.lineno + 1} lines")
+    assert not long, "\n".join(long)

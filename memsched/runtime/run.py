@@ -105,13 +105,8 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         if device_memory_use is not None:
             device_memory_use.sample()
         actual_device = runner.device
-        reference = Reference(graph, actual_device, threads, tf32=False) if check else None
-        ref_statics = statics(graph) if check else {}
-        others = {key: g for key, g in (("given", given), ("against", against)) if check and g is not None}
-        other_runs = {key: Reference(g, actual_device, threads, tf32=False) for key, g in others.items()}
-        other_statics = {key: statics(g) for key, g in others.items()}
-        other_diffs: dict[str, list] = {key: [] for key in others}
-        times, diffs = [], []
+        checks = _Checks(graph, given, against, actual_device, threads) if check else None
+        times: list[float] = []
         outputs: dict[str, np.ndarray] = {}
         for k in range(steps):
             times.append(runner.step(feeds, poison=check))
@@ -122,14 +117,8 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
                     device_memory_use.sample()
             if check or k == steps - 1:
                 outputs = _collect(program, rt, last=k == steps - 1)
-            if reference is not None:
-                expected = reference.run(feeds, ref_statics)
-                diffs.append(compare_outputs(outputs, expected))
-                ref_statics = feed_back(graph, ref_statics, expected)
-            for key, other in others.items():       # within tolerance: these graphs round differently
-                expected = other_runs[key].run(feeds, other_statics[key])
-                other_diffs[key].append(compare_outputs(outputs, expected))
-                other_statics[key] = feed_back(other, other_statics[key], expected)
+            if checks is not None:
+                checks.compare(outputs, feeds)
             if progress is not None:
                 progress(k + 1, steps)
         providers = Counter(run.provider for run in program.actions if isinstance(run, Run))
@@ -142,14 +131,36 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         planned_arena_bytes=runner.planned_arena, planned_peak_bytes=profile.peak_bytes, step_times=times,
         outputs=outputs, sessions=sessions, ops=sum(isinstance(a, Run) for a in program.actions),
         swapped_bytes=dict(program.swapped_bytes),
-        check=({**check_summary(diffs, exact=actual_device == "cpu"),
-                **{key: check_summary(other_diffs[key], exact=False) if key in others else None
-                   for key in ("given", "against")}}
-               if check else None),
+        check=checks.summary(exact=actual_device == "cpu") if checks is not None else None,
         process={**_process_memory(memory, setup_growth, growth, file_growth, allocated, stored, actual_device,
                                    check),
                  "device": device_memory_use.summary(allocated) if device_memory_use is not None else None},
         threads=threads)
+
+
+class _Checks:
+    """The reference runs a checked run compares each step's outputs with: a plain ONNX Runtime
+    run of the plan's graph (exact on the CPU), and of the graph as given and the step rebuilt
+    from the user's model where those are known (within tolerance: they round differently).
+    Each reference feeds its own updated state back, step after step."""
+
+    def __init__(self, graph: Graph, given: Graph | None, against: Graph | None, device: str, threads: int):
+        self.graphs = {"plan": graph, **{key: g for key, g in (("given", given), ("against", against))
+                                         if g is not None}}
+        self.runs = {key: Reference(g, device, threads, tf32=False) for key, g in self.graphs.items()}
+        self.statics = {key: statics(g) for key, g in self.graphs.items()}
+        self.diffs: dict[str, list] = {key: [] for key in self.graphs}
+
+    def compare(self, outputs: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> None:
+        for key, graph in self.graphs.items():
+            expected = self.runs[key].run(feeds, self.statics[key])
+            self.diffs[key].append(compare_outputs(outputs, expected))
+            self.statics[key] = feed_back(graph, self.statics[key], expected)
+
+    def summary(self, exact: bool) -> dict:
+        return {**check_summary(self.diffs["plan"], exact=exact),
+                **{key: check_summary(self.diffs[key], exact=False) if key in self.diffs else None
+                   for key in ("given", "against")}}
 
 
 class PlanRunner:

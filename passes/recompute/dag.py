@@ -46,7 +46,7 @@ import networkx as nx
 import numpy as np
 
 from memsched.documents import read_document
-from memsched.deadline import Work
+from memsched.deadline import Deadline, Work
 from memsched.errors import BudgetError, UserError
 
 from memsched.passes.solver import solve
@@ -1030,66 +1030,90 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
     if max_computations < 1:
         raise RematInputError("max_computations must be >= 1")
     budget_bytes = int(budget_bytes)
-    runs: dict[str, Result] = {}
-
-    def keep(name: str, result: Result) -> Result:
-        runs[name] = replace(result, found_at=time.perf_counter() - started)
-        if final and result.fits and work is not None and work.deadline is not None:
-            work.deadline.planned = True
-        return runs[name]
-
+    runs = _Runs(started, work.deadline if final and work is not None else None)
     wanted = METHODS if method in ("auto", CPSAT) else (method,)
-    if CHECKPOINT_ALL in wanted:
-        keep(CHECKPOINT_ALL, solve_checkpoint_all(problem, budget_bytes))
-    if SQRT_N in wanted:
-        keep(SQRT_N, solve_sqrt_n(problem, budget_bytes, max_computations))
-    effort = effort_of(problem, work)    # the greedy's and the repair's, one floor for both
-    if GREEDY in wanted:
-        began = time.perf_counter()
-        seq = schedule_from_plan(problem, _greedy_plan(problem, budget_bytes, max_computations, effort=effort))
-        keep(GREEDY, _result(problem, GREEDY, seq, budget_bytes, "heuristic", began))
-    for name, seed in (seeds or {}).items():
-        keep(name, _result(problem, name, schedule_from_plan(problem, seed), budget_bytes, "heuristic", started))
     lower = memory_lower_bound(problem)
     improve = CPSAT in wanted and budget_bytes >= lower
     recompute = max_computations > 1
-    if improve and _cheapest(runs) is None and recompute:
-        closest = sorted(runs.values(), key=lambda r: (r.peak_bytes, r.total_cost))
-        starts = [plan_from_schedule(problem, r.schedule) for r in closest]
-        keep(REPAIR, solve_repair(problem, budget_bytes, [s for s in starts if s is not None], max_computations,
-                                  effort=effort))
-    charge(work, effort)
-    best = _cheapest(runs)
+    _first_plans(problem, budget_bytes, wanted, max_computations, seeds, work, runs, repair=improve and recompute)
+    best = _cheapest(runs.results)
     if improve and recompute and best is not None and best.status != "optimal":
         steps = int(LNS_TIME_SHARE * time_limit_s * STEPS_PER_SECOND)
         searched = solve_local_search(problem, budget_bytes, best, max_computations, steps,
                                       deadline=started + (1 - CPSAT_MIN_SHARE) * time_limit_s, work=work)
         if searched.total_cost < best.total_cost:
-            best = keep(LOCAL_SEARCH, searched)
+            best = runs.keep(LOCAL_SEARCH, searched)
     left = time_limit_s - (time.perf_counter() - started)
     affords = work is None or CPSAT_NODE_COST * problem.n ** 2 <= max(work.left, CPSAT_FLOOR_S)
     if improve and affords and not (best and best.status == "optimal") and \
             (best is None or left >= CPSAT_MIN_SHARE * time_limit_s):
-        warm = best or min(runs.values(), key=lambda r: (r.peak_bytes, r.total_cost))
-        # CP-SAT's wall limit ends PRUNE_SHARE early, to prune its answer; the deterministic
-        # limit stays a share of the whole time limit
-        found = solve_cpsat(problem, budget_bytes, time_limit_s, warm, max_computations,
-                            started=started - PRUNE_SHARE * time_limit_s,
-                            deadline=work.deadline if work is not None else None)
-        if found is not None:
-            found = keep(CPSAT, found)
-            if best is None or found.total_cost < best.total_cost:
-                best = found
-                if found.status != "optimal":
-                    pruned = solve_local_search(problem, budget_bytes, found)   # CP-SAT ran: n is small
-                    if pruned.total_cost < found.total_cost:
-                        best = keep(LOCAL_SEARCH, replace(pruned, status=found.status, lower_bound=found.lower_bound))
-            else:   # no cheaper than the warm start: keep its name, take CP-SAT's verdict
-                best = replace(best, status=found.status, lower_bound=found.lower_bound)
+        best = _cpsat_step(problem, budget_bytes, time_limit_s, best, max_computations, work, runs)
     if best is None:
-        closest = min(runs.values(), key=lambda r: (r.peak_bytes, r.total_cost))
+        closest = min(runs.results.values(), key=lambda r: (r.peak_bytes, r.total_cost))
         raise BudgetInfeasible(budget_bytes, closest.peak_bytes, lower, closest)
-    return replace(best, seconds=time.perf_counter() - started, runs=runs)
+    return replace(best, seconds=time.perf_counter() - started, runs=runs.results)
+
+
+class _Runs:
+    """Each method's own result by name, with when it was found. `planned`: the command's
+    deadline, marked planned at the first result that fits (the `remat` command's budget)."""
+
+    def __init__(self, started: float, planned: Deadline | None = None):
+        self.started, self.planned = started, planned
+        self.results: dict[str, Result] = {}
+
+    def keep(self, name: str, result: Result) -> Result:
+        self.results[name] = replace(result, found_at=time.perf_counter() - self.started)
+        if self.planned is not None and result.fits:
+            self.planned.planned = True
+        return self.results[name]
+
+
+def _first_plans(problem: RematProblem, budget_bytes: int, wanted, max_computations: int,
+                 seeds: dict[str, list[list[int]]] | None, work: Work | None, runs: _Runs, repair: bool) -> None:
+    """Steps 1 and 2 of `plan`: the baselines and seeds judged, then (with `repair`, where
+    none fits) the greedy continued from the lowest-peak ones; `work` charged their effort."""
+    if CHECKPOINT_ALL in wanted:
+        runs.keep(CHECKPOINT_ALL, solve_checkpoint_all(problem, budget_bytes))
+    if SQRT_N in wanted:
+        runs.keep(SQRT_N, solve_sqrt_n(problem, budget_bytes, max_computations))
+    effort = effort_of(problem, work)    # the greedy's and the repair's, one floor for both
+    if GREEDY in wanted:
+        began = time.perf_counter()
+        seq = schedule_from_plan(problem, _greedy_plan(problem, budget_bytes, max_computations, effort=effort))
+        runs.keep(GREEDY, _result(problem, GREEDY, seq, budget_bytes, "heuristic", began))
+    for name, seed in (seeds or {}).items():
+        runs.keep(name, _result(problem, name, schedule_from_plan(problem, seed), budget_bytes, "heuristic",
+                                runs.started))
+    if repair and _cheapest(runs.results) is None:
+        closest = sorted(runs.results.values(), key=lambda r: (r.peak_bytes, r.total_cost))
+        starts = [plan_from_schedule(problem, r.schedule) for r in closest]
+        runs.keep(REPAIR, solve_repair(problem, budget_bytes, [s for s in starts if s is not None],
+                                       max_computations, effort=effort))
+    charge(work, effort)
+
+
+def _cpsat_step(problem: RematProblem, budget_bytes: int, time_limit_s: float, best: Result | None,
+                max_computations: int, work: Work | None, runs: _Runs) -> Result | None:
+    """Step 4 of `plan`: CP-SAT warm-started from `best` (or the lowest peak), its answer
+    pruned by the local search where it is not optimal; the best result then."""
+    warm = best or min(runs.results.values(), key=lambda r: (r.peak_bytes, r.total_cost))
+    # CP-SAT's wall limit ends PRUNE_SHARE early, to prune its answer; the deterministic
+    # limit stays a share of the whole time limit
+    found = solve_cpsat(problem, budget_bytes, time_limit_s, warm, max_computations,
+                        started=runs.started - PRUNE_SHARE * time_limit_s,
+                        deadline=work.deadline if work is not None else None)
+    if found is None:
+        return best
+    found = runs.keep(CPSAT, found)
+    if best is not None and found.total_cost >= best.total_cost:
+        # no cheaper than the warm start: keep its name, take CP-SAT's verdict
+        return replace(best, status=found.status, lower_bound=found.lower_bound)
+    if found.status != "optimal":
+        pruned = solve_local_search(problem, budget_bytes, found)   # CP-SAT ran: n is small
+        if pruned.total_cost < found.total_cost:
+            return runs.keep(LOCAL_SEARCH, replace(pruned, status=found.status, lower_bound=found.lower_bound))
+    return found
 
 
 def summary(problem: RematProblem, result: Result) -> dict:
