@@ -44,7 +44,7 @@ import numpy as np
 
 from .errors import ScheduleError
 from .ir import Graph
-from .ops import INPLACE_OPS, VIEW_OPS, writable_inputs
+from .ops import INPLACE_OPS, VIEW_OPS, overwritable_inputs
 from .schedule import Plan, RUNS, Schedule, StepKind
 
 
@@ -146,7 +146,6 @@ class _Walk:
     def __init__(self, graph: Graph, aliases: dict[str, str], on_host: frozenset[str] | set[str]):
         self.graph, self.aliases = graph, aliases
         self.held_to_end = set(graph.outputs)
-        self.ends = self.held_to_end | set(graph.inputs)    # no output may take these tensors' storage
         self.open: dict[str, dict] = {}          # tensor -> the open residency being built
         self.closed: list[dict] = []
         self.counts: dict[str, int] = {}
@@ -222,7 +221,7 @@ class _Walk:
             self.start(name, i)
             source = self.aliases.get(name)
             if source is not None:
-                _check_alias(graph, op, name, source, self.ends)
+                _check_alias(graph, op, name, source)
                 open_[name]["shares_with"] = (source, counts[source] - 1)
                 self.alias_events.append(((name, counts[name] - 1), (source, counts[source] - 1), i,
                                           op.op_type in VIEW_OPS))
@@ -251,21 +250,32 @@ def _end_written_over(closed: list[dict], alias_events: list[tuple]) -> None:
         src["end"], src["closed_by"] = step, "written over"
 
 
-def _check_alias(graph: Graph, op, output: str, source: str, ends: set[str]) -> None:
-    """The static half of rule 4 (`ends`: the graph's inputs, which only a view may share,
-    and its outputs); `analyze` checks that the source dies at the op."""
+def alias_problem(graph: Graph, op, output: str, source: str) -> str | None:
+    """Why `output` of `op` may not take the storage of `source` by rule 4's static half (the
+    walk checks that the source dies at the op), or None where it may: the op overwrites that
+    input (memsched.ops.overwritable_inputs), the two are the same size, and the source is no
+    graph output, nor a graph input unless the op is a view (a view shares the caller's bytes;
+    no other op takes them as its own)."""
     if source not in op.present_inputs:
-        raise ScheduleError(f"'{output}' may not alias '{source}': it is not an input of op '{op.name}'")
+        return "it is not an input of op '" + op.name + "'"
     if graph.tensors[output].nbytes != graph.tensors[source].nbytes:
-        raise ScheduleError(f"'{output}' may not alias '{source}': their sizes differ")
+        return "their sizes differ"
     if op.op_type not in INPLACE_OPS and op.phase != "update":
-        raise ScheduleError(f"'{output}' may not alias '{source}': {op.op_type} does not run in place")
-    if source not in writable_inputs(op):
-        what, over = ("a Gemm update", "C, the parameter or state it updates") if op.op_type == "Gemm" \
-            else (op.op_type, "its first input")
-        raise ScheduleError(f"'{output}' may not alias '{source}': {what} writes in place only over {over}")
-    if source in graph.outputs or (source in ends and op.op_type not in VIEW_OPS):
-        raise ScheduleError(f"'{output}' may not alias '{source}': it is a graph input or output")
+        return f"{op.op_type} does not run in place"
+    if source not in overwritable_inputs(op):
+        if op.op_type == "Gemm":
+            return "a Gemm update writes in place only over C, the parameter or state it updates"
+        over = "its two branches" if op.op_type == "Where" else "its first input"
+        return f"{op.op_type} writes in place only over {over}"
+    if source in graph.outputs or (source in graph.inputs and op.op_type not in VIEW_OPS):
+        return "it is a graph input or output"
+    return None
+
+
+def _check_alias(graph: Graph, op, output: str, source: str) -> None:
+    problem = alias_problem(graph, op, output, source)
+    if problem is not None:
+        raise ScheduleError(f"'{output}' may not alias '{source}': {problem}")
 
 
 def _groups(residencies: list[Residency]) -> dict[tuple[str, int], list[Residency]]:

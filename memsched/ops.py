@@ -28,15 +28,21 @@ INPLACE_DATA_ONLY = frozenset({"ScatterND", "ScatterElements"})
 INPLACE_ANY_INPUT = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
 
-def writable_inputs(op: Op) -> list[str]:
-    """The inputs rule 4 lets an output of `op` write over (where it runs in place at all): a
-    Gemm update only C (the product reads A and B while it writes), a scatter only its data,
-    any other op any input."""
+def overwritable_inputs(op: Op) -> list[str]:
+    """The inputs an output of `op` may take the storage of (rule 4), by what the op does:
+    none where it does not run in place; a Gemm update only C, the parameter or state it
+    updates (the product reads A and B while it writes); a scatter only its data; a binary
+    elementwise op, or any other update, any input; Where its two branches; any other in-place
+    op its data, the first input."""
+    if op.op_type not in INPLACE_OPS and op.phase != "update":
+        return []
     if op.op_type == "Gemm":
         return op.inputs[2:3]
     if op.op_type in INPLACE_DATA_ONLY:
         return op.inputs[:1]
-    return op.present_inputs
+    if op.phase == "update" or op.op_type in INPLACE_ANY_INPUT:
+        return op.present_inputs
+    return op.inputs[1:3] if op.op_type == "Where" else op.inputs[:1]
 
 
 # ---- replay: what recompute and swap-by-recompute may run twice ----------------------------------

@@ -49,8 +49,8 @@ from onnx import helper, numpy_helper
 
 from memsched.errors import ScheduleError
 from memsched.ir import FIXED_KINDS, Graph, Op, Tensor, tensor_value
-from memsched.memory import analyze
-from memsched.ops import INPLACE_ANY_INPUT, INPLACE_OPS, VIEW_OPS, writable_inputs
+from memsched.memory import alias_problem, analyze
+from memsched.ops import VIEW_OPS, overwritable_inputs
 from memsched.schedule import default_schedule, order_schedule, Plan, RUNS, Schedule, StepKind
 from memsched.step_info import FORWARD_KEY
 
@@ -457,21 +457,13 @@ def alias_sources(graph: Graph, op: Op, output: str) -> list[str]:
     the CPU the caller's array, `memsched.runtime.program.host_inputs`), while no other op takes them
     as its own directly.
     Parameters come first: taking their storage saves them for the rest of the step."""
-    if op.op_type not in INPLACE_OPS and op.phase != "update":
-        return []
-    if op.phase == "update" or op.op_type in INPLACE_ANY_INPUT:
-        data = writable_inputs(op)            # the memory model's rule (a fused update: only over C)
-    else:                                     # other in-place ops: their data input (Where: its branches)
-        data = op.inputs[1:3] if op.op_type == "Where" else op.inputs[:1]
-    nbytes = graph.tensors[output].nbytes
-    view = op.op_type in VIEW_OPS
-    if nbytes == 0 or output in graph.inputs:
+    if graph.tensors[output].nbytes == 0 or output in graph.inputs:
         return []
     found = []
-    for name in dict.fromkeys(t for t in data if t):
-        t = graph.tensors[name]
-        if t.nbytes != nbytes or name in graph.outputs or (name in graph.inputs and not view):
+    for name in dict.fromkeys(t for t in overwritable_inputs(op) if t):
+        if alias_problem(graph, op, output, name) is not None:
             continue
+        t = graph.tensors[name]
         if t.is_static and (op.phase != "update" or t.kind in FIXED_KINDS):
             continue
         found.append(name)
