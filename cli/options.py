@@ -78,6 +78,27 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+PLANNING_HARDWARE = "v100-16gb"     # the profile a plan is made for where none is named
+
+
+def add_hardware_option(p: argparse.ArgumentParser, default: str | None = PLANNING_HARDWARE,
+                        what: str = "the profile to plan for", shown: str | None = None) -> None:
+    """`--hardware`: a preset name or a TOML/JSON profile file, in every command. Commands that
+    plan or simulate a model default to PLANNING_HARDWARE; commands that read a plan default
+    (None) to the plan's (`shown` says how where that differs)."""
+    shown = shown or (default if default is not None else "the plan's")
+    p.add_argument("--hardware", default=default, metavar="PROFILE",
+                   help=f"{what}: a preset name or a TOML/JSON profile file (default: {shown})")
+
+
+def add_threads_option(p: argparse.ArgumentParser, default: int = 0, why: str = "") -> None:
+    """`--threads`: ONNX Runtime's intra-op threads, one meaning in every command: 0 every
+    core (ONNX Runtime's default), 1 each kernel on the calling thread (its time is CPU time,
+    immune to other load). Every command defaults to 0 but the ones that time kernels."""
+    p.add_argument("--threads", type=int, default=default, metavar="N",
+                   help=f"ONNX Runtime intra-op threads: 0 every core, 1 one thread (default {default}{why})")
+
+
 def add_dim_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", action="append", metavar="NAME=VALUE", default=[],
                    help="bind a symbolic dimension (repeatable)")

@@ -1,7 +1,7 @@
 """`memsched check-numerics`: a float32 step's gradients against the same step in float64."""
 from __future__ import annotations
 
-from memsched.cli.options import LOSSES, add_dim_option, add_json_option
+from memsched.cli.options import LOSSES, add_dim_option, add_json_option, add_threads_option
 from memsched.cli.render import print_json
 
 
@@ -11,7 +11,7 @@ def register(sub) -> None:
     add_dim_option(p)
     p.add_argument("--loss", choices=LOSSES, default="cross_entropy")
     p.add_argument("--top", type=int, default=10, metavar="N", help="rows to print (default 10)")
-    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (default: all)")
+    add_threads_option(p)
     p.add_argument("--strict", action="store_true",
                    help="let the float64 run take its own ReLU masks and max-pool choices (by default it takes "
                         "the float32 run's, so that both differentiate the same piece of the step)")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from memsched.cli.options import add_dim_option, add_json_option, add_training_options, positive_seconds
+from memsched.cli.options import (add_dim_option, add_hardware_option,
+                                   add_json_option, add_training_options, positive_seconds)
 from memsched.cli.render import show_report
 
 from memsched.outputs import check_outputs
@@ -15,7 +16,7 @@ def register(sub) -> None:
     add_dim_option(p)
     p.add_argument("-o", "--output", metavar="OUT.onnx", help="write the scheduled graph (plan in its metadata)")
     add_training_options(p)
-    p.add_argument("--hardware", default="v100-16gb", help="preset name or TOML/JSON profile (default v100-16gb)")
+    add_hardware_option(p)
     p.add_argument("--budget", help="device bytes the plan must fit: 12GiB, 800MB, or 40%% of the baseline peak")
     p.add_argument("--strategies",
                    help="comma-separated, from order,reuse,recompute,swap (default: all four with --budget, "

@@ -1,7 +1,7 @@
 """`memsched profile`: time every op of a model with ONNX Runtime into a cost table."""
 from __future__ import annotations
 
-from memsched.cli.options import add_dim_option, add_json_option, add_training_options
+from memsched.cli.options import add_dim_option, add_json_option, add_threads_option, add_training_options
 from memsched.cli.render import print_json
 
 from memsched.outputs import check_outputs
@@ -13,8 +13,7 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", required=True, help="cost table to write (.json)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per op (median)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="ONNX Runtime intra-op threads (0: its default; 1: timed in CPU time, immune to other load)")
+    add_threads_option(p)
     add_dim_option(p)
     add_training_options(p)
     add_json_option(p)

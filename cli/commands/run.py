@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from memsched.cli.options import add_json_option
+from memsched.cli.options import add_hardware_option, add_json_option, add_threads_option
 from memsched.cli.render import print_json
 
 
@@ -21,11 +21,9 @@ def register(sub) -> None:
                    help="with --check: also rebuild MODEL's step with the plan's training options and compare "
                         "every output with a plain run of it, within a tolerance (MODEL's own weights)")
     p.add_argument("--nvdimm-dir", metavar="DIR", help="directory for the NVDIMM tier's store (default: a temp dir)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="ONNX Runtime intra-op threads (default 0: every core, as ONNX Runtime does; 1 for timing)")
-    p.add_argument("--hardware", metavar="PROFILE",
-                   help="the profile the predicted step time uses, e.g. one `hardware calibrate` wrote here "
-                        "(default: the bundled cpu profile on the CPU, the plan's on CUDA)")
+    add_threads_option(p)
+    add_hardware_option(p, default=None, what="the profile of the predicted step time, e.g. one `hardware calibrate` "
+                        "wrote here", shown="the bundled cpu profile on the CPU, the plan's on CUDA")
     p.add_argument("--workers", type=int, metavar="N",
                    help="data parallel: start N local ranks (torch.distributed, gloo) on a plan compiled with "
                         "--data-parallel N; under torchrun each process is one rank")

@@ -1,14 +1,14 @@
 """`memsched simulate`: the predicted step of a model's default schedule."""
 from __future__ import annotations
 
-from memsched.cli.options import add_dim_option, add_json_option, add_training_options
+from memsched.cli.options import add_dim_option, add_hardware_option, add_json_option, add_training_options
 from memsched.cli.render import print_json
 
 
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="predicted step time of a model's default schedule")
     p.add_argument("model", help="an .onnx file")
-    p.add_argument("--hardware", default="cpu", help="preset name or profile file (default: cpu)")
+    add_hardware_option(p, what="the profile to simulate on")
     p.add_argument("--costs", help="a cost table from `memsched profile` (else the roofline)")
     add_dim_option(p)
     add_training_options(p)

@@ -5,7 +5,7 @@ import json
 import math
 import sys
 
-from memsched.cli.options import add_json_option
+from memsched.cli.options import add_json_option, add_threads_option
 
 from memsched.outputs import check_outputs
 
@@ -36,8 +36,7 @@ def register(sub) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
     p.add_argument("--allow-fallback", action="store_true",
                    help="with --device cuda: train on the CPU when CUDA is not usable instead of failing")
-    p.add_argument("--threads", type=int, default=0,
-                   help="ONNX Runtime intra-op threads (default 0: every core)")
+    add_threads_option(p)
     p.add_argument("--nvdimm-dir", metavar="DIR", help="directory for the NVDIMM tier's store (default: a temp dir)")
     p.add_argument("--workers", type=int, metavar="N",
                    help="data parallel: train a plan compiled with --data-parallel N on N local ranks "

@@ -1,7 +1,8 @@
 """`memsched tune-batch`: the largest batch per strategy set and the fastest per sample."""
 from __future__ import annotations
 
-from memsched.cli.options import LOSSES, OPTIMIZERS, add_dim_option, add_json_option, positive_int, positive_seconds
+from memsched.cli.options import (LOSSES, OPTIMIZERS, add_dim_option,
+                                   add_hardware_option, add_json_option, positive_int, positive_seconds)
 from memsched.cli.render import print_json
 
 from memsched.outputs import check_outputs
@@ -14,7 +15,7 @@ def register(sub) -> None:
     p.add_argument("--batch-dim", help="the symbolic dimension that is the batch (default: the first one)")
     p.add_argument("--size", type=positive_int("--size"), help="input resolution (bundled image models)")
     p.add_argument("--seq", type=positive_int("--seq"), help="sequence length (bundled transformers)")
-    p.add_argument("--hardware", default="v100-16gb", help="preset name or TOML/JSON profile (default v100-16gb)")
+    add_hardware_option(p)
     p.add_argument("--budget", help="device bytes to fit instead of the device's memory, e.g. 12GiB")
     p.add_argument("--strategies", action="append", metavar="SET",
                    help="a strategy set to compare, e.g. order,reuse (repeatable; default: none, order,reuse, full)")
