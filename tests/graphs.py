@@ -82,6 +82,18 @@ class GraphBuilder:
         return Graph(self.ops, self.tensors, self.inputs, self.outputs, self.name)
 
 
+def conv_relu_conv(inp: int, mid: int, out: int) -> Graph:
+    """in(inp) -conv-> a(mid) -relu-> r(mid) -head-> y(out, the output): the smallest graph
+    with an op that may run in place (the Relu over `a`)."""
+    g = GraphBuilder()
+    g.input("in", inp)
+    g.op("conv", "Conv", ["in"], [("a", mid)])
+    g.op("relu", "Relu", ["a"], [("r", mid)])
+    g.op("head", "Conv", ["r"], [("y", out)])
+    g.output("y")
+    return g.graph()
+
+
 def training_chain(layers: list[tuple[int, int]], input_bytes: int, dx_first: bool = False,
                    relu: bool = True, name: str = "chain") -> Graph:
     """A training step of a chain of weighted layers, in the order a framework emits it.

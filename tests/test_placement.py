@@ -13,7 +13,7 @@ from memsched.passes import placement
 from memsched.passes.placement import (ALIGNMENT, GREEDY_ORDERS, aligned_peak, best_greedy, cpsat_offsets,
                                        greedy_offsets, improved_offsets, largest_counts, place_buffers, place_pass)
 
-from .graphs import GraphBuilder
+from .graphs import GraphBuilder, conv_relu_conv
 
 
 def chain_plan() -> Plan:
@@ -43,13 +43,7 @@ def test_greedy_by_size_exact_offsets():
 
 
 def test_inplace_residencies_share_their_buffer_offset():
-    g = GraphBuilder()
-    g.input("in", 128)
-    g.op("conv", "Conv", ["in"], [("a", 256)])
-    g.op("relu", "Relu", ["a"], [("r", 256)])
-    g.op("head", "Conv", ["r"], [("y", 64)])
-    g.output("y")
-    plan = dataclasses.replace(Plan.initial(g.graph()), aliases={"r": "a"})
+    plan = dataclasses.replace(Plan.initial(conv_relu_conv(128, 256, 64)), aliases={"r": "a"})
     placed = place_pass(plan, time_limit=1)
     assert placed.offsets[("r", 0)] == placed.offsets[("a", 0)]
     assert len(placed.offsets) == 4

@@ -18,7 +18,7 @@ from memsched.schedule import Plan, compute, free, order_schedule, swap_in, swap
 from memsched.passes.reuse import (GRAD_ROLES_KEY, baseline_aliases, carried_order, choose_aliases, fuse_updates,
                           layer_groups, reuse_pass, training_order, unfused_graph)
 
-from .graphs import GraphBuilder, training_chain
+from .graphs import GraphBuilder, conv_relu_conv, training_chain
 
 
 def names(plan: Plan) -> list[str]:
@@ -138,13 +138,7 @@ def test_an_update_takes_its_parameter_before_a_preferred_source():
 
 
 def test_relu_runs_in_place():
-    g = GraphBuilder()
-    g.input("in", 10)
-    g.op("conv", "Conv", ["in"], [("a", 300)])
-    g.op("relu", "Relu", ["a"], [("r", 300)])
-    g.op("head", "Conv", ["r"], [("y", 20)])
-    g.output("y")
-    base = Plan.initial(g.graph())
+    base = Plan.initial(conv_relu_conv(10, 300, 20))
     assert analyze_plan(base).peak_bytes == 600        # a and r at the relu
     plan = reuse_pass(base)
     assert plan.aliases == {"r": "a"}
