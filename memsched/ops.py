@@ -28,6 +28,11 @@ INPLACE_DATA_ONLY = frozenset({"ScatterND", "ScatterElements"})
 INPLACE_ANY_INPUT = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
 
+def is_view(op: Op) -> bool:
+    """A shape-only view: it shares its input's storage (rule 4), so it costs no bytes and no time."""
+    return op.op_type in VIEW_OPS
+
+
 def overwritable_inputs(op: Op) -> list[str]:
     """The inputs an output of `op` may take the storage of (rule 4), by what the op does:
     none where it does not run in place; a Gemm update only C, the parameter or state it

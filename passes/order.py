@@ -48,7 +48,7 @@ from memsched.deadline import Deadline, Work, unlimited
 from memsched.errors import ScheduleError
 from memsched.ir import Graph
 from memsched.memory import analyze
-from memsched.ops import VIEW_OPS
+from memsched.ops import is_view
 from memsched.schedule import Plan, order_schedule
 
 from memsched.passes.reuse import alias_table, choose_aliases, compute_order, training_order
@@ -197,7 +197,7 @@ def _shared_views(graph: Graph, table: dict[str, list[str]]) -> dict[str, str]:
     and the like copy (they are not alias sources)."""
     shares: dict[str, str] = {}
     for op in graph.ops:
-        if op.op_type not in VIEW_OPS:
+        if not is_view(op):
             continue
         for out in op.present_outputs:
             sources = [x for x in table[out] if not graph.tensors[x].is_static]

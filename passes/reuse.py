@@ -50,7 +50,7 @@ from onnx import helper, numpy_helper
 from memsched.errors import ScheduleError
 from memsched.ir import FIXED_KINDS, Graph, Op, Tensor, tensor_value
 from memsched.memory import alias_problem, analyze
-from memsched.ops import VIEW_OPS, overwritable_inputs
+from memsched.ops import is_view, overwritable_inputs
 from memsched.schedule import default_schedule, order_schedule, Plan, RUNS, Schedule, StepKind
 from memsched.step_info import FORWARD_KEY
 
@@ -519,11 +519,11 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
     # a writer's source must die at its op; where either is made more than once, only the
     # residencies can say so (a view shares whichever residency of its source it reads)
     replayed = {t for t, count in made.items() if count > 1}
-    viewed = {t for op in graph.ops if op.op_type in VIEW_OPS for t in op.present_inputs} if replays else set()
+    viewed = {t for op in graph.ops if is_view(op) for t in op.present_inputs} if replays else set()
 
     def dies_at_every_run(op, source: str) -> bool:
         return (replays and source not in viewed and source not in graph.outputs and not graph.tensors[source].is_static
-                and graph.producer.get(source) is not None and graph.producer[source].op_type not in VIEW_OPS
+                and graph.producer.get(source) is not None and not is_view(graph.producer[source])
                 and all(last_read_of[read_at[(i, source)]] == i for i in runs[op.name]))
 
     table = alias_table(graph)
@@ -535,7 +535,7 @@ def choose_aliases(graph: Graph, schedule: Schedule, prefer: dict[str, str] | No
         if step.kind != StepKind.COMPUTE:
             continue
         op = graph.op_by_name[step.target]
-        view = op.op_type in VIEW_OPS
+        view = is_view(op)
         rerun = len(runs[op.name]) > 1
         # preferred pairs first, so another output of the op cannot take their source
         for out in sorted(op.present_outputs, key=lambda out: out not in prefer):

@@ -95,3 +95,29 @@ def test_no_function_outside_tests_is_longer_than_a_screen():
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}, "
                                 f"{node.end_lineno - node.lineno + 1} lines")
     assert not long, "\n".join(long)
+
+
+STORAGE_FACTS = {"VIEW_OPS", "INPLACE_OPS", "INPLACE_ANY_INPUT", "INPLACE_DATA_ONLY"}
+STEP_KINDS = {"compute", "recompute", "swap_out", "swap_in", "free"}
+
+
+def test_the_storage_rules_and_step_kinds_have_one_home_each():
+    """The in-place and view sets are named only by the op table and the memory model (every
+    other stage asks `ops.is_view`, `ops.overwritable_inputs`, `memory.alias_problem`), and
+    a step kind is a `StepKind`, never a string compared, outside memsched/schedule.py."""
+    homes = {ROOT / "memsched" / "ops.py", ROOT / "memsched" / "memory.py"}
+    wrong = []
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Name) and node.id in STORAGE_FACTS and path not in homes:
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} names {node.id}")
+                if isinstance(node, ast.Compare) and path != ROOT / "memsched" / "schedule.py":
+                    for side in (node.left, *node.comparators):
+                        if isinstance(side, ast.Constant) and side.value in STEP_KINDS and \
+                                any(isinstance(n, ast.Attribute) and n.attr == "kind"
+                                    for n in ast.walk(node)):
+                            wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} compares a kind with "
+                                         f"{side.value!r}")
+    assert not wrong, "\n".join(wrong)

@@ -18,7 +18,7 @@ from ..errors import ScheduleError
 from ..ir import Graph, Op, _make_node, tensor_value
 from ..memory import MemoryProfile, Residency, buffer_groups, buffer_roots
 from ..onnx_utils import MEMSCHED_DOMAIN
-from ..ops import CONSTANT_OPS, HOISTED_OPS, VIEW_OPS, draws_random
+from ..ops import CONSTANT_OPS, HOISTED_OPS, draws_random, is_view
 from ..ort import providers_for
 from ..schedule import COPIES, Plan, RUNS, StepKind
 
@@ -334,7 +334,7 @@ def host_inputs(plan: Plan, feeds: dict, device: str = "cpu") -> dict[str, np.nd
     moved = _swapped(plan)
     root = input_roots(plan, [name for name in graph.inputs if name in feeds])
     written = {root[source] for out, source in plan.aliases.items()
-               if source in root and graph.producer[out].op_type not in VIEW_OPS}
+               if source in root and not is_view(graph.producer[out])}
     kept = {root[t] for t in root if t in moved or t in graph.outputs} | written
     values = {}
     for name, base in root.items():
@@ -347,7 +347,7 @@ def input_roots(plan: Plan, inputs: list[str]) -> dict[str, str]:
     """Each of graph inputs `inputs`, and each shape view sharing its storage, -> the input."""
     root = {name: name for name in inputs}
     for op in plan.graph.ops:             # graph order: a view's input is rooted before it
-        if op.op_type in VIEW_OPS and op.present_inputs and op.present_inputs[0] in root:
+        if is_view(op) and op.present_inputs and op.present_inputs[0] in root:
             root.update({out: root[op.present_inputs[0]] for out in op.present_outputs
                          if plan.aliases.get(out) == op.present_inputs[0]})
     return root

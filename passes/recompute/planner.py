@@ -80,7 +80,7 @@ from memsched.deadline import Deadline, Work, unlimited
 from memsched.errors import BudgetError, ScheduleError, UserError
 from memsched.ir import Graph, Op
 from memsched.memory import analyze, validate
-from memsched.ops import VIEW_OPS, draws_random
+from memsched.ops import draws_random, is_view
 from memsched.schedule import compute, order_schedule, Plan, recompute, Schedule, StepKind
 from memsched.simulate import simulate
 from memsched.units import format_bytes
@@ -354,7 +354,7 @@ def shared_views(plan: Plan) -> dict[str, str]:
     model), and `to_schedule` replays the view wherever its source was replayed."""
     graph = plan.graph
     return {out: source for out, source in plan.aliases.items()
-            if graph.producer[out].op_type in VIEW_OPS and not graph.tensors[source].is_static}
+            if is_view(graph.producer[out]) and not graph.tensors[source].is_static}
 
 
 def to_schedule(ids, graph: Graph | None = None, shared: dict[str, str] | None = None) -> Schedule:

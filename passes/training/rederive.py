@@ -38,7 +38,7 @@ import dataclasses
 
 from memsched.ir import Graph, Op, Tensor
 from memsched.memory import analyze
-from memsched.ops import REDERIVABLE_OPS, VIEW_OPS, draws_random
+from memsched.ops import REDERIVABLE_OPS, draws_random, is_view
 from memsched.schedule import default_schedule
 
 MAX_CHAIN = 10     # forward ops re-run for one value (a GELU written out: 5 for erf, 8 for tanh)
@@ -134,7 +134,7 @@ def _derivation(graph: Graph, t: str, at: int, backward_reads: dict[str, list[in
         chain.append(op)
         return True
 
-    if not visit(t) or all(op.op_type in VIEW_OPS for op in chain):   # a view of a kept tensor costs nothing
+    if not visit(t) or all(is_view(op) for op in chain):   # a view of a kept tensor costs nothing
         return None
     return chain, kept
 
