@@ -290,3 +290,56 @@ class CudaStreams:
             self.lib.cudaFreeHost(ptr)
         self.events.clear()
         self.pinned_buffers.clear()
+
+
+class CudaArena:
+    """The executor's arena as one CUDA allocation (`buffer`: an object with `data_ptr()` and
+    `tensor_size_in_bytes()`, ONNX Runtime's OrtValue), its copies on `streams`
+    (`CudaStreams`). The host arena of memsched/runtime/device.py has the same methods."""
+
+    def __init__(self, buffer, nbytes: int, streams: "CudaStreams"):
+        self.buffer, self.nbytes, self.streams = buffer, nbytes, streams
+        self.base = buffer.data_ptr()
+        self.stream = streams.compute.value      # the stream every session's kernels run on
+
+    def allocated_bytes(self) -> int:
+        return int(self.buffer.tensor_size_in_bytes()) if self.nbytes else 0
+
+    def write(self, lo: int, data: np.ndarray) -> None:
+        self.streams.copy(self.base + lo, data.ctypes.data, data.size, CudaStreams.H2D)
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        out = np.empty(hi - lo, dtype=np.uint8)
+        self.streams.copy(out.ctypes.data, self.base + lo, hi - lo, CudaStreams.D2H)
+        return out
+
+    def move(self, lo: int, source_lo: int, source_hi: int) -> None:
+        """The bytes at [source_lo, source_hi) to `lo`; cudaMemcpy's result is undefined where
+        the two ranges overlap, so such a move goes through the host."""
+        if lo < source_hi and source_lo < lo + (source_hi - source_lo):
+            self.write(lo, self.read(source_lo, source_hi))
+        else:
+            self.streams.copy(self.base + lo, self.base + source_lo, source_hi - source_lo, CudaStreams.D2D)
+
+    def fill(self, lo: int, hi: int, byte: int) -> None:
+        self.streams.memset(self.base + lo, byte, hi - lo)
+
+    def copy_out(self, lo: int, hi: int, store: np.ndarray, event: int) -> None:
+        self.streams.copy_async(store.ctypes.data, self.base + lo, hi - lo, CudaStreams.D2H, event)
+
+    def copy_in(self, lo: int, hi: int, store: np.ndarray, event: int) -> None:
+        self.streams.copy_async(self.base + lo, store.ctypes.data, hi - lo, CudaStreams.H2D, event)
+
+    def wait(self, events: list[int]) -> None:
+        if events:
+            self.streams.wait(events)
+
+    def synchronize(self) -> None:
+        self.streams.synchronize()
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        """A page-locked host buffer (a DRAM store the copy streams read and write)."""
+        return self.streams.pinned(nbytes)
+
+    def close(self) -> None:
+        self.streams.close()

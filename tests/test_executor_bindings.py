@@ -159,11 +159,12 @@ def test_copy_waits_hold_when_copies_land_as_late_as_cuda_allows(monkeypatch):
 
 
 class _HostCuda:
-    """The copies of cuda.CudaStreams over host memory, refusing what CUDA leaves undefined: a
-    device-to-device copy between overlapping ranges."""
+    """cuda.CudaStreams over host memory, refusing what CUDA leaves undefined (a device-to-
+    device copy between overlapping ranges): each copy is a memmove, done when it returns."""
 
     def __init__(self):
         self.kinds = []
+        self.compute = ctypes.c_void_p()        # no stream: the sessions run on the CPU
 
     def copy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
         self.kinds.append(kind)
@@ -171,23 +172,74 @@ class _HostCuda:
             assert dst + nbytes <= src or src + nbytes <= dst, "cudaMemcpy between overlapping ranges"
         ctypes.memmove(dst, src, nbytes)
 
+    def copy_async(self, dst: int, src: int, nbytes: int, kind: int, event: int) -> None:
+        self.copy(dst, src, nbytes, kind)
+
+    def memset(self, ptr: int, byte: int, nbytes: int) -> None:
+        ctypes.memset(ptr, byte, nbytes)
+
+    def wait(self, events: list[int]) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
     def close(self) -> None:
         pass
+
+
+class _HostBuffer:
+    """A device allocation as the CUDA arena sees one (ONNX Runtime's OrtValue), in host memory."""
+
+    def __init__(self, nbytes: int):
+        self.array = device.HostArena(nbytes).bytes
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def tensor_size_in_bytes(self) -> int:
+        return self.array.nbytes
+
+
+def _cuda_arena_on_the_host(nbytes: int) -> cuda.CudaArena:
+    return cuda.CudaArena(_HostBuffer(nbytes), nbytes, _HostCuda())
 
 
 def test_a_move_between_overlapping_arena_ranges_on_cuda_goes_through_the_host():
     """Between steps an update moves to where its tensor starts; the two ranges may overlap
     (GPT-2's step at 60% on an H200 moved a weight 0.1 off), and a device-to-device copy of
     overlapping ranges is undefined, so such a move goes through the host."""
-    with device.Runtime("cpu", 64, 1, None) as rt:
-        rt._cuda = _HostCuda()
-        rt.arena[:] = np.arange(64, dtype=np.uint8)
+    arena = _cuda_arena_on_the_host(64)
+    with device.Runtime("cpu", 64, 1, None, arena=arena) as rt:
+        host = arena.buffer.array
+        host[:] = np.arange(64, dtype=np.uint8)
         rt.put(("arena", 0, 32), ("arena", 16, 48))            # overlapping: through the host
-        assert rt.arena[:32].tolist() == list(range(16, 48))
-        assert cuda.CudaStreams.D2D not in rt._cuda.kinds
+        assert host[:32].tolist() == list(range(16, 48))
+        assert cuda.CudaStreams.D2D not in arena.streams.kinds
         rt.put(("arena", 48, 64), ("arena", 0, 16))            # apart: one device copy
-        assert rt.arena[48:].tolist() == list(range(16, 32))
-        assert rt._cuda.kinds[-1] == cuda.CudaStreams.D2D
+        assert host[48:].tolist() == list(range(16, 32))
+        assert arena.streams.kinds[-1] == cuda.CudaStreams.D2D
+
+
+def test_the_cuda_arena_runs_a_swapping_plan_as_the_host_arena_does(monkeypatch):
+    """Every byte the executor moves on CUDA goes through cuda.CudaArena: with its copies done
+    over host memory (the sessions on the CPU, bound in its buffer), a swapping plan's checked
+    run equals the plain run bit for bit, and its copies went both ways and by the device."""
+    made = []
+
+    def arena(device_name, nbytes):
+        made.append(_cuda_arena_on_the_host(nbytes))
+        return made[-1]
+
+    monkeypatch.setattr(device, "make_arena", arena)
+    plan = strategy_plans(mlp_train_graph())["swap"]
+    result = run.run_plan(plan, steps=2, check=True)
+    assert result.check["passed"] and result.check["bit_identical"]
+    kinds = set(made[0].streams.kinds)
+    assert {cuda.CudaStreams.H2D, cuda.CudaStreams.D2H} <= kinds
 
 
 def test_a_checked_run_asks_every_session_and_the_reference_for_float32_kernels(monkeypatch):

@@ -11,7 +11,7 @@ import onnx
 
 from ..errors import ScheduleError, UserError
 from ..ir import Graph
-from ..cuda import CudaStreams
+from ..cuda import CudaArena, CudaStreams
 from ..ort import bind_addresses, bound_session, device_buffer, node_providers
 from ..memory import MemoryProfile
 from .program import Hooks, Program, Segment, recut, segment_model, with_poison
@@ -31,10 +31,67 @@ def adds_no_nodes(saved: str, names: set[str]) -> bool:
     return {node.name for node in nodes} == names
 
 
-class Runtime:
-    """The arena, the tier stores and the session cache for one run on one device."""
+class HostArena:
+    """The executor's arena in host memory: one numpy buffer whose base is ALIGN-aligned; every
+    copy is done when it returns. memsched.cuda.CudaArena has the same methods on a device."""
 
-    def __init__(self, device: str, arena_bytes: int, threads: int, nvdimm_dir: str | None, tf32: bool = True):
+    stream = None                # no stream: ONNX Runtime runs the kernels on its own threads
+
+    def __init__(self, nbytes: int):
+        self._raw = np.empty(max(nbytes, 1) + ALIGN, dtype=np.uint8)
+        skip = (-self._raw.ctypes.data) % ALIGN
+        self.bytes = self._raw[skip:skip + nbytes]
+        self.base = self.bytes.ctypes.data if nbytes else self._raw.ctypes.data
+
+    def allocated_bytes(self) -> int:
+        return int(self.bytes.nbytes)
+
+    def write(self, lo: int, data: np.ndarray) -> None:
+        self.bytes[lo:lo + data.size] = data
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        return self.bytes[lo:hi].copy()
+
+    def move(self, lo: int, source_lo: int, source_hi: int) -> None:
+        self.bytes[lo:lo + source_hi - source_lo] = self.bytes[source_lo:source_hi]
+
+    def fill(self, lo: int, hi: int, byte: int) -> None:
+        self.bytes[lo:hi] = byte
+
+    def copy_out(self, lo: int, hi: int, store: np.ndarray, event: int) -> None:
+        store[:] = self.bytes[lo:hi]
+
+    def copy_in(self, lo: int, hi: int, store: np.ndarray, event: int) -> None:
+        self.bytes[lo:hi] = store
+
+    def wait(self, events: list[int]) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def close(self) -> None:
+        pass
+
+
+def make_arena(device: str, nbytes: int):
+    """The arena of a run on `device`: a HostArena on the CPU, a CudaArena (one allocation
+    and the streams its copies run on) on CUDA."""
+    if device == "cuda":
+        streams = CudaStreams()
+        return CudaArena(device_buffer(nbytes), nbytes, streams)
+    return HostArena(nbytes)
+
+
+class Runtime:
+    """The arena, the tier stores and the session cache for one run on one device. `arena`:
+    the arena to use instead of `make_arena`'s (tests run the CUDA one over host memory)."""
+
+    def __init__(self, device: str, arena_bytes: int, threads: int, nvdimm_dir: str | None, tf32: bool = True,
+                 arena=None):
         self.device = device
         self.tf32 = tf32                         # float32 kernels on CUDA may use TF32 tensor cores
         self.arena_bytes = arena_bytes
@@ -45,33 +102,26 @@ class Runtime:
         self._tmpdir: str | None = None          # the NVDIMM store's folder, where none was given
         self._saved_dir: str | None = None       # where ONNX Runtime saves a CUDA segment's graph
         self._mmaps: list = []
-        self._cuda = CudaStreams() if device == "cuda" else None
         self.host_values: dict[str, np.ndarray] = {}   # tensor -> value its readers read from host memory
         self.host_inputs: dict[str, np.ndarray] = {}   # ... of them, the inputs and views read in place
         self.host_reads: dict[str, list] = {}          # such a tensor -> (binding, session input) reading it
-        if self._cuda is None:
-            self._raw = np.empty(max(arena_bytes, 1) + ALIGN, dtype=np.uint8)
-            skip = (-self._raw.ctypes.data) % ALIGN
-            self.arena = self._raw[skip:skip + arena_bytes]
-            self.base = self.arena.ctypes.data if arena_bytes else self._raw.ctypes.data
-        else:
-            self.arena = device_buffer(arena_bytes)
-            self.base = self.arena.data_ptr()
+        self.memory = arena if arena is not None else make_arena(device, arena_bytes)
+        self.base = self.memory.base
+        # the arena's bytes where they are host memory (hooks and the last outputs are read
+        # there in place), else None
+        self.arena = self.memory.bytes if isinstance(self.memory, HostArena) else None
 
     def __enter__(self):
         return self
 
     def allocated_bytes(self) -> int:
         """The size of the arena allocation as the allocator reports it."""
-        if self._cuda is None:
-            return int(self.arena.nbytes)
-        return int(self.arena.tensor_size_in_bytes()) if self.arena_bytes else 0
+        return self.memory.allocated_bytes()
 
     def __exit__(self, *exc):
         self.sessions.clear()
         self._mmaps.clear()   # the files are unlinked already; the mappings go with the last view
-        if self._cuda is not None:
-            self._cuda.close()
+        self.memory.close()
         for directory in (self._tmpdir, self._saved_dir):
             if directory is not None:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -100,9 +150,9 @@ class Runtime:
         given: if ORT added nodes of its own (or keeps no record of its nodes) no session is
         kept and the answer is False."""
         model, inputs, outputs = segment_model(segment, graph)
-        stream = self._cuda.compute.value if self._cuda is not None else None
+        stream = self.memory.stream
         saved = None
-        if exact and self._cuda is not None:
+        if exact and stream is not None:        # ONNX Runtime may add copies between devices
             if self._saved_dir is None:
                 self._saved_dir = tempfile.mkdtemp(prefix="memsched-segments-")
             saved = f"{self._saved_dir}/segment.onnx"
@@ -179,24 +229,14 @@ class Runtime:
         if tier != "dram":
             raise ScheduleError(f"unknown host tier '{tier}' (tiers: dram, nvdimm)")
         self.stored += nbytes
-        if self._cuda is not None:
-            return self._cuda.pinned(nbytes)
-        return np.empty(nbytes, dtype=np.uint8)
+        return self.memory.pinned(nbytes)
 
     # -- bytes in and out of the arena
     def write(self, lo: int, value: np.ndarray) -> None:
-        data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-        if self._cuda is None:
-            self.arena[lo:lo + data.size] = data
-        else:
-            self._cuda.copy(self.base + lo, data.ctypes.data, data.size, CudaStreams.H2D)
+        self.memory.write(lo, np.ascontiguousarray(value).reshape(-1).view(np.uint8))
 
     def read(self, lo: int, hi: int) -> np.ndarray:
-        if self._cuda is None:
-            return self.arena[lo:hi].copy()
-        out = np.empty(hi - lo, dtype=np.uint8)
-        self._cuda.copy(out.ctypes.data, self.base + lo, hi - lo, CudaStreams.D2H)
-        return out
+        return self.memory.read(lo, hi)
 
     def store_bytes(self) -> int:
         """Bytes of the host tiers' stores (DRAM and NVDIMM)."""
@@ -212,39 +252,23 @@ class Runtime:
             place[1][:] = self.fetch(source) if isinstance(source, tuple) else source
         elif not isinstance(source, tuple) or source[0] == "store":
             self.write(place[1], source if not isinstance(source, tuple) else source[1])
-        elif self._cuda is None:
-            self.arena[place[1]:place[2]] = self.arena[source[1]:source[2]]
-        elif place[1] < source[2] and source[1] < place[2]:
-            # cudaMemcpy's result is undefined where the two ranges overlap: go through the host
-            self.write(place[1], self.read(source[1], source[2]))
         else:
-            self._cuda.copy(self.base + place[1], self.base + source[1], source[2] - source[1], CudaStreams.D2D)
+            self.memory.move(place[1], source[1], source[2])
 
     def fill(self, lo: int, hi: int, byte: int) -> None:
-        if self._cuda is None:
-            self.arena[lo:hi] = byte
-        else:
-            self._cuda.memset(self.base + lo, byte, hi - lo)
+        self.memory.fill(lo, hi, byte)
 
     def copy_out(self, lo: int, hi: int, store: np.ndarray, event: int) -> None:
-        if self._cuda is None:
-            store[:] = self.arena[lo:hi]
-        else:
-            self._cuda.copy_async(store.ctypes.data, self.base + lo, hi - lo, CudaStreams.D2H, event)
+        self.memory.copy_out(lo, hi, store, event)
 
     def copy_in(self, lo: int, hi: int, store: np.ndarray, event: int) -> None:
-        if self._cuda is None:
-            self.arena[lo:hi] = store
-        else:
-            self._cuda.copy_async(self.base + lo, store.ctypes.data, hi - lo, CudaStreams.H2D, event)
+        self.memory.copy_in(lo, hi, store, event)
 
     def wait(self, events: list[int]) -> None:
-        if self._cuda is not None and events:
-            self._cuda.wait(events)
+        self.memory.wait(events)
 
     def wait_all(self) -> None:
-        if self._cuda is not None:
-            self._cuda.synchronize()
+        self.memory.synchronize()
 
     def synchronize(self) -> None:
         self.wait_all()

@@ -407,10 +407,10 @@ def _views(rt: "Runtime", program: Program, spans: list[tuple[str, int, int]]) -
 
 
 def _collect(program: Program, rt: "Runtime", last: bool) -> dict[str, np.ndarray]:
-    """The step's outputs. After the `last` step on CPU they are read-only views of the arena
+    """The step's outputs. After the `last` step, with the arena in host memory, they are read-only views of the arena
     and the stores, which nothing writes any more (no second copy of the updated parameters);
     otherwise copies."""
-    views = last and rt.device == "cpu"
+    views = last and rt.arena is not None
     outputs = {}
     for name, where in program.finals.items():
         dtype, shape = program.types[name]
