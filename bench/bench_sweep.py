@@ -1,12 +1,14 @@
 """memsched's smallest planned peak at zero, <= 5 % and <= 10 % predicted overhead, on MAGIS's
 workloads, against PyTorch eager's peak for the same SGD step.
 
-    python bench/bench_sweep.py [--only resnet50 ...] [--fractions 0.6 0.35 0.25 0.15]
+    python bench/bench_sweep.py [--only resnet50-b64 ...] [--fractions 0.6 0.35 0.25 0.15]
         [--time-limit 60] [--out FILE]
 
 Workloads (MAGIS, ASPLOS 2024): ResNet-50 b64 224, ViT-B/16 b64 224 (torchvision's, exported
 by torch), BERT-base b32 x 512, U-Net b32 256, a GPT-Neo-1.3B-shaped decoder b32 x 512
 (bundled `gpt2` with 24 layers of 2,048, planned only; weights left out, only sizes matter).
+With `--only`, also the zero-overhead rows of bench_vs_torch.py: ResNet-18 b32, ResNet-50 b16
+and BERT-base 8 x 128.
 
 PyTorch eager's peak is computed, not run: the step (forward, cross-entropy, backward,
 torch.optim.SGD) runs on the meta device under a dispatch mode that adds each new storage's
@@ -48,13 +50,19 @@ from memsched.passes.pipeline import compile as compile_plan  # noqa: E402
 PROFILE = "h100-80gb"
 GPT_NEO_1_3B = {"layers": 24, "hidden": 2048, "heads": 16, "max_positions": 2048}
 WORKLOADS = {
-    "resnet50-b64": {"memsched": ("resnet50", {"batch": 64, "size": 224}), "torch": "resnet50"},
-    "vit-b16-b64": {"onnx": "vit_b_16", "torch": "vit_b_16"},
-    "bert-base-b32x512": {"memsched": ("bert-base", {"batch": 32, "seq": 512}), "torch": "bert"},
+    "resnet50-b64": {"memsched": ("resnet50", {"batch": 64, "size": 224}), "torch": "resnet50", "batch": 64},
+    "vit-b16-b64": {"onnx": "vit_b_16", "torch": "vit_b_16", "batch": 64},
+    "bert-base-b32x512": {"memsched": ("bert-base", {"batch": 32, "seq": 512}), "torch": "bert", "batch": 32,
+                          "seq": 512},
     "unet2d-b32": {"memsched": ("unet2d", {"batch": 32, "size": 256}), "torch": None},
     "gpt-1.3b-b32x512": {"memsched": ("gpt2", {"batch": 32, "seq": 512, **GPT_NEO_1_3B}), "torch": None},
+    # the zero-overhead rows of bench_vs_torch.py, planned with every strategy too
+    "resnet18-b32": {"memsched": ("resnet18", {"batch": 32, "size": 224}), "torch": "resnet18", "batch": 32},
+    "resnet50-b16": {"memsched": ("resnet50", {"batch": 16, "size": 224}), "torch": "resnet50", "batch": 16},
+    "bert-base-b8x128": {"memsched": ("bert-base", {"batch": 8, "seq": 128}), "torch": "bert", "batch": 8,
+                         "seq": 128},
 }
-BATCH = {"resnet50-b64": 64, "vit-b16-b64": 64, "bert-base-b32x512": 32}
+MAGIS = ("resnet50-b64", "vit-b16-b64", "bert-base-b32x512", "unet2d-b32", "gpt-1.3b-b32x512")
 
 
 def say(message: str) -> None:
@@ -98,12 +106,13 @@ def torch_eager_peak(workload: str) -> dict:
             return out
 
     name = WORKLOADS[workload]["torch"]
-    batch = BATCH[workload]
+    batch = WORKLOADS[workload]["batch"]
     with torch.device("meta"):
         if name == "bert":
             from bench.bench_vs_torch import bert_module
             module = bert_module()
-            inputs, labels = torch.zeros(batch, 512, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
+            seq = WORKLOADS[workload]["seq"]
+            inputs, labels = torch.zeros(batch, seq, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
         else:
             import torchvision
             module = getattr(torchvision.models, name)()
@@ -153,7 +162,7 @@ def exported_vit(batch: int):
 def forward_graph(workload: str):
     spec = WORKLOADS[workload]
     if "onnx" in spec:
-        return exported_vit(BATCH[workload])
+        return exported_vit(spec["batch"])
     name, options = spec["memsched"]
     return lower(models.build(name, weights=False, **options))
 
@@ -213,7 +222,7 @@ def main() -> int:
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     rows = []
-    for workload in args.only or WORKLOADS:
+    for workload in args.only or MAGIS:
         try:
             rows.append(sweep(workload, args.fractions, args.time_limit))
         except Exception as exc:  # noqa: BLE001 - a workload this machine cannot plan is a row that says why
