@@ -458,6 +458,7 @@ def _set(key, value):
     (_set("offsets", [["a", 0, -64]]), "malformed 'offsets'"),
     (_set("outputs", ["loss", "nosuch"]), "names tensor 'nosuch'"),
     (lambda doc: doc.pop("renamed"), "has no 'renamed'"),
+    (lambda doc: doc["graph_order"].reverse(), "before the op that makes its input"),
 ])
 def test_plan_metadata_of_the_wrong_type_is_one_line_naming_the_field(plan_file, edit, message):
     edit_plan_metadata(plan_file, edit, reseal=True)
