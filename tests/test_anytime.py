@@ -378,6 +378,31 @@ def test_a_second_ctrl_c_aborts_with_nothing_written(small_model, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_ctrl_c_while_the_plan_is_written_finishes_the_write(tmp_path, monkeypatch, capsys):
+    """A first Ctrl-C that lands while the plan is being written is still the first: the
+    plan is written whole and the command ends as a finished compile (exit 0), not
+    "interrupted" with the plan already there."""
+    import onnx
+
+    from memsched import emit
+    from memsched.cli import main
+    from tests.graphs import mlp_model
+
+    model, out = tmp_path / "mlp.onnx", tmp_path / "plan.onnx"
+    save_model_atomic(mlp_model(), model)
+    write = emit.write_plan
+
+    def interrupted_write(plan, path):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)             # the handler runs here, between bytecodes of the main thread
+        return write(plan, path)
+
+    monkeypatch.setattr(emit, "write_plan", interrupted_write)
+    assert main(["compile", str(model), "--train", "--time-limit", "20", "-o", str(out)]) == 0
+    assert "interrupted: finishing with the best plan" in capsys.readouterr().err
+    assert emit.read_plan(out).schedule and onnx.load(str(out)).graph.node
+
+
 def test_the_rescue_places_the_start_again_where_its_live_bytes_fit():
     """With order and reuse alone, a start whose live bytes fit the budget but whose first
     arena overshoots is placed once more by the rescue, and kept as it is."""

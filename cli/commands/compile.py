@@ -48,13 +48,16 @@ def run(args) -> int:
     if not math.isfinite(args.bucket_mb) or args.bucket_mb <= 0:
         raise UserError(f"--bucket-mb must be a size above 0 MiB, not {args.bucket_mb:g}")
     deadline = for_command(args.time_limit)     # from the process's start: the whole command
-    with progress(deadline) as say, stop_on_interrupt(deadline, say_interrupted):
-        result = compile_plan(args.model, dims=frontend.parse_dims(args.dim), train=args.train, loss=args.loss,
-                              optimizer=args.optimizer, lr=args.lr, freeze=tuple(args.freeze),
-                              training_options={"momentum": args.momentum, "weight_decay": args.weight_decay},
-                              hardware=args.hardware, budget=args.budget, strategies=args.strategies,
-                              time_limit=args.time_limit, costs=args.costs, data_parallel=args.data_parallel,
-                              bucket_bytes=max(1, int(args.bucket_mb * 1024 * 1024)), progress=say,
-                              deadline=deadline, reserve=write_seconds if args.output else None)
-    written = {"plan": str(write_plan(result.plan, args.output))} if args.output else {}
-    return show_report(result, args.report, written, args.json)
+    # the first Ctrl-C, during the search or while the plan and report are written, finishes
+    # with the best plan (exit 0); a second aborts (exit 130), the writes being atomic
+    with stop_on_interrupt(deadline, say_interrupted):
+        with progress(deadline) as say:
+            result = compile_plan(args.model, dims=frontend.parse_dims(args.dim), train=args.train,
+                                  loss=args.loss, optimizer=args.optimizer, lr=args.lr, freeze=tuple(args.freeze),
+                                  training_options={"momentum": args.momentum, "weight_decay": args.weight_decay},
+                                  hardware=args.hardware, budget=args.budget, strategies=args.strategies,
+                                  time_limit=args.time_limit, costs=args.costs, data_parallel=args.data_parallel,
+                                  bucket_bytes=max(1, int(args.bucket_mb * 1024 * 1024)), progress=say,
+                                  deadline=deadline, reserve=write_seconds if args.output else None)
+        written = {"plan": str(write_plan(result.plan, args.output))} if args.output else {}
+        return show_report(result, args.report, written, args.json)
