@@ -6,6 +6,8 @@ builder (passes.training) writes, for the trainer, the inference export and the 
   buffers carried between steps (BatchNorm running statistics).
 - `FORWARD_KEY`: the forward model as given to the builder, base64 ONNX, its weights as
   headers only (the step holds them under the same names).
+- `GRAD_ROLES_KEY`: each backward and update op's role (`grad_roles`), which the dW/dX rule
+  and the rewrites read.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from .ir import Graph, metadata_error, metadata_json
 
 TRAINING_KEY = "memsched.training"
 FORWARD_KEY = "memsched.forward"
+GRAD_ROLES_KEY = "memsched.grad_roles"
+ROLES = ("dW", "dX", "shared", "update")
 # optimizer -> the states each parameter carries, `<param>.<state>`
 OPTIMIZER_STATES = {"none": (), "sgd": (), "momentum": ("momentum_buffer",),
                     "adam": ("exp_avg", "exp_avg_sq", "step"), "adamw": ("exp_avg", "exp_avg_sq", "step")}
@@ -97,3 +101,28 @@ def forward_output(graph: Graph) -> str | None:
     keeps no forward model."""
     model = forward_proto(graph)
     return model.graph.output[0].name if model is not None and model.graph.output else None
+
+
+def training_record(graph: Graph) -> dict:
+    """The training record (`TRAINING_KEY`) as a JSON object, {} where the graph has none:
+    what a pass reads of it (the optimizer). A UserError naming the field where a model
+    holds something else there."""
+    raw = graph.metadata.get(TRAINING_KEY)
+    return {} if raw is None else metadata_json(raw, TRAINING_KEY, lambda v: isinstance(v, dict), "a JSON object")
+
+
+def grad_roles(graph: Graph) -> dict[str, dict]:
+    """Op name -> its role as the training-step builder records it: {"role": "dW" | "dX" |
+    "shared", "layer": forward op, "param": parameter} for backward ops, {"role": "update",
+    "param": parameter} for updates; {} where the graph records none. A UserError naming the
+    field where a model holds something else there."""
+    raw = graph.metadata.get(GRAD_ROLES_KEY)
+    if raw is None:
+        return {}
+
+    def valid(role) -> bool:
+        return isinstance(role, dict) and role.get("role") in ROLES and role.get("param") in graph.tensors and \
+            (role["role"] == "update" or isinstance(role.get("layer"), str))
+
+    return metadata_json(raw, GRAD_ROLES_KEY, lambda v: isinstance(v, dict) and all(map(valid, v.values())),
+                         'a JSON object of op names to roles ({"role", "layer", "param"})')

@@ -48,15 +48,12 @@ import onnx
 from onnx import helper, numpy_helper
 
 from memsched.errors import ScheduleError
-from memsched.ir import FIXED_KINDS, Graph, Op, Tensor, tensor_value
+from memsched.ir import FIXED_KINDS, Graph, Op, Tensor, metadata_error, metadata_json, tensor_value
 from memsched.memory import alias_problem, analyze
 from memsched.ops import is_view, overwritable_inputs
 from memsched.schedule import default_schedule, order_schedule, Plan, RUNS, Schedule, StepKind
-from memsched.step_info import FORWARD_KEY
+from memsched.step_info import FORWARD_KEY, GRAD_ROLES_KEY, grad_roles, training_record
 
-# where passes.training records each backward op's role (dW, dX, update; see its package doc)
-GRAD_ROLES_KEY = "memsched.grad_roles"
-TRAINING_KEY = "memsched.training"     # the training step's options (loss, optimizer, lr, ...)
 # what fuse_updates replaced, so the graph as given (the baseline's) can be rebuilt
 FUSED_KEY = "memsched.fused_updates"
 TENSOR_ATTRIBUTE = "tensor_proto_base64"   # how op_json writes a tensor-valued attribute
@@ -178,11 +175,11 @@ def fuse_updates(graph: Graph) -> tuple[Graph, list[str]]:
     replaces the gradient's maker takes its grad role (dW). Returns (graph, the parameters
     fused); the graph itself when none is. Adam reads g twice (both moments) and keeps the
     dense gradient."""
-    optimizer = json.loads(graph.metadata.get(TRAINING_KEY, "{}")).get("optimizer")
+    optimizer = training_record(graph).get("optimizer")
     if optimizer not in ("sgd", "momentum") or FUSED_KEY in graph.metadata:   # nothing to fuse, or fused already
         return graph, []
     tensors = dict(graph.tensors)
-    roles = json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}"))
+    roles = grad_roles(graph)
     removed: set[str] = set()
     new_ops: dict[str, list[Op]] = {}
     fused = []
@@ -225,7 +222,7 @@ def record_rewrite(given: Graph, rewritten: Graph, key: str, **extra) -> Graph:
     key_of = {op.name: _op_key(op) for op in rewritten.ops}
     removed = [(i, op) for i, op in enumerate(given.ops) if key_of.get(op.name) != _op_key(op)]
     kept = {op.name for op in given.ops} - {op.name for _, op in removed}
-    roles = json.loads(given.metadata.get(GRAD_ROLES_KEY, "{}"))
+    roles = grad_roles(given)
     record = {**extra, "added": [op.name for op in rewritten.ops if op.name not in kept],
               "ops": [dict(op_json(op), index=i, role=roles.get(op.name)) for i, op in removed],
               "tensors": [tensor_json(t, given.base_dir) for name, t in given.tensors.items()
@@ -239,15 +236,26 @@ def undo_rewrite(graph: Graph, key: str) -> Graph:
     """The graph before the rewrite recorded under `key` (`record_rewrite`): the ops it added
     taken out, the ones it replaced back at their places in the op order, their tensors and
     grad roles restored; the graph itself where there is no such record."""
-    record = json.loads(graph.metadata.get(key, "null"))
-    if record is None:
+    raw = graph.metadata.get(key)
+    if raw is None:
         return graph
+    what = "a record of a rewrite memsched made"
+    record = metadata_json(raw, key, lambda v: isinstance(v, dict) and isinstance(v.get("ops"), list)
+                           and isinstance(v.get("tensors"), list), what)
+    try:
+        return _undone(graph, record, key)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):   # a model's garbage, not memsched's
+        raise metadata_error(key, what) from None
+
+
+def _undone(graph: Graph, record: dict, key: str) -> Graph:
+    """`undo_rewrite` of a parsed record; KeyError, TypeError, ... where a field is not as written."""
     if "added" in record:
         added = set(record["added"])
     else:   # a fused-update record written before records named the ops they added: its ops make the outputs
         added = {graph.producer[t].name for o in record["ops"] for t in o["outputs"] if t in graph.producer}
     ops = [op for op in graph.ops if op.name not in added]
-    roles = {k: v for k, v in json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}")).items() if k not in added}
+    roles = {k: v for k, v in grad_roles(graph).items() if k not in added}
     for o in sorted(record["ops"], key=lambda o: o["index"]):
         ops.insert(o["index"], op_from_json(o))
         if o["role"] is not None:
@@ -609,7 +617,7 @@ def layer_groups(graph: Graph) -> list[LayerGroup]:
     where present, else from structure -- a dW op writes a `param_grad` tensor (or one an
     update reads), its dX ops are the other backward ops reading the same incoming gradient,
     X is as large as dX's output and W as dW's."""
-    roles = json.loads(graph.metadata.get(GRAD_ROLES_KEY, "{}"))
+    roles = grad_roles(graph)
     if roles:
         return _groups_from_roles(graph, roles)
     producer = graph.producer

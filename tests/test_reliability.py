@@ -741,3 +741,22 @@ def test_a_hardware_number_past_a_float_is_refused():
     base = hardware.load("v100-16gb").to_dict()
     with pytest.raises(UserError, match="memory_bandwidth' must be a finite number"):
         hardware.from_dict({**base, "memory_bandwidth": 10 ** 400})     # float() of it: OverflowError
+
+
+@pytest.mark.parametrize("key, value", [
+    ("memsched.training", "[1]"), ("memsched.grad_roles", "{not json"),
+    ("memsched.grad_roles", '{"fc1": {"role": "dW"}}'),
+    ("memsched.fused_updates", '{"ops": [{}], "tensors": []}'), ("memsched.concat_split", "7"),
+])
+def test_memsched_metadata_a_model_should_not_hold_is_one_line_naming_the_field(tmp_path, key, value):
+    """The keys the training-step builder and the rewrites write are read through one
+    validating reader (memsched.step_info, ir.metadata_json): in a user's model, garbage there
+    is one line naming the field, for compile without and with --train."""
+    model = mlp_model()
+    helper.set_model_props(model, {key: value})
+    path = onnx_utils.save_model_atomic(model, tmp_path / "m.onnx")
+    for train in ([], ["--train"]):
+        result = run_cli("compile", path, *train)
+        if result.returncode != 0:
+            one_line_error(result, f"metadata '{key}'")
+    one_line_error(run_cli("compile", path), f"metadata '{key}'")

@@ -12,7 +12,7 @@ from memsched.data_parallel import BATCH_STATISTICS_KEY
 from memsched.errors import UserError
 from memsched.frontend import captured_names, subgraphs
 from memsched.ir import Graph, Op, header_only
-from memsched.step_info import FORWARD_KEY, TRAINING_KEY
+from memsched.step_info import FORWARD_KEY, GRAD_ROLES_KEY, TRAINING_KEY
 from memsched.onnx_utils import IR_VERSION, OPSET
 from memsched.ops import WEIGHT_PART_OPS, WEIGHT_VIEW_OPS
 
@@ -26,7 +26,6 @@ from memsched.dtypes import FLOAT_TYPES
 from memsched.passes.training.registry import RULES, differentiable_outputs, differentiable_positions
 from memsched.passes.training.simplify import drop_no_ops
 
-GRAD_ROLES_KEY = "memsched.grad_roles"
 
 MIN_OPSET, MAX_OPSET = 13, 21
 
