@@ -760,3 +760,13 @@ def test_memsched_metadata_a_model_should_not_hold_is_one_line_naming_the_field(
         if result.returncode != 0:
             one_line_error(result, f"metadata '{key}'")
     one_line_error(run_cli("compile", path), f"metadata '{key}'")
+
+
+@pytest.mark.parametrize("rank, world, message", [("0", "abc", "must be whole numbers"),
+                                                  ("5", "2", "no rank of a world of 2")])
+def test_a_rank_environment_that_is_no_rank_is_one_line(plan_file, monkeypatch, rank, world, message):
+    """Under torchrun's variables, `run` reads RANK and WORLD_SIZE through the one checked
+    reader before anything starts: a world size that is no number, or a rank outside the world."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    one_line_error(run_cli("run", plan_file), message)

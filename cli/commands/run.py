@@ -1,7 +1,6 @@
 """`memsched run`: run a plan with the bundled executor and measure it (data parallel too)."""
 from __future__ import annotations
 
-import os
 import sys
 
 from memsched.cli.options import add_hardware_option, add_json_option, add_threads_option
@@ -91,7 +90,7 @@ def run_workers(args) -> int:
     """`run --workers N`, or one rank under torchrun: a data-parallel run (memsched.runtime.distributed)."""
     from memsched.emit import read_plan
     from memsched.errors import UserError
-    from memsched.runtime.distributed import launch, launched, run_rank
+    from memsched.runtime.distributed import launch, launched, rank_and_world, run_rank
 
     used = [flag for flag, given in (("--check", args.check), ("--device cuda", args.device == "cuda"),
                                      ("--nvdimm-dir", args.nvdimm_dir)) if given]
@@ -100,7 +99,7 @@ def run_workers(args) -> int:
     if args.hardware:
         raise UserError("--hardware is for a run in one process; a data-parallel run predicts with the cpu profile")
     if launched():
-        world = int(os.environ["WORLD_SIZE"])
+        _, world = rank_and_world()
         if args.workers is not None and args.workers != world:
             raise UserError(f"--workers {args.workers} but torchrun started {world} processes")
         summary, _ = run_rank(read_plan(args.plan), steps=args.steps, threads=args.threads, path=args.plan,

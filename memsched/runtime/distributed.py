@@ -305,7 +305,7 @@ def rank_of(plan: Plan, overlap: bool = True, sync_batchnorm: bool = False, time
     torch, dist = import_torch()
     if not launched():
         raise UserError("not started as a rank: run under torchrun, or with --workers N")
-    rank, workers = _rank_and_world()
+    rank, workers = rank_and_world()
     check_plan(plan, workers)
     torch.set_num_threads(1)             # torch computes nothing here: the cores are ONNX Runtime's
     own = not dist.is_initialized()
@@ -389,7 +389,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def _rank_and_world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
     """RANK and WORLD_SIZE from the environment torchrun sets; UserError where they are not a
     rank below a world size of at least 1."""
     try:
