@@ -32,9 +32,16 @@ def read_document(path: str | Path, what: str, error: Callable[[str], Exception]
         raise error(f"cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise error(f"{path} is not a readable {what}: not UTF-8 text ({exc.reason})") from None
+    return parse_text(text, f"{path} is not a readable {what}", toml=path.suffix.lower() == ".toml", error=error)
+
+
+def parse_text(text: str, refusal: str, toml: bool = False, error: Callable[[str], Exception] = UserError) -> Any:
+    """`text` parsed as JSON (TOML with `toml`); `error("<refusal>: <why>")` where it is not:
+    not JSON/TOML, nested past what the parser can walk, or holding an integer past Python's
+    digit limit. The one parse of every document memsched reads, a plan's too."""
     try:
-        return tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
+        return tomllib.loads(text) if toml else json.loads(text)
     except RecursionError:
-        raise error(f"{path} is not a readable {what}: nested too deeply") from None
+        raise error(f"{refusal}: nested too deeply") from None
     except ValueError as exc:        # JSON's and TOML's decode errors, an integer past the digit limit
-        raise error(f"{path} is not a readable {what}: {exc}") from None
+        raise error(f"{refusal}: {exc}") from None

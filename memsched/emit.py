@@ -41,6 +41,7 @@ from onnx import TensorProto, numpy_helper
 from onnx.external_data_helper import _get_all_tensors
 
 from . import dtypes
+from .documents import parse_text
 from .errors import ScheduleError, UserError, first_line
 from .frontend import read_model
 from .hardware import Hardware, preset_names
@@ -249,10 +250,7 @@ def plan_from_onnx(model: onnx.ModelProto, base_dir: str | None = None, source: 
     if PLAN_KEY not in props:
         raise UserError(f"{source} holds no memsched plan (no '{PLAN_KEY}' metadata); "
                         f"write one with `memsched compile`")
-    try:
-        doc = json.loads(props[PLAN_KEY])
-    except json.JSONDecodeError as exc:
-        raise UserError(f"the plan in {source} is not valid JSON: {exc}") from None
+    doc = parse_text(props[PLAN_KEY], f"the plan in {source} is not valid JSON")
     if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
         version = doc.get("version") if isinstance(doc, dict) else None
         raise UserError(f"the plan in {source} has format version {version!r}; this memsched reads "
@@ -339,8 +337,16 @@ def _string_map(value) -> bool:
     return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
 
 
+MAX_BYTES = 2 ** 63 - 1       # a byte count or offset of a plan: what an int64 holds
+
+
 def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bytes(value) -> bool:
+    """A whole number of bytes an int64 holds (0 included)."""
+    return _whole(value) and 0 <= value <= MAX_BYTES
 
 
 # each field of the plan document and what it must be
@@ -350,10 +356,10 @@ _DOCUMENT_FIELDS = {
         and (s[2] is None or isinstance(s[2], str)) and isinstance(s[3], str) for s in v)),
     "aliases": ("an object of tensor names", _string_map),
     "offsets": ("null or a list of [tensor, index, offset]", lambda v: v is None or isinstance(v, list) and all(
-        isinstance(o, list) and len(o) == 3 and isinstance(o[0], str) and _whole(o[1]) and _whole(o[2])
-        and o[2] >= 0 for o in v)),
+        isinstance(o, list) and len(o) == 3 and isinstance(o[0], str) and _whole(o[1]) and _bytes(o[2])
+        for o in v)),
     "on_host": ("a list of tensor names", _strings),
-    "budget": ("null or a number of bytes above 0", lambda v: v is None or _whole(v) and v > 0),
+    "budget": ("null or a number of bytes above 0, at most 2^63 - 1", lambda v: v is None or _bytes(v) and v > 0),
     "notes": ("an object", lambda v: isinstance(v, dict)),
     "graph_order": ("a list of op names", _strings),
     "outputs": ("a list of tensor names", _strings),

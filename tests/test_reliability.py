@@ -459,6 +459,7 @@ def _set(key, value):
     (_set("outputs", ["loss", "nosuch"]), "names tensor 'nosuch'"),
     (lambda doc: doc.pop("renamed"), "has no 'renamed'"),
     (lambda doc: doc["graph_order"].reverse(), "before the op that makes its input"),
+    (_set("budget", 10 ** 400), "malformed 'budget'"),
 ])
 def test_plan_metadata_of_the_wrong_type_is_one_line_naming_the_field(plan_file, edit, message):
     edit_plan_metadata(plan_file, edit, reseal=True)
@@ -770,3 +771,16 @@ def test_a_rank_environment_that_is_no_rank_is_one_line(plan_file, monkeypatch, 
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", world)
     one_line_error(run_cli("run", plan_file), message)
+
+
+@pytest.mark.parametrize("text, message", [('{"version": ' + "9" * 5000 + "}", "digits"),
+                                           ("[" * 100000 + "]" * 100000, "nested too deeply")])
+def test_a_plan_document_past_what_json_can_hold_is_one_line(plan_file, text, message):
+    """A plan's metadata holding an integer past Python's digit limit, or nesting past what
+    the parser walks, is one line (the same parse as hardware, cost and remat files)."""
+    model = onnx.load(str(plan_file))
+    for prop in model.metadata_props:
+        if prop.key == "memsched.plan":
+            prop.value = text
+    onnx.save_model(model, str(plan_file))
+    one_line_error(run_cli("report", plan_file), "is not valid JSON", message)
