@@ -438,6 +438,9 @@ def test_to_node_link_round_trips(tmp_path):
      "malformed node-link graph"),
     (json.dumps(checkmate_data(order=[1, 0, 2, 3])), "not topological"),
     (json.dumps(checkmate_data(order=[0, 1])), "every node of the graph exactly once"),
+    (json.dumps({**checkmate_data(), "graph": [1, 2]}), "'graph' must be an object"),
+    (json.dumps({"nodes": [7], "links": []}), "each node one"),
+    (json.dumps({**checkmate_data(), "graph": {"order": 5}}), "'order' must be a list"),
 ])
 def test_load_node_link_errors_are_one_line(tmp_path, content, message):
     path = tmp_path / "bad.json"

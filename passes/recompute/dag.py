@@ -195,13 +195,17 @@ def load_node_link(path, pinned_bytes: int = 0) -> RematProblem:
     edges_key = "edges" if "edges" in data else "links"
     if not isinstance(data.get(edges_key, []), list):
         raise RematInputError(f"{path}: '{edges_key}' must be a list")
+    if not isinstance(data.get("graph", {}), dict) or not all(isinstance(node, dict) for node in data["nodes"]):
+        raise RematInputError(f"{path}: malformed node-link graph ('graph' must be an object and each node one)")
     data = dict(data, directed=True, multigraph=False)  # edges are dependencies, whatever the file says
     data.setdefault(edges_key, [])
     try:
         graph = nx.node_link_graph(data, edges=edges_key)
-    except (KeyError, TypeError, nx.NetworkXError) as exc:
+    except (KeyError, TypeError, AttributeError, ValueError, nx.NetworkXError) as exc:
         raise RematInputError(f"{path}: malformed node-link graph ({type(exc).__name__}: {exc})") from None
     order = graph.graph.get("order")
+    if order is not None and not isinstance(order, list):
+        raise RematInputError(f"{path}: the graph's 'order' must be a list of its nodes, not {order!r}")
     try:
         return make_problem(graph, order, pinned_bytes, cost="cost_cpu", size="cost_ram")
     except RematInputError as exc:
@@ -223,7 +227,10 @@ def budget_from_fraction(problem: RematProblem, fraction: float) -> int:
     """F x the peak of the initial order without recomputation (Checkmate's budget convention)."""
     if not (fraction > 0 and math.isfinite(fraction)):
         raise RematInputError(f"the budget fraction must be > 0, not {fraction!r}")
-    return int(fraction * checkpoint_all_peak(problem))
+    budget = fraction * checkpoint_all_peak(problem)
+    if not math.isfinite(budget):
+        raise RematInputError(f"the budget fraction {fraction!r} times the graph's peak is past any number of bytes")
+    return int(budget)
 
 
 def checkpoint_all_peak(problem: RematProblem) -> int:
