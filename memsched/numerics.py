@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from .dtypes import FLOAT_TYPES
 from .errors import UserError
@@ -196,11 +196,35 @@ def double_graph(graph: Graph) -> Graph:
 def _double_attribute(op: Op, key: str, value):
     if isinstance(value, TensorProto) and value.data_type in FLOAT_TYPES:
         return numpy_helper.from_array(numpy_helper.to_array(value).astype(np.float64), value.name)
+    if isinstance(value, onnx.GraphProto):                  # an If's branch, a Loop's or Scan's body
+        return _double_subgraph(value)
+    if isinstance(value, list) and value and all(isinstance(v, onnx.GraphProto) for v in value):
+        return [_double_subgraph(v) for v in value]
     if key in ("to", "dtype") and value in FLOAT_TYPES and op.op_type != "QuantizeLinear":
         return TensorProto.DOUBLE
     if op.op_type == "Constant" and key in ("value_float", "value_floats"):
         raise UserError(f"Constant '{op.name}' holds a float attribute {key}; write it as a tensor value")
     return value
+
+
+def _double_subgraph(graph: onnx.GraphProto) -> onnx.GraphProto:
+    """A subgraph with its float values made DOUBLE as `double_graph` makes the graph's: its
+    inputs, outputs and value types, its initializers, and its nodes' attributes (nested
+    subgraphs too): the branches of an If then return what the float64 graph around them reads."""
+    double = onnx.GraphProto()
+    double.CopyFrom(graph)
+    for info in (*double.input, *double.output, *double.value_info):
+        if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type in FLOAT_TYPES:
+            info.type.tensor_type.elem_type = TensorProto.DOUBLE
+    for init in double.initializer:
+        if init.data_type in FLOAT_TYPES:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float64), init.name))
+    for node in double.node:
+        op = Op(node.name, node.op_type, list(node.input), list(node.output), {}, node.domain)
+        for attribute in node.attribute:
+            value = _double_attribute(op, attribute.name, helper.get_attribute_value(attribute))
+            attribute.CopyFrom(helper.make_attribute(attribute.name, value, attr_type=attribute.type))
+    return double
 
 
 def _layer_norm_ops(op: Op, tensors: dict[str, Tensor], opset: int) -> list[Op]:

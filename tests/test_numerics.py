@@ -233,3 +233,31 @@ def test_check_numerics_cli_names_the_worst_parameters(tmp_path):
     assert 0 < errors[0] < 1e-3 and report["branches"] == "float32's"
     strict = json.loads(run_cli("check-numerics", path, "--strict", "--json").stdout)
     assert strict["branches"] == "own" and strict["worst"]["error"] < 1e-3
+
+
+def _if_model() -> onnx.ModelProto:
+    """x @ W, times an If's constant branch (a float tensor made inside the subgraph)."""
+    def branch(name: str, value: float) -> onnx.GraphProto:
+        node = helper.make_node("Constant", [], [f"{name}_out"],
+                                value=numpy_helper.from_array(np.full(4, value, np.float32)))
+        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [4])
+        return helper.make_graph([node], name, [], [out])
+
+    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("If", ["cond"], ["s"], name="if", then_branch=branch("then", 2.0),
+                              else_branch=branch("else", 3.0)),
+             helper.make_node("Mul", ["h", "s"], ["y"], name="mul")]
+    graph = helper.make_graph(nodes, "if", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                              [weight, numpy_helper.from_array(np.array(True), "cond")])
+    return make_model(graph)
+
+
+def test_an_if_whose_branches_make_float_constants_runs_in_float64():
+    """The float64 run widens the If's branches too (their outputs, constants and casts), so
+    the step with an If whose branches make float values is compared, not refused by ONNX
+    Runtime ('expected tensor(double)')."""
+    step = build_training_step(lower(_if_model()), loss="mse")
+    rows = numerics.check(step)
+    assert [r.param for r in rows] == ["W"] and rows[0].error < 1e-6 and rows[0].scale > 0
