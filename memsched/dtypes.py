@@ -27,3 +27,15 @@ def name(dtype: int) -> str:
     if dtype == TensorProto.BFLOAT16:
         return "bfloat16"
     return helper.tensor_dtype_to_np_dtype(dtype).name
+
+
+def problem(dtype: int) -> str | None:
+    """Why a tensor of element type `dtype` cannot be planned, or None where it can: a string
+    has no fixed size, and 0 or a number ONNX does not define is no element type."""
+    if dtype == TensorProto.STRING:
+        return "holds strings; memsched plans numeric tensors only"
+    try:
+        itemsize(dtype)
+    except (KeyError, ValueError, TypeError):
+        return f"has element type {dtype}, which ONNX does not define"
+    return None

@@ -23,6 +23,7 @@ from onnx import TensorProto, helper
 from .errors import UserError, first_line
 from . import dtypes, model_file
 from .ir import Graph, op_summary
+from .ops import NON_TENSOR_OPS
 from .onnx_utils import MEMSCHED_DOMAIN, TWO_GB, checkable_view, is_weight
 
 SUPPORTED_DOMAINS = ("", "ai.onnx", MEMSCHED_DOMAIN)
@@ -39,6 +40,7 @@ def lower(model: onnx.ModelProto, dims: dict[str, int] | None = None, base_dir: 
     """Bind dims, infer shapes and lower an in-memory model (initializer data may be external)."""
     model = _inline_functions(model)
     _check_domains(model)
+    _check_values(model)
     _check_nodes(model)
     _check_order(model.graph)
     _check_captures(model)
@@ -180,7 +182,35 @@ def _inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     from onnx import inliner
 
-    return inliner.inline_local_functions(model)
+    try:
+        return inliner.inline_local_functions(model)
+    except Exception as exc:  # noqa: BLE001 - onnx's inliner: ValidationError (a recursive function) and others
+        raise UserError(f"not a valid ONNX model: its local functions cannot be inlined: {first_line(exc)}") from None
+
+
+def _check_values(model: onnx.ModelProto) -> None:
+    """Tensors only, of numeric element types: a graph input, output, annotated value or
+    weight that is a sequence, map or optional, or holds strings or an element type ONNX does
+    not define, and an op that makes or reads sequences (memsched.ops.NON_TENSOR_OPS), are
+    one line naming it (their sizes are not fixed by the step)."""
+    graph = model.graph
+    for info in (*graph.input, *graph.output, *graph.value_info):
+        kind = info.type.WhichOneof("value")
+        if kind is not None and kind != "tensor_type":
+            raise UserError(f"value '{info.name}' is a {kind.removesuffix('_type')}, not a tensor; memsched plans "
+                            f"tensors only")
+        if kind == "tensor_type" and info.type.tensor_type.elem_type:
+            why = dtypes.problem(info.type.tensor_type.elem_type)
+            if why is not None:
+                raise UserError(f"tensor '{info.name}' {why}")
+    for init in graph.initializer:
+        why = dtypes.problem(init.data_type)
+        if why is not None:
+            raise UserError(f"weight '{init.name}' {why}")
+    for index, node in enumerate(graph.node):
+        if node.op_type in NON_TENSOR_OPS:
+            raise UserError(f"{node.op_type} node '{node.name or index}' makes or reads sequences, maps or "
+                            f"optionals; memsched plans tensors only")
 
 
 def _check_domains(model: onnx.ModelProto) -> None:
@@ -482,6 +512,9 @@ def _check_complete(graph: Graph) -> None:
     No tensor has a negative dimension, more than MAX_RANK of them or more than
     MAX_TENSOR_BYTES."""
     for t in graph.tensors.values():
+        why = dtypes.problem(t.dtype) if t.dtype else None
+        if why is not None:                 # an inferred value: a Cast to strings
+            raise UserError(f"tensor '{t.name}' {why}")
         if t.shape is None:
             continue
         if any(d < 0 for d in t.shape):

@@ -50,6 +50,14 @@ def overwritable_inputs(op: Op) -> list[str]:
     return op.inputs[1:3] if op.op_type == "Where" else op.inputs[:1]
 
 
+# ---- values: memsched plans tensors ----------------------------------------------------------------
+# Ops that make or read sequences, maps or optionals, whose sizes are not fixed by the step.
+NON_TENSOR_OPS = frozenset({
+    "SequenceConstruct", "SequenceEmpty", "SequenceInsert", "SequenceAt", "SequenceErase", "SequenceLength",
+    "SplitToSequence", "ConcatFromSequence", "SequenceMap", "Optional", "OptionalGetElement",
+    "OptionalHasElement", "ZipMap", "CastMap", "DictVectorizer"})
+
+
 # ---- replay: what recompute and swap-by-recompute may run twice ----------------------------------
 # Ops that draw random numbers: a replay would draw other numbers.
 RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",

@@ -313,3 +313,59 @@ def test_a_message_ending_in_a_colon_keeps_its_next_line():
     assert first_line(ValueError("however input 'y' of node:\nname: n2 OpType: Relu\nmore")) == \
         "however input 'y' of node: name: n2 OpType: Relu"
     assert first_line(ValueError("one line\nframes")) == "one line"
+
+
+def _string_input_model() -> onnx.ModelProto:
+    graph = helper.make_graph([helper.make_node("Identity", ["s"], ["t"])], "strings",
+                              [helper.make_tensor_value_info("s", TensorProto.STRING, [2])],
+                              [helper.make_tensor_value_info("t", TensorProto.STRING, [2])])
+    return make_model(graph)
+
+
+def _cast_to_strings_model() -> onnx.ModelProto:
+    graph = helper.make_graph([helper.make_node("Cast", ["x"], ["s"], to=TensorProto.STRING),
+                               helper.make_node("Cast", ["s"], ["y"], to=TensorProto.FLOAT)], "cast",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    return make_model(graph)
+
+
+def _sequence_model() -> onnx.ModelProto:
+    nodes = [helper.make_node("SequenceConstruct", ["x", "x"], ["seq"], name="pack"),
+             helper.make_node("ConcatFromSequence", ["seq"], ["y"], axis=0, name="unpack")]
+    graph = helper.make_graph(nodes, "sequence", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    return make_model(graph)
+
+
+def _weight_type_model(data_type: int) -> onnx.ModelProto:
+    model = mlp_model()
+    model.graph.initializer[0].data_type = data_type
+    return model
+
+
+def _recursive_function_model() -> onnx.ModelProto:
+    model = mlp_model()
+    call = helper.make_node("Again", ["a"], ["b"], domain="local")
+    model.functions.append(helper.make_function("local", "Again", ["a"], ["b"], [call],
+                                                [helper.make_opsetid("", 17)]))
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    model.graph.node.append(helper.make_node("Again", ["logits"], ["again"], domain="local"))
+    return model
+
+
+@pytest.mark.parametrize("make, message", [
+    (_string_input_model, "tensor 's' holds strings"), (_cast_to_strings_model, "tensor 's' holds strings"),
+    (_sequence_model, "SequenceConstruct node 'pack' makes or reads sequences"),
+    (lambda: _weight_type_model(0), "has element type 0, which ONNX does not define"),
+    (lambda: _weight_type_model(999), "has element type 999, which ONNX does not define"),
+    (_recursive_function_model, "its local functions cannot be inlined"),
+])
+def test_values_memsched_cannot_plan_are_one_line(tmp_path, make, message):
+    """Strings, sequences, element types ONNX does not define and local functions that call
+    themselves: `inspect` (every command's front end) says so in one line, exit 1."""
+    path = tmp_path / "m.onnx"
+    path.write_bytes(make().SerializeToString())
+    result = run_cli("inspect", path)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("memsched: error: ") and message in result.stderr, result.stderr
