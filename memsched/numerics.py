@@ -43,7 +43,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .dtypes import FLOAT_TYPES
 from .errors import UserError
-from .measure import prepare_inputs
+from .measure import prepare_inputs, require_host_memory
+from .memory import analyze
+from .schedule import default_schedule
 from .ir import Graph, Op, Tensor, tensor_value
 from .measure import single_op_model
 from .ort import make_session
@@ -90,6 +92,8 @@ def check(step: Graph, feeds: dict[str, np.ndarray] | None = None, *, seed: int 
     `pin`: the float64 run takes the float32 run's branch decisions (`decisions`), so that
     both differentiate the same piece of the piecewise-smooth step; with pin=False it makes
     its own."""
+    # the float64 run holds each float value at twice its bytes: at least the step's own peak
+    require_host_memory(2 * analyze(step, default_schedule(step)).peak_bytes, "the float64 check of the step")
     feeds = prepare_inputs(step, feeds, seed=seed)
     compared = compared_outputs(step)
     names = list(compared)

@@ -261,3 +261,15 @@ def test_an_if_whose_branches_make_float_constants_runs_in_float64():
     step = build_training_step(lower(_if_model()), loss="mse")
     rows = numerics.check(step)
     assert [r.param for r in rows] == ["W"] and rows[0].error < 1e-6 and rows[0].scale > 0
+
+
+def test_a_step_larger_than_the_host_is_one_line_before_any_run(monkeypatch):
+    """Before either run allocates, the step's peak (twice, for the float64 run) is held
+    against the host's memory: a step past it is one line, not ONNX Runtime's allocator error."""
+    from memsched import measure
+    from memsched.errors import UserError
+
+    step = build_training_step(lower(_if_model()), loss="mse")
+    monkeypatch.setattr(measure, "host_memory_bytes", lambda: 64)
+    with pytest.raises(UserError, match="the float64 check of the step needs .* this host has"):
+        numerics.check(step)
