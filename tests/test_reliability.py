@@ -471,9 +471,7 @@ def test_plan_metadata_of_the_wrong_type_is_one_line_naming_the_field(plan_file,
                                         ("memsched.phases", "no longer matches")])     # the digest seals phases
 def test_plan_with_garbage_kinds_or_phases_is_one_line(plan_file, key, first):
     def garble(model):
-        for prop in model.metadata_props:
-            if prop.key == key:
-                prop.value = "{not json"
+        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, key: "{not json"})
     _edit_model(plan_file, garble)
     one_line_error(run_cli("report", plan_file), first)
     if first == "no longer matches":
@@ -650,7 +648,7 @@ def test_thread_counts_beyond_the_cores_are_one_line(tmp_path):
 # named), reads of files in FOLDER as an unreadable file does (these tests run as root, whom no
 # permission bit stops)
 FAULTY_DISK = """
-import builtins, errno, sys
+import builtins, errno, io, sys
 sys.path.insert(0, {root!r})
 folder, fault, argv = {folder!r}, {fault!r}, {argv!r}
 real_open = builtins.open
@@ -668,7 +666,7 @@ def faulty_open(file, mode="r", *args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", str(file))
     f = real_open(file, mode, *args, **kwargs)
     return FullDisk(f) if inside and writes and fault == "full" else f
-builtins.open = faulty_open
+builtins.open = io.open = faulty_open          # pathlib opens through io.open
 from memsched import cli
 sys.exit(cli.main(argv))
 """
@@ -694,6 +692,7 @@ def mlp_files(tmp_path_factory):
     ["train-graph", "{model}", "--loss", "mse", "-o", "{out}/step.onnx"],
     ["report", "{plan}", "--html", "{out}/report.html"],
     ["tune-batch", "mlp", "--time-limit", "20", "--max-batch", "4", "--plot", "{out}/batch.svg"],
+    ["profile", "{model}", "--repeats", "1", "-o", "{out}/costs.json"],
 ])
 def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, mlp_files, command):
     model, plan = mlp_files
@@ -706,10 +705,13 @@ def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, 
 
 
 @pytest.mark.parametrize("command", [["inspect", "{model}"], ["compile", "{model}", "--train", "--loss", "mse"],
-                                     ["run", "{plan}"], ["report", "{plan}"]])
+                                     ["run", "{plan}"], ["report", "{plan}"], ["hardware", "show", "{folder}/hw.json"],
+                                     ["simulate", "{model}", "--costs", "{folder}/costs.json"]])
 def test_an_unreadable_input_is_one_line_naming_it(tmp_path, mlp_files, command):
     model, plan = mlp_files
-    argv = [part.format(model=model, plan=plan) for part in command]
+    for name in ("hw.json", "costs.json"):       # there to be unreadable: the fault stops every read
+        (model.parent / name).write_text("{}")
+    argv = [part.format(model=model, plan=plan, folder=model.parent) for part in command]
     line = one_line_error(_faulty_run(model.parent, "unreadable", *argv), "Permission denied")
     assert str(model.parent) in line
 
@@ -784,3 +786,37 @@ def test_a_plan_document_past_what_json_can_hold_is_one_line(plan_file, text, me
             prop.value = text
     onnx.save_model(model, str(plan_file))
     one_line_error(run_cli("report", plan_file), "is not valid JSON", message)
+
+
+def test_a_learning_rate_past_any_step_is_one_line(tmp_path):
+    """`--lr 1e39` overflowed float32 in the step's constants (a numpy warning, exit 0) and
+    trained every parameter to inf: a learning rate of 1e6 or more is refused when the step is built."""
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    one_line_error(run_cli("compile", model, "--train", "--lr", "1e39"), "learning rate must be below 1e6")
+
+
+def test_a_data_parallel_record_with_a_worker_count_in_words_is_one_line(plan_file):
+    """A resealed record whose `workers` is the string "2" was "compiled for 2 workers, not 2"."""
+    def record(model):
+        value = json.dumps({"workers": "2", "bucket_bytes": 1024, "batch_inputs": [], "worker_batch": None})
+        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                            "memsched.data_parallel": value})
+    _edit_model(plan_file, record)
+    edit_plan_metadata(plan_file, lambda doc: None, reseal=True)
+    one_line_error(run_cli("report", plan_file, "--data-parallel", "2"), "metadata 'memsched.data_parallel'")
+
+
+def test_a_resealed_plan_with_garbage_grad_roles_is_one_line(tmp_path):
+    """The report undoes a plan's fused updates to rebuild its baseline, reading the grad roles:
+    garbage there, resealed, is one line naming the field (a field nothing reads is left alone)."""
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    plan = tmp_path / "plan.onnx"
+    assert run_cli("compile", model, "--train", "-o", plan).returncode == 0
+    assert any(p.key == "memsched.fused_updates" for p in onnx.load(str(plan)).metadata_props)
+
+    def garble(model):
+        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                            "memsched.grad_roles": '{"x": 1}'})
+    _edit_model(plan, garble)
+    edit_plan_metadata(plan, lambda doc: None, reseal=True)
+    one_line_error(run_cli("report", plan), "metadata 'memsched.grad_roles'")
