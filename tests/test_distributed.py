@@ -192,10 +192,11 @@ def _alive(pids) -> set[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
-def test_no_rank_outlives_its_launcher(tmp_path, signal_name):
-    """SIGTERM to `run --workers 2` stops its ranks on the way out; SIGKILL (no way out) stops
-    them too, through the kernel (PR_SET_PDEATHSIG). Waits are bounded polls, not timings."""
+@pytest.mark.parametrize("signal_name, exit_code", [("SIGTERM", 143), ("SIGINT", 130), ("SIGKILL", -9)])
+def test_no_rank_outlives_its_launcher(tmp_path, signal_name, exit_code):
+    """SIGTERM or Ctrl-C to `run --workers 2` stops its ranks on the way out (exit 143, 130);
+    SIGKILL (no way out) stops them too, through the kernel (PR_SET_PDEATHSIG). Waits are
+    bounded polls, not timings."""
     import os
     import signal
     import subprocess
@@ -212,7 +213,7 @@ def test_no_rank_outlives_its_launcher(tmp_path, signal_name):
             time.sleep(0.1)
         assert len(ranks) == 2, launcher.stderr.read() if launcher.poll() is not None else "no ranks started"
         launcher.send_signal(getattr(signal, signal_name))
-        launcher.wait(timeout=60)
+        assert launcher.wait(timeout=60) == exit_code, launcher.stderr.read()
         for _ in range(300):
             if not _alive(ranks):
                 break
