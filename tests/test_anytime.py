@@ -378,6 +378,17 @@ def test_a_second_ctrl_c_aborts_with_nothing_written(small_model, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_command_deadline_counts_from_the_process_start():
+    """`for_command` starts the clock when the interpreter started, not when the command's
+    code runs: a process that spent 1.5 s before asking has at most 8.5 s of a 10 s limit
+    left (one-sided: load only makes the process older)."""
+    code = ("import time; time.sleep(1.5); from memsched.deadline import for_command, process_age; "
+            "print(process_age(), for_command(10).left())")
+    age, left = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                          check=True).stdout.split())
+    assert age >= 1.45 and left <= 10 - 1.45
+
+
 def test_a_ctrl_c_while_the_plan_is_written_finishes_the_write(tmp_path, monkeypatch, capsys):
     """A first Ctrl-C that lands while the plan is being written is still the first: the
     plan is written whole and the command ends as a finished compile (exit 0), not
