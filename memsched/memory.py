@@ -44,7 +44,7 @@ import numpy as np
 
 from .errors import ScheduleError
 from .ir import Graph
-from .ops import INPLACE_OPS, VIEW_OPS, overwritable_inputs
+from .ops import VIEW_OPS, overwritable_inputs
 from .schedule import Plan, RUNS, Schedule, StepKind
 
 
@@ -260,9 +260,10 @@ def alias_problem(graph: Graph, op, output: str, source: str) -> str | None:
         return "it is not an input of op '" + op.name + "'"
     if graph.tensors[output].nbytes != graph.tensors[source].nbytes:
         return "their sizes differ"
-    if op.op_type not in INPLACE_OPS and op.phase != "update":
+    overwritable = overwritable_inputs(op)
+    if not overwritable:
         return f"{op.op_type} does not run in place"
-    if source not in overwritable_inputs(op):
+    if source not in overwritable:
         if op.op_type == "Gemm":
             return "a Gemm update writes in place only over C, the parameter or state it updates"
         over = "its two branches" if op.op_type == "Where" else "its first input"
