@@ -1056,7 +1056,7 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
             (best is None or left >= CPSAT_MIN_SHARE * time_limit_s):
         best = _cpsat_step(problem, budget_bytes, time_limit_s, best, max_computations, work, runs)
     if best is None:
-        closest = min(runs.results.values(), key=lambda r: (r.peak_bytes, r.total_cost))
+        closest = runs.by_peak()[0]
         raise BudgetInfeasible(budget_bytes, closest.peak_bytes, lower, closest)
     return replace(best, seconds=time.perf_counter() - started, runs=runs.results)
 
@@ -1068,6 +1068,10 @@ class _Runs:
     def __init__(self, started: float, planned: Deadline | None = None):
         self.started, self.planned = started, planned
         self.results: dict[str, Result] = {}
+
+    def by_peak(self) -> list[Result]:
+        """The results, lowest peak (then cost) first."""
+        return sorted(self.results.values(), key=lambda r: (r.peak_bytes, r.total_cost))
 
     def keep(self, name: str, result: Result) -> Result:
         self.results[name] = replace(result, found_at=time.perf_counter() - self.started)
@@ -1093,8 +1097,7 @@ def _first_plans(problem: RematProblem, budget_bytes: int, wanted, max_computati
         runs.keep(name, _result(problem, name, schedule_from_plan(problem, seed), budget_bytes, "heuristic",
                                 runs.started))
     if repair and _cheapest(runs.results) is None:
-        closest = sorted(runs.results.values(), key=lambda r: (r.peak_bytes, r.total_cost))
-        starts = [plan_from_schedule(problem, r.schedule) for r in closest]
+        starts = [plan_from_schedule(problem, r.schedule) for r in runs.by_peak()]
         runs.keep(REPAIR, solve_repair(problem, budget_bytes, [s for s in starts if s is not None],
                                        max_computations, effort=effort))
     charge(work, effort)
@@ -1104,7 +1107,7 @@ def _cpsat_step(problem: RematProblem, budget_bytes: int, time_limit_s: float, b
                 max_computations: int, work: Work | None, runs: _Runs) -> Result | None:
     """Step 4 of `plan`: CP-SAT warm-started from `best` (or the lowest peak), its answer
     pruned by the local search where it is not optimal; the best result then."""
-    warm = best or min(runs.results.values(), key=lambda r: (r.peak_bytes, r.total_cost))
+    warm = best or runs.by_peak()[0]
     # CP-SAT's wall limit ends PRUNE_SHARE early, to prune its answer; the deterministic
     # limit stays a share of the whole time limit
     found = solve_cpsat(problem, budget_bytes, time_limit_s, warm, max_computations,
