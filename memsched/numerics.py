@@ -197,9 +197,13 @@ def double_graph(graph: Graph) -> Graph:
     return graph.replace(ops=ops, tensors=tensors, metadata={})
 
 
+def _double_tensor(value: TensorProto) -> TensorProto:
+    return numpy_helper.from_array(numpy_helper.to_array(value).astype(np.float64), value.name)
+
+
 def _double_attribute(op: Op, key: str, value):
     if isinstance(value, TensorProto) and value.data_type in FLOAT_TYPES:
-        return numpy_helper.from_array(numpy_helper.to_array(value).astype(np.float64), value.name)
+        return _double_tensor(value)
     if isinstance(value, onnx.GraphProto):                  # an If's branch, a Loop's or Scan's body
         return _double_subgraph(value)
     if isinstance(value, list) and value and all(isinstance(v, onnx.GraphProto) for v in value):
@@ -222,7 +226,7 @@ def _double_subgraph(graph: onnx.GraphProto) -> onnx.GraphProto:
             info.type.tensor_type.elem_type = TensorProto.DOUBLE
     for init in double.initializer:
         if init.data_type in FLOAT_TYPES:
-            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float64), init.name))
+            init.CopyFrom(_double_tensor(init))
     for node in double.node:
         op = Op(node.name, node.op_type, list(node.input), list(node.output), {}, node.domain)
         for attribute in node.attribute:
