@@ -6,6 +6,8 @@ import argparse
 import math
 import re
 
+from memsched.hardware import PLANNING_PROFILE
+
 # the training step's losses (passes.training.loss.LOSSES, named here so parsing imports no pass)
 LOSSES = ["cross_entropy", "mse", "bce_with_logits", "output"]
 # ... and optimizers (passes.training.optimizer.OPTIMIZERS)
@@ -78,14 +80,13 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-PLANNING_HARDWARE = "v100-16gb"     # the profile a plan is made for where none is named
 
 
-def add_hardware_option(p: argparse.ArgumentParser, default: str | None = PLANNING_HARDWARE,
+def add_hardware_option(p: argparse.ArgumentParser, default: str | None = PLANNING_PROFILE,
                         what: str = "the profile to plan for", shown: str | None = None) -> None:
     """`--hardware`: a preset name or a TOML/JSON profile file, in every command. Commands that
-    plan or simulate a model default to PLANNING_HARDWARE; commands that read a plan default
-    (None) to the plan's (`shown` says how where that differs)."""
+    plan or simulate a model default to memsched.hardware.PLANNING_PROFILE; commands that
+    read a plan default (None) to the plan's (`shown` says how where that differs)."""
     shown = shown or (default if default is not None else "the plan's")
     p.add_argument("--hardware", default=default, metavar="PROFILE",
                    help=f"{what}: a preset name or a TOML/JSON profile file (default: {shown})")

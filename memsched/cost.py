@@ -344,7 +344,7 @@ class CostTable:
                 return hardware.load("cpu")
             except UserError:
                 pass
-        return hardware.load(FALLBACK_HARDWARE)
+        return hardware.load(hardware.PLANNING_PROFILE)
 
     def _from_sources(self, op: Op, graph: Graph, record: dict) -> tuple[float, str, list[str]] | None:
         """A rewritten op priced from the ops it was made from (module docstring), or None where
@@ -383,7 +383,6 @@ class CostTable:
         return cls(times, by_sig, meta)
 
 
-FALLBACK_HARDWARE = "v100-16gb"
 COPY_SEGMENT = re.compile(r"/(?:chunk|part)\d+(?=/|$)|/backward(?=/|$)")   # what a part or chunk copy adds
 
 

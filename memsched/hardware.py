@@ -161,6 +161,10 @@ PRESETS: dict[str, Hardware] = {
 }
 MEASURED = ("cpu",)   # presets stored as files in PROFILE_DIR, measured on a machine
 
+# the profile a plan is made for where none is named (compile, tune-batch, simulate, a plan
+# written without one)
+PLANNING_PROFILE = "v100-16gb"
+
 
 def preset_names() -> list[str]:
     return [*PRESETS, *MEASURED]

@@ -128,7 +128,7 @@ def training_steps(forward: Graph, loss: str = "cross_entropy", optimizer: str =
 def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, train: bool = False,
             loss: str = "cross_entropy", optimizer: str = "sgd", lr: float = 0.01,
             freeze: tuple[str, ...] = (), training_options: dict | None = None,
-            hardware: "str | hardware_mod.Hardware" = "v100-16gb",
+            hardware: "str | hardware_mod.Hardware" = hardware_mod.PLANNING_PROFILE,
             budget: str | int | None = None, strategies=None, time_limit: float = DEFAULT_TIME_LIMIT,
             costs: "CostTable | str | Path | None" = None, data_parallel: int | None = None,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES, progress: Callable[[str], None] | None = None,

@@ -99,8 +99,9 @@ def _first_symbolic_dim(model: onnx.ModelProto) -> str | None:
     return None
 
 
-def tune_batch(build: Callable[[int], Graph], *, hardware="v100-16gb", budget: str | int | None = None,
-               strategy_sets: dict[str, tuple[str, ...]] | None = None, train: bool = True,
+def tune_batch(build: Callable[[int], Graph], *, hardware=hardware_mod.PLANNING_PROFILE,
+               budget: str | int | None = None, strategy_sets: dict[str, tuple[str, ...]] | None = None,
+               train: bool = True,
                loss: str = "cross_entropy", optimizer: str = "sgd", time_limit: float = 60.0,
                max_batch: int = MAX_BATCH, progress: Callable[[str], None] | None = None,
                measure: str | None = None, measure_build: Callable[[int], Graph] | None = None,

@@ -89,16 +89,17 @@ def test_an_option_means_one_thing_with_one_default_in_every_command(tmp_path):
     """`--hardware` is the planning preset wherever a model is planned or simulated and the
     plan's wherever a plan is read; `--threads` is 0 (every core) but where kernels are timed;
     `memsched simulate` prices a model's step on the same profile as `memsched compile`'s baseline."""
-    from memsched.cli.options import PLANNING_HARDWARE, build_parser
+    from memsched.cli.options import build_parser
+    from memsched.hardware import PLANNING_PROFILE
 
     defaults = {}
     for path, action in _options(build_parser()):
         if action.dest in ("hardware", "threads"):
             defaults[(action.dest, " ".join(path))] = action.default
     assert {c for (dest, c), d in defaults.items() if dest == "hardware" and d is None} == {"report", "run"}
-    assert {d for (dest, c), d in defaults.items() if dest == "hardware"} == {PLANNING_HARDWARE, None}
+    assert {d for (dest, c), d in defaults.items() if dest == "hardware"} == {PLANNING_PROFILE, None}
     assert {c: d for (dest, c), d in defaults.items() if dest == "threads" and d != 0} == {"hardware calibrate": 1}
     model = tmp_path / "mlp.onnx"
     save_model_atomic(mlp_model(), model)
     simulated = json.loads(run_cli("simulate", model, "--json").stdout)
-    assert simulated["hardware"] == PLANNING_HARDWARE
+    assert simulated["hardware"] == PLANNING_PROFILE

@@ -31,7 +31,7 @@ def run(args) -> int:
     if args.hardware:
         plan = dataclasses.replace(plan, hardware=hardware.load(args.hardware))
     elif plan.hardware is None:
-        plan = dataclasses.replace(plan, hardware=hardware.load("v100-16gb"))
+        plan = dataclasses.replace(plan, hardware=hardware.load(hardware.PLANNING_PROFILE))
     result = assess(plan, baseline_of(plan), strategies_of(plan), {}, args.plan,
                     costs=args.costs, data_parallel=args.data_parallel)
     return show_report(result, args.html, {}, args.json)
