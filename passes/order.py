@@ -52,7 +52,7 @@ from memsched.ops import is_view
 from memsched.schedule import Plan, order_schedule
 
 from memsched.passes.reuse import alias_table, choose_aliases, compute_order, training_order
-from memsched.passes.solver import solve
+from memsched.passes.solver import WALL_SLACK, solve
 
 WHOLE_GRAPH_OPS = 120      # one CP-SAT model up to this many ops, windows beyond
 WHOLE_FIRST_OPS = 400      # up to this many ops, a whole-graph model gets half the time before the windows
@@ -82,7 +82,9 @@ def order_pass(plan: Plan, time_limit: float = 10.0, inplace: bool | None = None
     outer = deadline or unlimited()
     time_limit = outer.cap(max(0.0, float(time_limit)))
     start = time.perf_counter()
-    ends_at = start + time_limit         # this pass's own end (a perf_counter reading)
+    # this pass's own wall end (a perf_counter reading): a safety net as the solves' wall
+    # limits are; the counted limits end the pass on a quiet or a loaded machine alike
+    ends_at = start + WALL_SLACK * time_limit
     order = compute_order(plan.schedule)
     if order is None:
         raise ScheduleError("the order pass needs a schedule of compute steps only; run it before "

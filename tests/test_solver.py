@@ -1,5 +1,6 @@
-"""The shared CP-SAT settings: the deterministic limit is a share of the caller's whole limit,
-whenever the solve starts, and a search the wall clock cut is never called reproducible."""
+"""The shared CP-SAT settings: one worker that ends at a deterministic limit, a share of the
+caller's whole limit whenever the solve starts, and a search the wall clock cut is never
+called reproducible."""
 from __future__ import annotations
 
 import random
@@ -47,5 +48,20 @@ def test_a_caller_past_its_limit_still_gets_its_least_wall_time_and_the_same_det
     tiny.NewBoolVar("x")
     params = solve(tiny, 1.0, started=time.perf_counter() - 5.0 * WALL_SLACK, min_seconds=0.1).solver.parameters
     assert params.max_time_in_seconds == WALL_FLOOR and params.max_deterministic_time == DETERMINISTIC_SHARE * 1.0
-    params = solve(tiny, 1.0, started=time.perf_counter() - 5.0 * WALL_SLACK, min_seconds=2.0).solver.parameters
-    assert params.max_time_in_seconds == 2.0
+    late = time.perf_counter() - 5.0 * WALL_SLACK
+    params = solve(tiny, 1.0, started=late, min_seconds=WALL_FLOOR + 1).solver.parameters
+    assert params.max_time_in_seconds == WALL_FLOOR + 1
+
+
+def test_one_worker_ends_at_its_deterministic_limit_and_finds_the_same_answer_again():
+    first = solve(weighted_completion(), 0.4)
+    second = solve(weighted_completion(), 0.4, started=time.perf_counter() - 2.0)   # less wall time left
+    assert first.solver.parameters.num_workers == 1
+    assert first.deterministic and second.deterministic
+    assert first.solver.deterministic_time <= 1.01 * DETERMINISTIC_SHARE * 0.4
+    assert first.solver.ObjectiveValue() == second.solver.ObjectiveValue()
+
+
+def test_a_model_with_slower_deterministic_seconds_takes_a_smaller_share():
+    result = solve(weighted_completion(), 2.0, share=0.1)
+    assert result.solver.parameters.max_deterministic_time == 0.1 * 2.0

@@ -36,6 +36,10 @@ from memsched.passes import solver as cpsat
 from memsched.passes.swap.gaps import Gap, SwapProblem
 from memsched.passes.swap.heuristic import Choice, MOVING, Timing, in_order, out_order, timeline
 
+# The swap model's deterministic seconds run slower than the other passes' models (0.05-0.2
+# a wall second on the 2-core development machine, against 0.3 for an order window): its
+# share of a limit in deterministic time (passes.solver.DETERMINISTIC_SHARE)
+DETERMINISTIC_SHARE = 0.1
 # Seconds to build the model per (release slot x reload slot) pair of a gap, a loaded core's
 # figure (GPT-2 with 30 layers: 65,922 pairs, 8.7 s; BERT-base: 23,380, 5.6 s): passes.swap.planner
 # builds no model priced at more than twice its time limit.
@@ -73,7 +77,8 @@ def solve(problem: SwapProblem, hint: list[Choice], time_limit: float, started: 
     model = _Model(problem)
     model.hint(hint, timeline(problem, hint))
     # presolve off: on graphs of thousands of steps it can use the whole limit before searching
-    result = cpsat.solve(model.m, time_limit, presolve=False, started=begin, min_seconds=0.1, deadline=deadline)
+    result = cpsat.solve(model.m, time_limit, presolve=False, started=begin, min_seconds=0.1, deadline=deadline,
+                         share=DETERMINISTIC_SHARE)
     seconds = time.perf_counter() - entered
     if not result.has_solution:
         return Solved(None, result.status, None, None, seconds)
