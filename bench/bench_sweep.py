@@ -73,6 +73,35 @@ def say(message: str) -> None:
 def torch_eager_peak(workload: str) -> dict:
     """Peak bytes of one SGD step of the workload's PyTorch module, computed on the meta device."""
     import torch
+
+    name, batch = WORKLOADS[workload]["torch"], WORKLOADS[workload]["batch"]
+
+    def module():
+        if name == "bert":
+            from bench.bench_vs_torch import bert_module
+            return bert_module()
+        import torchvision
+        return getattr(torchvision.models, name)()
+
+    def batch_of():
+        if name == "bert":
+            seq = WORKLOADS[workload]["seq"]
+            return torch.zeros(batch, seq, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
+        return torch.zeros(batch, 3, 224, 224), torch.zeros(batch, dtype=torch.int64)
+
+    started = time.perf_counter()
+    peak = meta_step_peak(module, batch_of)
+    return {"torch_eager_peak_bytes": peak, "torch_eager_seconds": round(time.perf_counter() - started, 2),
+            "reference": "PyTorch eager (computed on the meta device)"}
+
+
+def meta_step_peak(make_module, make_batch) -> int:
+    """Peak bytes PyTorch eager holds in one SGD step (forward, cross-entropy, backward,
+    torch.optim.SGD) of the module `make_module()` on the batch `make_batch()` (inputs,
+    labels), both made on the meta device, so no step runs: a dispatch mode adds each new
+    storage's bytes and takes them off when the storage is freed; parameters and buffers
+    count from the start."""
+    import torch
     from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -105,30 +134,19 @@ def torch_eager_peak(workload: str) -> dict:
                     self.track(leaf)
             return out
 
-    name = WORKLOADS[workload]["torch"]
-    batch = WORKLOADS[workload]["batch"]
     with torch.device("meta"):
-        if name == "bert":
-            from bench.bench_vs_torch import bert_module
-            module = bert_module()
-            seq = WORKLOADS[workload]["seq"]
-            inputs, labels = torch.zeros(batch, seq, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
-        else:
-            import torchvision
-            module = getattr(torchvision.models, name)()
-            inputs, labels = torch.zeros(batch, 3, 224, 224), torch.zeros(batch, dtype=torch.int64)
+        module = make_module()
+        inputs, labels = make_batch()
     module.train()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     storages = Storages()
     for tensor in list(module.parameters()) + list(module.buffers()):
         storages.track(tensor)
-    started = time.perf_counter()
     with storages:
         loss = torch.nn.functional.cross_entropy(module(inputs), labels)
         loss.backward()
         optimizer.step()
-    return {"torch_eager_peak_bytes": storages.peak, "torch_eager_seconds": round(time.perf_counter() - started, 2),
-            "reference": "PyTorch eager (computed on the meta device)"}
+    return storages.peak
 
 
 def exported_vit(batch: int):

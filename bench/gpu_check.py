@@ -21,7 +21,9 @@ Each worker's device memory is read from outside by the parent, through NVML's p
 figure (nvmlDeviceGetComputeRunningProcesses), polled while the worker runs: its peak is the
 process's real device footprint (plan arena, ONNX Runtime's own workspace and the CUDA context
 together), reported next to the planned arena and to the executor's own cudaMemGetInfo figure
-(`run --json`'s `process.device`). Not measured yet: how much of the swap traffic
+(`run --json`'s `process.device`), and against what the process is accounted to hold: the
+arena plus the fixed per-process overhead `memsched doctor` measures once per run
+(`device_memory_vs_accounted`). Not measured yet: how much of the swap traffic
 the copy streams hid behind compute (the executor does not time copies with CUDA events), and
 a calibrated GPU profile (`hardware calibrate` measures the CPU): the JSON says so.
 
@@ -40,7 +42,6 @@ short leaves what it measured).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import os
@@ -138,37 +139,19 @@ def session_cost(cublas_default: bool = False, count: int = 4) -> dict:
     run one after another in this process, free device memory read after each
     (cudaMemGetInfo). `cublas_default`: with cuBLAS's own workspace, not the small one the
     executor sets (memsched.cuda.small_cublas_workspace)."""
-    import numpy as np
-    from onnx import TensorProto, helper
-
     from memsched import ort as plumbing
     from memsched.cuda import device_memory, load_cudart
-    from memsched.ort import bound_session
+    from memsched.ort import bound_session, handles_model
 
     if cublas_default:
         plumbing.small_cublas_workspace = lambda: os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
 
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
-             helper.make_node("Reshape", ["c", "shape"], ["r"]),
-             helper.make_node("MatMul", ["r", "m"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "session_cost",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16, 32, 32]),
-         helper.make_tensor_value_info("w", TensorProto.FLOAT, [16, 16, 3, 3]),
-         helper.make_tensor_value_info("m", TensorProto.FLOAT, [1024, 256])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 256])],
-        [helper.make_tensor("shape", TensorProto.INT64, [2], [64, 1024])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    rng = np.random.default_rng(0)
-    feeds = {"x": rng.standard_normal((4, 16, 32, 32), np.float32),
-             "w": rng.standard_normal((16, 16, 3, 3), np.float32),
-             "m": rng.standard_normal((1024, 256), np.float32)}
+    model, feeds = handles_model()
     cudart = load_cudart()
     free = [device_memory(cudart)[0]]
     sessions = []
     for _ in range(count):
-        sessions.append(bound_session(model.SerializeToString(), 1, "cuda"))
+        sessions.append(bound_session(model, 1, "cuda"))
         sessions[-1].run(None, feeds)
         cudart.cudaDeviceSynchronize()
         free.append(device_memory(cudart)[0])
@@ -182,38 +165,35 @@ class DeviceMemoryPoll:
     """The peak device memory NVML reports for one process id, polled every `interval` s."""
 
     def __init__(self, pid: int, interval: float = 0.005):
+        from memsched.cuda import Nvml
+
         self.pid, self.interval, self.peak = pid, interval, 0
-        self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        self.nvml.nvmlInit_v2()
-        self.handle = ctypes.c_void_p()
-        self.nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle))
+        self.nvml = Nvml()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
         self.thread.start()
 
-    def _used(self) -> int:
-        class Info(ctypes.Structure):      # nvmlProcessInfo_v1_t: pid, usedGpuMemory
-            _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong)]
-        count = ctypes.c_uint(64)
-        infos = (Info * 64)()
-        if self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle, ctypes.byref(count), infos) != 0:
-            return 0
-        return max((int(i.used) for i in infos[:count.value] if i.pid == self.pid), default=0)
-
     def _poll(self) -> None:
         while not self.stop.is_set():
-            self.peak = max(self.peak, self._used())
+            self.peak = max(self.peak, self.nvml.process_bytes(self.pid) or 0)
             time.sleep(self.interval)
 
     def close(self) -> int:
         self.stop.set()
         self.thread.join()
-        self.nvml.nvmlShutdown()
+        self.nvml.close()
         return self.peak
 
 
 def run_worker(kind: str, plan_path: Path | None, steps: int, timeout: float = 240.0, env: dict | None = None) -> dict:
     command = [sys.executable, __file__, "--worker", kind, "--plan", str(plan_path), "--steps", str(steps)]
+    return run_measured(command, timeout, env)
+
+
+def run_measured(command: list[str], timeout: float = 240.0, env: dict | None = None) -> dict:
+    """Run `command` (a worker that prints one JSON object as its last line) in a fresh
+    process, its device memory polled from outside (DeviceMemoryPoll): the object, with
+    `device_memory_peak_bytes`; or {'error': why} where it failed or ran past `timeout` s."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
     poll = DeviceMemoryPoll(proc.pid)
@@ -302,8 +282,10 @@ def refill_weights(path: Path, stats: dict, directory: Path) -> Path:
     return out
 
 
-def run_case(entry: dict, directory: Path, steps: int, scratch: Path) -> dict:
-    """Run every compiled plan of one manifest entry as memsched and as one plain ORT session."""
+def run_case(entry: dict, directory: Path, steps: int, scratch: Path, fixed: int | None = None) -> dict:
+    """Run every compiled plan of one manifest entry as memsched and as one plain ORT session;
+    `fixed`: the fixed per-process device overhead doctor measured, which with the arena is
+    what the process is accounted to hold (`device_memory_vs_accounted`)."""
     for row in entry["plans"]:
         if "plan_file" not in row:
             continue
@@ -317,6 +299,9 @@ def run_case(entry: dict, directory: Path, steps: int, scratch: Path) -> dict:
                                            / max(1, row["ort"]["device_memory_peak_bytes"]))
             row["device_memory_over_arena_bytes"] = (row["memsched"]["device_memory_peak_bytes"]
                                                      - row["memsched"]["arena_bytes"])
+            if fixed is not None:
+                row["device_memory_vs_accounted"] = (row["memsched"]["device_memory_peak_bytes"]
+                                                     / (row["memsched"]["arena_bytes"] + fixed))
         print(f"{entry['model']} {row['strategies']} {row['budget'] or ''}: check "
               f"{row['check'].get('passed', row['check'].get('error'))} {row['check'].get('max_scaled_diff')} "
               f"sessions {row['check'].get('sessions')} memsched {row['memsched'].get('step_time_s')} s "
@@ -333,7 +318,9 @@ def summarise(rows: list[dict]) -> dict:
             "all_on_cuda": all(p["check"]["provider"] == "CUDAExecutionProvider" for p in checked),
             "worst_time_vs_ort": max((p["time_vs_ort"] for p in plans if "time_vs_ort" in p), default=None),
             "worst_device_memory_vs_ort": max((p["device_memory_vs_ort"] for p in plans
-                                               if "device_memory_vs_ort" in p), default=None)}
+                                               if "device_memory_vs_ort" in p), default=None),
+            "worst_device_memory_vs_accounted": max((p["device_memory_vs_accounted"] for p in plans
+                                                     if "device_memory_vs_accounted" in p), default=None)}
 
 
 def preset_for(gpu_name: str) -> str:
@@ -387,7 +374,8 @@ def main(argv=None) -> int:
             hardware = args.hardware or preset_for(gpu)
             entries = (compile_case(name, hardware, directory, args.time_limit) for name in names)
         for entry in entries:
-            report["models"].append(run_case(entry, directory, args.steps, Path(scratch)))
+            report["models"].append(run_case(entry, directory, args.steps, Path(scratch),
+                                             doctor["fixed_overhead"].get("bytes")))
             report["summary"] = summarise(report["models"])
             if args.out:                      # the report so far: a run cut short still leaves it
                 emit(report, args.out, echo=False)

@@ -19,9 +19,11 @@ import ctypes
 import functools
 import glob
 import io
+import json
 import os
 import struct
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -205,8 +207,160 @@ def gpus() -> list[dict]:
         nvml.nvmlShutdown()
 
 
+class Nvml:
+    """NVML, the NVIDIA driver's management library, for one GPU: the device memory in use on
+    it and the device memory one process holds there, as the driver counts them (the CUDA
+    context included, which cudaMemGetInfo inside a process cannot separate out). UserError
+    where there is no driver."""
+
+    class _ProcessInfo(ctypes.Structure):      # nvmlProcessInfo_v1_t
+        _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong)]
+
+    def __init__(self, index: int = 0):
+        try:
+            self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            raise UserError("NVML (libnvidia-ml.so.1) is not here: no NVIDIA driver") from None
+        if self.lib.nvmlInit_v2() != 0:
+            raise UserError("NVML could not be initialised")
+        self.handle = ctypes.c_void_p()
+        if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0:
+            self.lib.nvmlShutdown()
+            raise UserError(f"NVML sees no GPU {index}")
+
+    def used_bytes(self) -> int:
+        """Device memory in use on the GPU, every process's together."""
+        memory = (ctypes.c_ulonglong * 3)()                  # total, free, used
+        self.lib.nvmlDeviceGetMemoryInfo(self.handle, memory)
+        return int(memory[2])
+
+    def process_bytes(self, pid: int) -> int | None:
+        """Device memory process `pid` holds on the GPU; None where NVML lists no such process
+        (it has made no CUDA context, or the driver counts it under another pid namespace)."""
+        count = ctypes.c_uint(64)
+        infos = (self._ProcessInfo * 64)()
+        if self.lib.nvmlDeviceGetComputeRunningProcesses(self.handle, ctypes.byref(count), infos) != 0:
+            return None
+        return max((int(i.used) for i in infos[:count.value] if i.pid == pid), default=None)
+
+    def driver_version(self) -> str:
+        version = ctypes.create_string_buffer(96)
+        self.lib.nvmlSystemGetDriverVersion(version, 96)
+        return version.value.decode(errors="replace")
+
+    def close(self) -> None:
+        self.lib.nvmlShutdown()
+
+
+# ---- the fixed per-process overhead ----------------------------------------------------------
+NO_CUDA = "there is no usable CUDA device here (memsched doctor says why); the overhead is measured on a GPU"
+_PROBE = "from memsched.cuda import overhead_probe; overhead_probe()"
+_overhead: dict | None = None
+
+
+def fixed_overhead(refresh: bool = False, timeout: float = 180.0) -> dict:
+    """The device memory any process running plans on CUDA holds besides its plans' arenas:
+    the CUDA context, one executor session's cuDNN and cuBLAS handles and workspaces, ONNX
+    Runtime's own structures. Measured in a fresh subprocess (`overhead_probe`): NVML's figure
+    for that process once it has made one CUDA session as the executor makes them and run it,
+    else the GPU's used memory after less before. A plan's process needs its arena plus this
+    (host-pinned stores take no device memory).
+
+    {'bytes', 'source', 'process_bytes', 'device_growth_bytes', 'key', 'cached', 'reason'}:
+    `bytes` None with the `reason` where it cannot be measured (no CUDA here). Measured once per
+    process and kept in a file in the temp folder, keyed by the GPU, driver, ONNX Runtime and
+    cuBLAS workspace setting, so the runs of one machine share one measurement; `refresh`
+    measures again (memsched doctor does)."""
+    global _overhead
+    from .ort import resolve_device
+
+    key = _overhead_key()
+    if key is None or resolve_device("cuda")[0] != "cuda":
+        return {"bytes": None, "source": None, "reason": NO_CUDA}
+    path = Path(tempfile.gettempdir()) / f"memsched-fixed-overhead-{key}.json"
+    if not refresh:
+        if _overhead is not None and _overhead.get("key") == key:
+            return _overhead
+        with contextlib.suppress(OSError, ValueError):
+            _overhead = {**json.loads(path.read_text()), "cached": str(path)}
+            return _overhead
+    _overhead = {**_run_probe(timeout), "key": key, "cached": None}
+    if _overhead["bytes"] is not None:
+        from .onnx_utils import write_text_atomic
+
+        with contextlib.suppress(OSError):
+            write_text_atomic(path, json.dumps(_overhead))
+    return _overhead
+
+
+def _overhead_key() -> str | None:
+    """What the fixed overhead depends on, hashed: GPU 0's name and memory, the driver, ONNX
+    Runtime's version, the cuBLAS workspace setting, the Python; None without a GPU."""
+    import hashlib
+
+    found = gpus()
+    if not found:
+        return None
+    try:
+        import onnxruntime
+        nvml = Nvml()
+    except (ImportError, UserError):
+        return None
+    try:
+        driver = nvml.driver_version()
+    finally:
+        nvml.close()
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    text = json.dumps([found[0]["name"], found[0]["memory_bytes"], driver, onnxruntime.__version__, workspace,
+                       sys.executable])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _run_probe(timeout: float) -> dict:
+    """`overhead_probe` in a fresh interpreter: its measurement, or `bytes` None and why not."""
+    import subprocess
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        return {"bytes": None, "source": None, "reason": f"the probe ran past {timeout:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        said = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"bytes": None, "source": None, "reason": f"the probe failed: {said[:200]}"}
+    return json.loads(lines[-1])
+
+
+def overhead_probe() -> None:
+    """The subprocess side of `fixed_overhead`: the GPU's used memory (NVML) before this
+    process touches CUDA; one CUDA session of a Conv -> MatMul model (so cuDNN and cuBLAS make
+    their handles) made as the executor makes its sessions (memsched.ort.bound_session: the
+    shared workspace arena, the small cuBLAS workspace) and run once; then NVML's figure for
+    this process and the GPU's used memory again. Prints one JSON line."""
+    from .ort import bound_session, handles_model
+
+    nvml = Nvml()
+    before = nvml.used_bytes()
+    model, feeds = handles_model()
+    session = bound_session(model, 1, "cuda")
+    session.run(None, feeds)
+    load_cudart().cudaDeviceSynchronize()
+    own, growth = nvml.process_bytes(os.getpid()), nvml.used_bytes() - before
+    nvml.close()
+    print(json.dumps({
+        "bytes": own if own is not None else growth,
+        "source": ("NVML's figure for a process that made one executor CUDA session and ran it" if own is not None
+                   else "NVML: the GPU's used memory after one executor CUDA session, less before"),
+        "process_bytes": own, "device_growth_bytes": growth, "provider": session.get_providers()[0],
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"), "reason": None}))
+
+
 __all__ = ["DRIVER", "CUDNN", "WHEELS", "provider_library", "elf_needed", "required_libraries", "wheel_library_dirs",
-           "loaded_libraries", "locate", "preload", "load_cudart", "device_memory", "gpus"]
+           "loaded_libraries", "locate", "preload", "load_cudart", "device_memory", "gpus", "Nvml",
+           "fixed_overhead", "overhead_probe"]
 
 
 class CudaStreams:

@@ -6,6 +6,11 @@ driver (libcuda.so.1, which only a GPU machine has), the CUDA libraries the prov
 (memsched.cuda reads them from the installed provider; the `[cuda]` extra installs them as
 wheels, loaded by ONNX Runtime's preload_dlls), and last a real session on a one-op model, whose
 `get_providers()` says what ONNX Runtime really gave (it falls back to the CPU silently).
+
+Where CUDA is usable it also measures the fixed device memory every process running plans
+holds besides its plans' arenas (the CUDA context, cuDNN and cuBLAS handles, ONNX Runtime's
+own structures; memsched.cuda.fixed_overhead), so a plan's budget can leave room for it; on a
+machine without CUDA it says that this cannot be measured there.
 """
 from __future__ import annotations
 
@@ -47,7 +52,17 @@ def diagnose() -> dict:
             report["device_memory"] = {"free_bytes": free, "total_bytes": total}
         else:
             report.update(reason=reason, fix=FIX_LIBRARIES)
+    report["fixed_overhead"] = fixed_overhead(report)
     return report
+
+
+def fixed_overhead(report: dict) -> dict:
+    """The fixed device memory of a process that runs plans (memsched.cuda.fixed_overhead,
+    measured afresh) where CUDA is usable; else `bytes` None and why it cannot be measured."""
+    if report["cuda_usable"]:
+        return cuda.fixed_overhead(refresh=True)
+    return {"bytes": None, "source": None,
+            "reason": f"cannot be measured on this machine: {report['reason']}; it needs a usable CUDA GPU"}
 
 
 def _loadable(name: str) -> bool:
@@ -60,4 +75,4 @@ def _loadable(name: str) -> bool:
     return True
 
 
-__all__ = ["CUDA_PROVIDER", "diagnose"]
+__all__ = ["CUDA_PROVIDER", "diagnose", "fixed_overhead"]

@@ -149,6 +149,33 @@ def one_op_model(op_type: str = "Identity") -> onnx.ModelProto:
     return model
 
 
+def handles_model() -> tuple[bytes, dict]:
+    """A small Conv -> Reshape -> MatMul model (serialized) and seeded inputs for it: the least
+    that makes a CUDA session create its cuDNN and cuBLAS handles and workspaces when it runs,
+    for measuring what a session costs in device memory (memsched.cuda.fixed_overhead,
+    bench/gpu_check.py's session_cost)."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Reshape", ["c", "shape"], ["r"]),
+             helper.make_node("MatMul", ["r", "m"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "handles",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16, 32, 32]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, [16, 16, 3, 3]),
+         helper.make_tensor_value_info("m", TensorProto.FLOAT, [1024, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 256])],
+        [helper.make_tensor("shape", TensorProto.INT64, [2], [64, 1024])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 16, 32, 32), np.float32),
+             "w": rng.standard_normal((16, 16, 3, 3), np.float32),
+             "m": rng.standard_normal((1024, 256), np.float32)}
+    return model.SerializeToString(), feeds
+
+
 def warm_environment() -> None:
     """Make ONNX Runtime's environment and page in its session code, once per process: one
     one-node session, run once. What this costs (about 7 MiB of the library's code, resident
@@ -197,7 +224,7 @@ def shared_cuda_arena() -> None:
         return
     import onnxruntime as ort
 
-    config = ort.OrtArenaCfg(SHARED_ARENA)
+    config = ort.OrtArenaCfg({**SHARED_ARENA, "max_mem": int(CUDA_OPTIONS.get("gpu_mem_limit", 0))})
     info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     try:
         ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, {"device_id": "0"}, config)
@@ -315,6 +342,20 @@ CUDA_OPTIONS = {"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC", "arena_ex
                 "cudnn_conv_use_max_workspace": "0"}
 
 
+def cap_cuda_memory(limit_bytes: int | None) -> None:
+    """Bound what ONNX Runtime's CUDA provider may allocate for itself (kernels' workspace;
+    every tensor of a plan is bound into its arena) to `limit_bytes`: the `gpu_mem_limit` of
+    every CUDA session made from now on and the `max_mem` of the workspace arena the executor's
+    sessions share, if it is not registered yet. None lifts the bound. A process that runs
+    under a device-memory cap (bench/gpu_cap.py) calls it before its first session."""
+    if limit_bytes is None:
+        CUDA_OPTIONS.pop("gpu_mem_limit", None)
+    elif limit_bytes < 1:
+        raise UserError(f"the CUDA provider's memory limit must be at least 1 byte, not {limit_bytes}")
+    else:
+        CUDA_OPTIONS["gpu_mem_limit"] = str(int(limit_bytes))
+
+
 def providers_for(device: str, stream: int | None = None, tf32: bool = True) -> list:
     """The provider list of the executor's sessions on `device` (CUDA falls back to the CPU
     node by node, as ONNX Runtime assigns them). For CUDA, the cuBLAS workspace is made small
@@ -391,6 +432,7 @@ def node_providers(session) -> dict[str, str]:
 __all__ = ["PROVIDERS", "CUDA_OPTIONS", "OPTIMIZATION", "quiet_logger", "session_options", "bound_options",
            "bound_session", "shared_cuda_arena", "reference_session", "resolve_device", "shared_scratch_arena",
            "warm_environment",
-           "one_op_model", "providers_for", "make_session", "op_session", "node_providers", "version", "build",
+           "one_op_model", "handles_model", "cap_cuda_memory", "providers_for", "make_session", "op_session",
+           "node_providers", "version", "build",
            "probe_session",
            "device_buffer", "bind_addresses", "bind_values"]

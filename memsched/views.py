@@ -335,6 +335,7 @@ def print_run(summary: dict) -> None:
         out.print(f"device memory growth: {format_bytes(device['growth_bytes'])} ({device['growth_bytes']:,} B) = "
                   f"arena {format_bytes(device['arena_bytes'])} + ONNX Runtime's CUDA workspace and the rest "
                   f"{format_bytes(device['overhead_bytes'])}")
+        _print_device_accounting(out, device)
     for tier, nbytes in summary["swapped_bytes"].items():
         out.print(f"swapped out to {_e(tier)}: {format_bytes(nbytes)} per step")
     check = summary["check"]
@@ -352,6 +353,22 @@ def print_run(summary: dict) -> None:
             out.print(f"check against the step rebuilt from {model} (its own weights, the plan's "
                       f"training options): {_verdict(against)}, max |diff| {against['max_abs_diff']:.3g} "
                       f"(tolerance {against['tolerance']:g})")
+
+
+def _print_device_accounting(out, device: dict) -> None:
+    """The process's device memory against the three parts it accounts for (run --json's
+    process.device.accounted)."""
+    accounted = device.get("accounted")
+    if not accounted:
+        return
+    fixed = accounted["fixed_overhead_bytes"]
+    parts = (f"arena {format_bytes(accounted['arena_bytes'])} + pinned stores' device share 0 B + fixed overhead "
+             + (format_bytes(fixed) if fixed is not None else f"unmeasured ({_e(accounted['fixed_overhead_source'])})"))
+    measured = device.get("measured_total_bytes")
+    total = format_bytes(measured) if measured is not None else "not measured"
+    ratio = device.get("measured_over_accounted")
+    out.print(f"process device memory: {total}; accounted: {parts}"
+              + (f" = {format_bytes(accounted['total_bytes'])} ({ratio:.3f}x of it measured)" if ratio else ""))
 
 
 def _verdict(check: dict) -> str:
@@ -432,3 +449,10 @@ def print_doctor(report: dict) -> None:
     else:
         out.print(f"[yellow]CUDA is not usable[/yellow]: {_e(report['reason'])}")
         out.print(f"fix: {_e(report['fix'])}")
+    overhead = report.get("fixed_overhead") or {}
+    if overhead.get("bytes") is not None:
+        out.print(f"fixed device memory per process: {format_bytes(overhead['bytes'])} ({overhead['bytes']:,} B; "
+                  f"CUDA context, cuDNN and cuBLAS handles, ONNX Runtime): a plan's process needs its arena plus "
+                  f"this ({_e(overhead['source'])})")
+    else:
+        out.print(f"fixed device memory per process: not measured; {_e(overhead.get('reason') or 'no figure')}")

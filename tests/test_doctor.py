@@ -133,3 +133,112 @@ def test_checked_cuda_runs_keep_float32_kernels_off_tf32():
     (_, checked), _ = providers_for("cuda", tf32=False)
     (_, plain), _ = providers_for("cuda")
     assert checked["use_tf32"] == "0" and "use_tf32" not in plain
+
+
+# ---- the fixed per-process device overhead and the run's device accounting ------------------
+@no_gpu
+def test_doctor_says_the_fixed_overhead_cannot_be_measured_without_cuda(capsys):
+    assert cli.main(["doctor", "--json"]) == 0
+    overhead = json.loads(capsys.readouterr().out)["fixed_overhead"]
+    assert overhead["bytes"] is None and "cannot be measured on this machine" in overhead["reason"]
+    assert cli.main(["doctor"]) == 0
+    assert "fixed device memory per process: not measured; cannot be measured" in capsys.readouterr().out
+    assert cuda.fixed_overhead() == {"bytes": None, "source": None, "reason": cuda.NO_CUDA}
+
+
+def test_the_fixed_overhead_is_measured_once_per_configuration(monkeypatch, tmp_path):
+    """One probe per GPU, driver, ONNX Runtime and cuBLAS setting: kept in the process and in a
+    file the next process reads; `refresh` (doctor) measures again."""
+    from memsched import ort
+
+    probes = []
+    monkeypatch.setattr(cuda, "_overhead", None)
+    monkeypatch.setattr(cuda, "_overhead_key", lambda: "k1")
+    monkeypatch.setattr(ort, "resolve_device", lambda device: ("cuda", None))
+    monkeypatch.setattr(cuda.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(cuda, "_run_probe", lambda timeout: probes.append(1) or {
+        "bytes": 600 << 20, "source": "NVML", "reason": None})
+    first = cuda.fixed_overhead()
+    assert first["bytes"] == 600 << 20 and first["cached"] is None and len(probes) == 1
+    assert cuda.fixed_overhead() is first and len(probes) == 1
+    monkeypatch.setattr(cuda, "_overhead", None)          # a new process: the file
+    again = cuda.fixed_overhead()
+    assert again["bytes"] == 600 << 20 and again["cached"].endswith("memsched-fixed-overhead-k1.json")
+    assert len(probes) == 1
+    assert cuda.fixed_overhead(refresh=True)["cached"] is None and len(probes) == 2
+    monkeypatch.setattr(cuda, "_overhead_key", lambda: "k2")      # another driver, say
+    cuda.fixed_overhead()
+    assert len(probes) == 3
+
+
+def test_a_failed_probe_says_why(monkeypatch):
+    monkeypatch.setattr(cuda, "_PROBE", "import sys; sys.exit('no device here')")
+    result = cuda._run_probe(60)
+    assert result["bytes"] is None and result["reason"] == "the probe failed: no device here"
+
+
+@no_gpu
+def test_nvml_without_a_driver_is_a_user_error():
+    from memsched.errors import UserError
+
+    with pytest.raises(UserError, match="no NVIDIA driver"):
+        cuda.Nvml()
+
+
+def test_the_device_accounting_has_three_parts(monkeypatch):
+    from memsched.runtime import run
+
+    monkeypatch.setattr(run, "fixed_overhead", lambda: {"bytes": 100, "source": "NVML", "reason": None})
+    parts = run.device_accounting(1000, 1210)
+    assert parts["accounted"] == {"arena_bytes": 1000, "pinned_store_device_bytes": 0, "fixed_overhead_bytes": 100,
+                                  "total_bytes": 1100, "fixed_overhead_source": "NVML"}
+    assert parts["measured_total_bytes"] == 1210 and parts["measured_over_accounted"] == pytest.approx(1.1)
+    unmeasured = run.device_accounting(1000, None)
+    assert unmeasured["measured_over_accounted"] is None and "not measured" in unmeasured["measured_source"]
+    monkeypatch.setattr(run, "fixed_overhead", lambda: {"bytes": None, "source": None, "reason": "no CUDA"})
+    parts = run.device_accounting(1000, 1210)
+    assert parts["accounted"]["total_bytes"] is None and parts["accounted"]["fixed_overhead_source"] == "no CUDA"
+
+
+@pytest.mark.parametrize("device", [[], ["--device", "cuda", "--allow-fallback"]])
+def test_run_json_on_the_cpu_says_why_there_is_no_device_memory(tmp_path, device):
+    from memsched.emit import write_plan
+    from tests.conftest import run_cli
+    from tests.planbuild import mlp_train_graph, order_plan
+
+    if device and cuda.gpus():
+        pytest.skip("a GPU is present: this checks the CPU-only answer")
+    path = write_plan(order_plan(mlp_train_graph()), tmp_path / "plan.onnx")
+    proc = run_cli("run", path, "--json", *device)
+    assert proc.returncode == 0, proc.stderr
+    process = json.loads(proc.stdout)["process"]
+    assert process["device"] is None
+    assert process["device_reason"].startswith("the run was on the CPU")
+
+
+def test_a_device_memory_cap_bounds_the_cuda_providers_own_memory():
+    from memsched import ort
+    from memsched.errors import UserError
+
+    try:
+        ort.cap_cuda_memory(3 << 30)
+        (_, options), _ = ort.providers_for("cuda")
+        assert options["gpu_mem_limit"] == str(3 << 30)
+        with pytest.raises(UserError, match="at least 1 byte"):
+            ort.cap_cuda_memory(0)
+    finally:
+        ort.cap_cuda_memory(None)
+    (_, options), _ = ort.providers_for("cuda")
+    assert "gpu_mem_limit" not in options
+
+
+def test_doctor_prints_the_fixed_overhead_it_measured(monkeypatch, capsys):
+    report = {"onnxruntime": {"version": "1.31.1", "cuda_build": "13.0", "providers": ["CUDAExecutionProvider"]},
+              "gpus": [{"index": 0, "name": "NVIDIA H200", "memory_bytes": 150 << 30, "free_bytes": 149 << 30}],
+              "libraries": {}, "cuda_usable": True, "session_providers": ["CUDAExecutionProvider"],
+              "device_memory": {"free_bytes": 149 << 30, "total_bytes": 150 << 30},
+              "fixed_overhead": {"bytes": 600 << 20, "source": "NVML's figure for a process", "reason": None}}
+    monkeypatch.setattr(doctor, "diagnose", lambda: report)
+    assert cli.main(["doctor"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "fixed device memory per process: 600.00 MiB (629,145,600 B;" in text

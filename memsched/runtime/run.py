@@ -1,6 +1,7 @@
 """Running a plan: `run_plan` (steps, the check, what was measured) and `PlanRunner` (a plan
 made ready to step: judged, lowered, rehearsed, its sessions bound), the inputs, and each
 step's loading, execution and outputs."""
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..cuda import device_memory, load_cudart
+from ..cuda import Nvml, device_memory, fixed_overhead, load_cudart
 from ..errors import UserError
 from ..ir import Graph, tensor_value
 from ..measure import ProcessMemory, prepare_inputs, release_free_heap, require_host_memory
@@ -134,7 +135,8 @@ def run_plan(plan: Plan, steps: int = 1, device: str = "cpu", check: bool = Fals
         check=checks.summary(exact=actual_device == "cpu") if checks is not None else None,
         process={**_process_memory(memory, setup_growth, growth, file_growth, allocated, stored, actual_device,
                                    check),
-                 "device": device_memory_use.summary(allocated) if device_memory_use is not None else None},
+                 "device": device_memory_use.summary(allocated) if device_memory_use is not None else None,
+                 "device_reason": None if device_memory_use is not None else CPU_DEVICE_REASON},
         threads=threads)
 
 
@@ -309,24 +311,62 @@ def _process_memory(memory: ProcessMemory, setup_growth: int | None, growth: int
 class _DeviceMemory:
     """The run's real device memory, from outside the plan's accounting: free device memory
     (cudaMemGetInfo) when the run starts (the CUDA context already made) and after setup and
-    after the last step. The drop is the arena, ONNX Runtime's CUDA workspace and whatever else
-    the run allocated; sampled, so it is a lower bound of the peak between samples."""
+    after the last step, and at the same points NVML's figure for this process (the CUDA
+    context included). The drop in free memory is the arena, ONNX Runtime's CUDA workspace and
+    whatever else the run allocated; sampled, so both are lower bounds of the peak between
+    samples. Set next to them: what the plan accounts for, the three parts a process that runs
+    it holds (`accounted`)."""
 
     def __init__(self):
         self.cudart = load_cudart()
         self.start, self.total = device_memory(self.cudart)
         self.lowest = self.start
+        try:
+            self.nvml: Nvml | None = Nvml()
+        except UserError:
+            self.nvml = None
+        self.process_peak: int | None = None
+        self.sample()
 
     def sample(self) -> None:
         self.lowest = min(self.lowest, device_memory(self.cudart)[0])
+        used = self.nvml.process_bytes(os.getpid()) if self.nvml is not None else None
+        if used is not None:
+            self.process_peak = max(self.process_peak or 0, used)
 
     def summary(self, arena: int) -> dict:
+        if self.nvml is not None:
+            self.nvml.close()
+            self.nvml = None
         used = self.start - self.lowest
         return {"source": "cudaMemGetInfo at the start, after setup and after the last step",
                 "total_bytes": self.total, "growth_bytes": used, "arena_bytes": arena,
-                "overhead_bytes": used - arena}
+                "overhead_bytes": used - arena, **device_accounting(arena, self.process_peak)}
 
 
+def device_accounting(arena: int, measured: int | None) -> dict:
+    """The device memory a process running the plan holds, in the three parts it accounts for:
+    the plan's arena, the host-pinned stores' device share (none: page-locked host memory
+    takes no device memory) and the fixed per-process overhead `memsched doctor` measures
+    (memsched.cuda.fixed_overhead); next to the `measured` total (NVML's figure for this
+    process, or None with the reason)."""
+    overhead = fixed_overhead()
+    fixed = overhead.get("bytes")
+    accounted = arena + fixed if fixed is not None else None
+    return {
+        "accounted": {"arena_bytes": arena, "pinned_store_device_bytes": 0, "fixed_overhead_bytes": fixed,
+                      "total_bytes": accounted,
+                      "fixed_overhead_source": overhead.get("source") or overhead.get("reason")},
+        "measured_total_bytes": measured,
+        "measured_source": ("NVML's figure for this process at the start, after setup and after the last step"
+                            if measured is not None else "not measured: NVML lists no device memory for this "
+                            "process id (no NVML, or the driver counts it under another pid namespace)"),
+        "measured_over_accounted": measured / accounted if measured is not None and accounted else None,
+    }
+
+
+CPU_DEVICE_REASON = ("the run was on the CPU: its arena is host memory (host_arena_bytes), and there is no device "
+                     "memory to account")
 
 
 # ---- running ----------------------------------------------------------------------------

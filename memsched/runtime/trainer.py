@@ -68,12 +68,13 @@ class Trainer:
     rate, or None for the plan's own. `hyperparameters` can also be changed directly
     (`trainer.hyperparameters["lr"] = 0.01`); a schedule sets lr before every step. `before`
     and `after`: step hooks as `memsched.runtime.run_plan` takes them (CPU only; a data-parallel
-    rank's all-reduces, `memsched.runtime.distributed.rank_of`)."""
+    rank's all-reduces, `memsched.runtime.distributed.rank_of`). `tf32` False keeps float32
+    kernels on CUDA off TF32 tensor cores (for losses compared with the CPU's)."""
 
     def __init__(self, plan: Plan | str | os.PathLike, device: str = "cpu", threads: int = 0,
                  nvdimm_dir: str | None = None, allow_fallback: bool = True,
                  lr_schedule: Callable[[int], float] | None = None, before: dict | None = None,
-                 after: dict | None = None):
+                 after: dict | None = None, tf32: bool = True):
         if not isinstance(plan, Plan):
             plan = read_plan(plan)
         self.plan = plan
@@ -92,7 +93,7 @@ class Trainer:
         self.batch_size = first[0] if first else 1
         self._buffers = {name: np.empty(shape, dtype) for name, (dtype, shape) in self.input_types.items()}
         self._runner = PlanRunner(plan, device, threads, nvdimm_dir, feeds=self._buffers,
-                                  hooks=Hooks(before or {}, after or {}), allow_fallback=allow_fallback)
+                                  hooks=Hooks(before or {}, after or {}), allow_fallback=allow_fallback, tf32=tf32)
         self.device = self._runner.device
         self.fallback = self._runner.fallback
         self._pending: dict[str, np.ndarray] = {}    # statics to load before the next step
