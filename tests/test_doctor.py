@@ -81,12 +81,14 @@ def test_the_cuda_extra_ships_every_library_the_provider_links():
 
 
 @no_gpu
-def test_gpu_check_without_a_gpu_says_so_in_one_line():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py")], capture_output=True, text=True,
+@pytest.mark.parametrize("script, says", [("gpu_check.py", ["CUDA is not usable here"]),
+                                          ("gpu_cap.py", ["CUDA is not usable here", "--dry-run"])])
+def test_a_gpu_bench_without_a_gpu_says_so_in_one_line(script, says):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1 and "CUDA is not usable here" in lines[0]
+    assert len(lines) == 1 and all(words in lines[0] for words in says)
 
 
 @pytest.mark.slow
