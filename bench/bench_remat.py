@@ -13,6 +13,7 @@ same size and fraction.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -91,7 +92,8 @@ def bench_case(name: str, problem: remat.RematProblem, fraction: float, time_lim
 def command_row(name: str, problem: remat.RematProblem, fraction: float, limit: float, folder: Path) -> dict:
     """`memsched remat GRAPH.json --budget-fraction F --time-limit LIMIT --json` as a user runs it:
     the whole command's wall time from outside, and its answer (the first fitting plan's time
-    and overhead from the methods' `found_at`)."""
+    and overhead from the methods' `found_at`; the schedule's SHA-1, to compare runs: the same
+    command gives the same plan under any load)."""
     path = folder / f"{name}.json"
     path.write_text(json.dumps(remat.to_node_link(problem)))
     started = time.perf_counter()
@@ -107,6 +109,7 @@ def command_row(name: str, problem: remat.RematProblem, fraction: float, limit: 
     fitting = sorted((m for m in out["methods"].values() if m["fits"]), key=lambda m: m["found_at"])
     row.update(feasible=True, budget_bytes=out["budget_bytes"], peak_bytes=out["peak_bytes"], winner=out["method"],
                status=out["status"], overhead=round(out["overhead"], 6),
+               schedule_sha1=hashlib.sha1(json.dumps(out["schedule"]).encode()).hexdigest(),
                lower_bound_overhead=(round(out["lower_bound"] / out["base_cost"] - 1, 6)
                                      if out["lower_bound"] is not None else None),
                first_fit_seconds=round(fitting[0]["found_at"], 2), first_fit_overhead=round(fitting[0]["overhead"], 6),

@@ -71,17 +71,30 @@ def solve(model: cp_model.CpModel, time_limit: float, presolve: bool = True,
     `deadline`, the command's one deadline, bounds the wall limit too and stops the search
     when it is stopped (Ctrl-C); CP-SAT's own SIGINT handler is off, so the command, not the
     solver, decides what a Ctrl-C does."""
-    solver = cp_model.CpSolver()
-    params = solver.parameters
     spent = 0.0 if started is None else time.perf_counter() - started
     wall = max(min_seconds, WALL_FLOOR, WALL_SLACK * float(time_limit) - spent)
-    params.max_time_in_seconds = wall if deadline is None else max(0.001, deadline.cap(wall))
-    params.max_deterministic_time = max(DETERMINISTIC_FLOOR, share * float(time_limit))
+    return run(model, max(DETERMINISTIC_FLOOR, share * float(time_limit)), wall, presolve, deadline)
+
+
+def run(model: cp_model.CpModel, deterministic_seconds: float, wall: float, presolve: bool = True,
+        deadline: Deadline | None = None, interleave: bool = False, probing: bool = True) -> SolveResult:
+    """Solve `model` on one worker for `deterministic_seconds` (it stops there), with `wall`
+    seconds and the command's `deadline` as the safety net (`solve` derives both from a
+    caller's limit). `interleave` runs CP-SAT's portfolio, its large-neighbourhood searches
+    included, in turns on that worker; `probing=False` skips presolve's probing, whose
+    seconds the deterministic time hardly counts."""
+    solver = cp_model.CpSolver()
+    params = solver.parameters
+    params.max_time_in_seconds = max(0.001, wall if deadline is None else deadline.cap(wall))
+    params.max_deterministic_time = max(0.001, deterministic_seconds)
     params.num_workers = 1
+    params.interleave_search = interleave
     params.random_seed = SEED
     params.log_search_progress = False
     params.cp_model_presolve = presolve
     params.catch_sigint_signal = False
+    if not probing:
+        params.cp_model_probing_level = 0
     start = time.perf_counter()
     if deadline is None:
         code = solver.Solve(model)

@@ -29,8 +29,10 @@ Solvers: checkpoint-all (no recomputation), Chen et al.'s sqrt(n) segments, a gr
 evictor, a repair (the greedy with more computations per node allowed), a local search
 (pruning, ruin and recreate), and CP-SAT in the spirit of Moccasin (Bartan et al., ICML
 2023): one retention interval per computation, O(n) integer variables, a cumulative
-constraint for memory. `plan` runs them anytime -- feasibility first, then improvement --
-and returns the cheapest schedule that fits.
+constraint for memory; on the whole plan, or on windows of consecutive stages with the
+rest of the plan fixed (a large-neighbourhood search that scales past the whole model).
+`plan` runs them anytime -- feasibility first, then improvement -- and returns the
+cheapest schedule that fits.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from memsched.documents import read_document
 from memsched.deadline import Deadline, Work
 from memsched.errors import BudgetError, UserError
 
-from memsched.passes.solver import solve
+from memsched.passes.solver import SolveResult, run, solve
 
 CHECKPOINT_ALL = "checkpoint_all"
 SQRT_N = "sqrt_n"
@@ -58,6 +60,7 @@ CPSAT = "cpsat"
 METHODS = (CHECKPOINT_ALL, SQRT_N, GREEDY, CPSAT)
 REPAIR = "repair"               # `plan`'s feasibility phase, when no baseline fits
 LOCAL_SEARCH = "local_search"   # `plan`'s improvement of the best plan so far (prune, ruin and recreate)
+WINDOW = "window"               # `plan`'s improvement of the local search's plan, window by window with CP-SAT
 REPAIR_ROUNDS = 6               # computations per node the repair may add beyond max_computations
 LNS_SHARES = (0.1, 0.3, 0.6)    # shares of the recomputations a local-search round removes
 LNS_PATIENCE = 60               # local-search rounds without a cheaper plan before it stops
@@ -71,8 +74,19 @@ FLOOR_STEPS = 300_000           # steps a greedy run (the repair, a pruning) may
                                 # is spent: ~50 greedy rounds on GPT-2 with 30 layers (5,369 nodes, ~5 s)
 CPSAT_NODE_COST = 2e-7          # seconds per node squared to build a CP-SAT model (its covering cuts):
 CPSAT_FLOOR_S = 1.0             # with a `Work`, CP-SAT runs only where that is within the work left (or this)
-CPSAT_MIN_SHARE = 0.1           # CP-SAT is skipped when less of the time limit is left (and a plan fits)
+CPSAT_MIN_SHARE = 0.1           # share of the time limit left to CP-SAT by the clock's backstop on the heuristics,
+                                # and the least CP-SAT gets (counted) where no plan fits
 PRUNE_SHARE = 0.05              # share of `plan`'s time limit kept for pruning CP-SAT's answer
+CPSAT_DTIME_COST = 0.1          # counted seconds per node and deterministic second of `plan`'s CP-SAT on one loaded
+                                # core (alone: 8-13 s a deterministic second at 250 nodes, 7-26 s at 1,000)
+CPSAT_PRESOLVE_COST = 5e-3      # counted seconds per node for presolving that model (~2.7 s at 1,000 nodes alone)
+WINDOW_STAGES = 30              # stages in a window of `solve_windows`
+WINDOW_REPLAYS = 1              # recomputations per node a window may place (more where the plan has them there)
+WINDOW_DTIME = 1.0              # CP-SAT's deterministic seconds per window, at most
+WINDOW_TERM_COST = 2e-4         # counted seconds per term (interval, literal) of a window model: building, presolve
+WINDOW_DTIME_COST = 5.0         # counted seconds per deterministic second of a window's search (one loaded core)
+WINDOW_SHARE = 0.4              # share of `plan`'s time limit the windows may take, counted
+RESERVE_SHARE = 0.15            # share of `plan`'s time limit never counted out: start-up, judging, a loaded machine
 
 
 class RematInputError(UserError, ValueError):
@@ -946,7 +960,8 @@ def read_plan(rm: RematModel, solver) -> list[list[int]]:
 
 def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0,
                 warm_start: Result | None = None, max_computations: int = 2,
-                min_gap: int = 2, started: float | None = None, deadline=None) -> Result | None:
+                min_gap: int = 2, started: float | None = None, deadline=None,
+                dtime: float | None = None) -> Result | None:
     """Least-cost plan within the budget by CP-SAT, warm-started from `warm_start`.
 
     The warm start's recomputations are always in the model; it is the hint only when it
@@ -955,7 +970,9 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
     stays on. `started` (a `time.perf_counter()` reading, default now) is when the caller's
     `time_limit_s` began: the wall limit is what is left of it, the deterministic limit a
     share of all of it (see passes/solver.py `solve`); `deadline` (a command's
-    memsched.deadline.Deadline) caps the wall limit and stops the search.
+    memsched.deadline.Deadline) caps the wall limit and stops the search. `dtime` (deterministic
+    seconds) runs instead one worker in interleaved turns for exactly that long (`_solve_counted`),
+    the wall limit (what is left of `time_limit_s`) only a backstop.
     Returns None when no schedule within the budget was found (proven or timed out).
     Status: "optimal" (proven within the plan space), "feasible" (better than the warm start,
     not proven; lower_bound says how far it can still go), "heuristic" (nothing better found).
@@ -971,8 +988,11 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
         return None
     if warm is not None and warm_start.fits:
         add_hint(rm, problem, warm)
-    solved = solve(rm.model, time_limit_s, presolve=True, started=began if started is None else started,
-                   min_seconds=0.05, deadline=deadline)
+    started = began if started is None else started
+    if dtime is None:
+        solved = solve(rm.model, time_limit_s, presolve=True, started=started, min_seconds=0.05, deadline=deadline)
+    else:
+        solved = _solve_counted(rm.model, dtime, time_limit_s - (time.perf_counter() - started), deadline, True)
     if not solved.has_solution:
         return None
     seq = schedule_from_plan(problem, read_plan(rm, solved.solver))
@@ -988,6 +1008,339 @@ def solve_cpsat(problem: RematProblem, budget_bytes: int, time_limit_s: float = 
     else:
         label = "feasible"
     return replace(result, status=label, lower_bound=min(lower, result.total_cost))
+
+
+# --------------------------------------------------------------------------- windows
+
+@dataclass
+class _Frame:
+    """A window of stages [first, stop) of a plan whose recomputations outside it are fixed.
+
+    `nodes` (in id order) are those the window model holds: the window's own nodes, the nodes
+    they read, the nodes the plan recomputes in the window, and the inputs of every candidate.
+    `stages`: each candidate's stages (0 = `first`) where it may be recomputed, `replays` how
+    many times. `carried`: for each node of `nodes` computed before the window, the last step
+    before it that reads the node's latest copy (its computation where none does): kept into
+    the window, that copy is live from there on. `after`: nodes whose latest copy at the
+    window's end is read after it. `floor`: (step, live bytes there with no copy kept into
+    the window) for each step before the window with more of them than every later step
+    before it: a kept copy is live at the later steps too, so the other steps never bound
+    the window. `through`: bytes of the copies live across the whole window that nothing
+    in it reads.
+    """
+
+    first: int
+    stop: int
+    nodes: list[int]
+    stages: dict[int, list[int]]
+    replays: dict[int, int]
+    carried: dict[int, int]
+    after: set[int]
+    floor: list[tuple[int, int]]
+    through: int
+
+
+def _window_frame(problem: RematProblem, plan: list[list[int]], first: int, stop: int) -> _Frame:
+    """The frame of the window [first, stop) of `plan` (see `_Frame`), read off the liveness
+    of `plan` without its recomputations in the window. Each step of a schedule makes one
+    instance, so instance i is step i."""
+    fixed = [[t for t in stages if not first <= t < stop] for stages in plan]
+    lv = _liveness(problem, schedule_from_plan(problem, fixed))
+    begin = first + sum(t < first for stages in fixed for t in stages)     # the window's first step
+    end = begin + stop - first                                             # the first step after it
+    latest = {lv.node[i]: i for i in range(begin)}                         # later instances win
+    own = range(first, stop)
+    read = {u for t in own for u in problem.preds[t]}
+    replayed = {v for v, stages in enumerate(plan) if any(first <= t < stop for t in stages)}
+    stages, replays = {}, {}
+    for v in sorted(read | replayed | set(own)):
+        local = [t - first for t in range(max(first, v + 1), stop) if problem.may_replay(v, t)]
+        if local:
+            stages[v] = local
+            replays[v] = max(WINDOW_REPLAYS, sum(first <= t < stop for t in plan[v]))
+    nodes = read | set(own) | set(stages) | {u for v in stages for u in problem.preds[v]}
+    carried = {}
+    for u in nodes & latest.keys():
+        uses = lv.uses[latest[u]]
+        before = bisect.bisect_left(uses, begin)
+        carried[u] = uses[before - 1] if before else latest[u]
+    after = {u for u, i in latest.items() if lv.end[i] >= end} | {t for t in own if lv.end[begin + t - first] >= end}
+    through = sum(problem.size[u] for u, i in latest.items() if lv.end[i] >= begin and u not in nodes)
+    floor = _window_floor(problem, lv, latest, carried, begin)
+    return _Frame(first, stop, sorted(nodes), stages, replays, carried, after & nodes, floor, through)
+
+
+def _window_floor(problem: RematProblem, lv: _Liveness, latest: dict, carried: dict, begin: int) -> list:
+    """`_Frame.floor`: the live bytes at each step before the window (step `begin`) with every
+    carried copy ending at its last read before the window, kept where no later step has as many."""
+    delta = [0] * (begin + 1)
+    for i in range(begin):
+        v = lv.node[i]
+        last = carried[v] if v in carried and latest[v] == i else min(lv.end[i], begin - 1)
+        delta[i] += problem.size[v]
+        delta[last + 1] -= problem.size[v]
+    levels = list(itertools.accumulate(delta[:begin], initial=problem.pinned_bytes))[1:]
+    floor, top = [], -1
+    for k in reversed(range(begin)):
+        if levels[k] > top:
+            top = levels[k]
+            floor.append((k, levels[k]))
+    return floor[::-1]
+
+
+@dataclass
+class _WindowModel:
+    """A window's CP-SAT model: `copies` per node (its first copy is the one from before the
+    window or its own computation in it), `serves` (reader, or (u, None, 0) for the reads after
+    the window) -> [(copy, literal)], points `width` per stage, `span` points in all."""
+
+    model: object
+    copies: dict[int, list[_Copy]]
+    serves: dict
+    width: int
+    span: int
+    size: int = 0      # intervals and literals: the model's size, for counting work
+
+
+def _window_model(problem: RematProblem, frame: _Frame, budget_bytes: int, icost: list[int]) -> _WindowModel:
+    """The Moccasin model of `build_model` restricted to a window: stage t of the window has
+    points t*width + i for a recomputation of nodes[i] and t*width + width-1 for its own node.
+    The steps before the window that bound it (`frame.floor`) are the points -len(floor)..-1,
+    each a fixed interval of its live bytes; a copy kept into the window is live from the
+    first of them after its last read there, so the one cumulative is the whole memory model.
+    After the window, the live bytes do not depend on it: the reads there want only that
+    some copy of each node of `frame.after` is kept to the window's end."""
+    from ortools.sat.python import cp_model
+
+    model = cp_model.CpModel()
+    unit = math.gcd(*problem.size) or 1
+    width = len(frame.nodes) + 1
+    wm = _WindowModel(model, {}, {}, width, (frame.stop - frame.first) * width)
+    steps = [k for k, _ in frame.floor]
+    intervals, demands, objective = [], [], []
+    for j, (k, live) in enumerate(frame.floor):
+        intervals.append(model.new_fixed_size_interval_var(j - len(steps), 1, f"before_{k}"))
+        demands.append((live - problem.pinned_bytes) // unit)
+    if frame.through:
+        intervals.append(model.new_fixed_size_interval_var(0, wm.span, "through"))
+        demands.append(frame.through // unit)
+    for i, v in enumerate(frame.nodes):
+        pre = bisect.bisect_right(steps, frame.carried[v]) - len(steps) if v < frame.first else None
+        wm.copies[v], kept, costs = _window_copies(problem, frame, wm, v, i, pre, icost[v])
+        intervals.extend(kept)
+        demands.extend([problem.size[v] // unit] * len(kept))
+        objective.extend(costs)
+    _window_reads(wm, problem, frame)
+    model.add_cumulative(intervals, demands, (budget_bytes - problem.pinned_bytes) // unit)
+    model.minimize(sum(objective))
+    wm.size = len(intervals) + sum(len(options) for options in wm.serves.values())
+    return wm
+
+
+def _window_copies(problem: RematProblem, frame: _Frame, wm: _WindowModel, v: int, index: int,
+                   pre: int | None, cost: int) -> tuple[list[_Copy], list, list]:
+    """Node v's copies in a window model, their intervals and objective terms. `pre` (for a
+    node computed before the window) is the first point where keeping its copy into the
+    window adds bytes (the first step of the floor after its last read there); the copy is
+    kept exactly when it lasts past point 0."""
+    from ortools.sat.python import cp_model
+
+    model = wm.model
+    if pre is not None:
+        kept = model.new_bool_var(f"kept_{v}")
+        fin = model.new_int_var(0, wm.span, f"fin_{v}_0")
+        model.add(fin >= 1).only_enforce_if(kept)
+        model.add(fin == 0).only_enforce_if(~kept)
+        copies = [_Copy(kept, None, pre, fin)]
+        intervals = [model.new_optional_interval_var(pre, fin - pre, fin, kept, f"keep_{v}_0")]
+    else:
+        main = (v - frame.first) * wm.width + wm.width - 1
+        fin = model.new_int_var(main + 1, wm.span, f"fin_{v}_0")
+        copies = [_Copy(True, v - frame.first, main, fin)]
+        intervals = [model.new_interval_var(main, fin - main, fin, f"keep_{v}_0")]
+    objective = []
+    for j in range(1, 1 + frame.replays.get(v, 0)):
+        present = model.new_bool_var(f"re_{v}_{j}")
+        stage = model.new_int_var_from_domain(cp_model.Domain.from_values(frame.stages[v]), f"stage_{v}_{j}")
+        start = stage * wm.width + index
+        low = frame.stages[v][0] * wm.width + index + 1
+        fin = model.new_int_var(low, wm.span, f"fin_{v}_{j}")
+        length = model.new_int_var(1, wm.span - low + 1, f"len_{v}_{j}")
+        intervals.append(model.new_optional_interval_var(start, length, fin, present, f"keep_{v}_{j}"))
+        model.add(copies[-1].fin <= start).only_enforce_if(present)
+        if j >= 2:
+            model.add_implication(present, copies[-1].present)
+        objective.append(cost * present)
+        copies.append(_Copy(present, stage, start, fin, length))
+    return copies, intervals, objective
+
+
+def _window_reads(wm: _WindowModel, problem: RematProblem, frame: _Frame) -> None:
+    """Every read in the window (by its own nodes and by the recomputations) is served by a
+    copy live there; every node read after the window has a copy kept to its end. Copies of a
+    node do not overlap, so the serving copy is the latest, as in the judge."""
+    model = wm.model
+    readers = [(t, 0) for t in range(frame.first, frame.stop)]
+    readers += [(v, k) for v in frame.stages for k in range(1, len(wm.copies[v]))]
+    for v, k in readers:
+        read = wm.copies[v][k]
+        for u in problem.preds[v]:
+            options = []
+            for j, source in enumerate(wm.copies[u]):
+                lit = model.new_bool_var(f"serve_{u}_{j}_{v}_{k}")
+                model.add(source.fin >= read.start + 1).only_enforce_if(lit)
+                if j:   # a first copy comes before any read of it in the window
+                    model.add(source.start <= read.start - 1).only_enforce_if(lit)
+                    model.add_implication(lit, source.present)
+                options.append((j, lit))
+            clause = model.add_bool_or([lit for _, lit in options])
+            if k:
+                clause.only_enforce_if(read.present)
+            wm.serves[(u, v, k)] = options
+    for u in frame.after:
+        options = []
+        for j, source in enumerate(wm.copies[u]):
+            lit = model.new_bool_var(f"after_{u}_{j}")
+            model.add(source.fin >= wm.span).only_enforce_if(lit)
+            if j:
+                model.add_implication(lit, source.present)
+            options.append((j, lit))
+        model.add_bool_or([lit for _, lit in options])
+        wm.serves[(u, None, 0)] = options
+
+
+def _window_hint(wm: _WindowModel, problem: RematProblem, frame: _Frame, plan: list[list[int]]) -> None:
+    """Hint every variable of the window model from `plan` (a solution of it)."""
+    seq = schedule_from_plan(problem, plan)
+    lv = _liveness(problem, seq)
+    index = {v: i for i, v in enumerate(frame.nodes)}
+    points, mine, t = [], {v: [] for v in frame.nodes}, 0
+    for k, v in enumerate(seq):     # step -> point: -1 before the window, span after it
+        inside = frame.first <= t < frame.stop
+        points.append((t - frame.first) * wm.width + (wm.width - 1 if v == t else index[v]) if inside
+                      else -1 if t < frame.first else wm.span)
+        if v in mine and points[k] < wm.span:
+            mine[v] = [k] if points[k] < 0 else mine[v] + [k]      # the window's instances of v
+        t += v == t
+    model = wm.model
+    for v, node_copies in wm.copies.items():
+        for j, copy in enumerate(node_copies):
+            if j < len(mine[v]):
+                k = mine[v][j]
+                fin = 0 if points[lv.end[k]] < 0 else min(points[lv.end[k]] + 1, wm.span)
+                model.add_hint(copy.fin, fin)
+                if j == 0 and v < frame.first:
+                    model.add_hint(copy.present, fin > 0)
+                elif j:
+                    model.add_hint(copy.present, True)
+                    model.add_hint(copy.stage, points[k] // wm.width)
+                    model.add_hint(copy.length, fin - points[k])
+            else:
+                model.add_hint(copy.present, False)   # absent: any value in the domain
+                model.add_hint(copy.stage, frame.stages[v][0])
+                model.add_hint(copy.fin, wm.span)
+                model.add_hint(copy.length, wm.span - frame.stages[v][0] * wm.width - index[v])
+    for (u, v, k), options in wm.serves.items():
+        starts = [points[i] for i in mine[u]]
+        if v is None:
+            serving = len(starts) - 1
+        else:
+            serving = bisect.bisect_left(starts, points[mine[v][k]]) - 1 if k < len(mine[v]) else None
+        for j, lit in options:
+            model.add_hint(lit, j == serving)
+
+
+def _solve_counted(model, dtime: float, wall: float, deadline: Deadline | None, interleave: bool,
+                   probing: bool = True) -> SolveResult:
+    """`passes.solver.run` for `dtime` deterministic seconds on one worker, which stops at that
+    limit, so the same model gives the same answer under any load; `wall` seconds and
+    `deadline` only stop a machine far slower than expected, and `deadline` is then marked cut."""
+    solved = run(model, dtime, wall, True, deadline, interleave, probing)
+    if not solved.deterministic and deadline is not None:
+        deadline.cut = True
+    return solved
+
+
+def _solve_window(problem: RematProblem, plan: list[list[int]], budget_bytes: int, first: int, stop: int,
+                  icost: list[int], dtime: float, interleave: bool, until: float, deadline: Deadline | None):
+    """CP-SAT's answer for the window [first, stop) of `plan`: (the plan with the window's
+    recomputations replaced, or None where it found none; the counted seconds it took, at
+    WINDOW_TERM_COST per model term and WINDOW_DTIME_COST per deterministic second; the
+    SolveResult)."""
+    frame = _window_frame(problem, plan, first, stop)
+    wm = _window_model(problem, frame, budget_bytes, icost)
+    _window_hint(wm, problem, frame, plan)
+    solved = _solve_counted(wm.model, dtime, until - time.perf_counter(), deadline, interleave, probing=False)
+    spent = WINDOW_TERM_COST * wm.size + WINDOW_DTIME_COST * solved.solver.deterministic_time
+    if not solved.has_solution:
+        return None, spent, solved
+    found = [[t for t in stages if not first <= t < stop] for stages in plan]
+    for v in frame.stages:
+        for copy in wm.copies[v][1:]:
+            if solved.solver.boolean_value(copy.present):
+                bisect.insort(found[v], first + solved.solver.value(copy.stage))
+    return found, spent, solved
+
+
+def _windows(problem: RematProblem, plan: list[list[int]], sweep: int) -> list[tuple[int, int]]:
+    """The windows of WINDOW_STAGES stages of a sweep, overlapping by half (odd sweeps shift
+    them by a quarter), from the last stages to the first, that hold a recomputation of
+    `plan`: only there can a window's answer be cheaper."""
+    n, width = problem.n, WINDOW_STAGES
+    shift = width // 4 if sweep % 2 else 0
+    firsts = sorted({*range(1 + shift, max(1, n - width), max(1, width // 2)), max(1, n - width)}, reverse=True)
+    stages = sorted({t for s in plan for t in s})
+    windows = []
+    for first in firsts:
+        stop = min(n, first + width)
+        if bisect.bisect_left(stages, stop) > bisect.bisect_left(stages, first):
+            windows.append((first, stop))
+    return windows
+
+
+def solve_windows(problem: RematProblem, budget_bytes: int, start: Result, seconds: float,
+                  until: float | None = None, deadline: Deadline | None = None) -> tuple[Result, float]:
+    """Improve a fitting result by a large-neighbourhood search over windows of consecutive
+    stages: with the plan outside a window fixed, CP-SAT chooses the recomputations inside it
+    exactly (`_window_model`, hinted with the plan; a window it does not close within
+    WINDOW_DTIME gets a second, interleaved search), and its answer is kept when the judge
+    finds it within the budget and cheaper: the plan never gets worse. Sweeps over the
+    windows (`_windows`) repeat until two in a row keep nothing or `seconds` are spent.
+
+    The seconds are counted, not clocked (`_solve_window`'s prices; every solve on one
+    worker, the last one given what is left), so the same input gives the same plan under
+    any load. `until` (a `time.perf_counter()` reading) and `deadline` (a command's) only
+    stop a machine far slower than the prices assume. Returns the result, called WINDOW,
+    and the counted seconds spent.
+    """
+    started = time.perf_counter()
+    until = math.inf if until is None else until
+    best = plan_from_schedule(problem, start.schedule)
+    best_cost, left = _plan_cost(problem, best), float(seconds)
+    icost, _ = _integer_costs(problem.cost)
+    sweep = idle = 0
+    clocked = False
+    while idle < 2 and left > 0 and not clocked:
+        idle += 1
+        for first, stop in _windows(problem, best, sweep):
+            for interleave in (False, True):
+                clocked = clocked or time.perf_counter() >= until or deadline is not None and deadline.cuts()
+                if left <= 0 or clocked:
+                    break
+                found, spent, solved = _solve_window(problem, best, budget_bytes, first, stop, icost,
+                                                     min(WINDOW_DTIME, left / WINDOW_DTIME_COST), interleave,
+                                                     until, deadline)
+                left, clocked = left - spent, not solved.deterministic
+                cost = _plan_cost(problem, found) if found is not None else math.inf
+                if cost < best_cost - 1e-9 * problem.base_cost and _peak_of(problem, found) <= budget_bytes:
+                    best, best_cost, idle = found, cost, 0
+                if solved.status != "feasible":
+                    break          # closed (or nothing found): a second search cannot do better
+            if left <= 0 or clocked:
+                break
+        sweep += 1
+    result = _result(problem, WINDOW, schedule_from_plan(problem, best), budget_bytes, "heuristic", started)
+    return result, seconds - left
 
 
 # --------------------------------------------------------------------------- entry point
@@ -1009,24 +1362,32 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
        computations per node allowed (run REPAIR).
     3. `solve_local_search` improves the cheapest fitting plan for about LNS_TIME_SHARE of the
        time limit, counted in schedule steps judged (run LOCAL_SEARCH when it is cheaper).
-    4. CP-SAT, warm-started from the best plan so far, for what is left of the time limit; a
-       cheaper answer that is not optimal is pruned (LOCAL_SEARCH again when that helps).
-       Without a fitting plan CP-SAT searches unhinted, the last resort.
-    Steps 1 to 3 are bounded by counts, not the clock, so a plan that fits is found whatever
-    the time limit, and the same input gives the same plan; CP-SAT runs under
-    passes/solver.py's deterministic limit. Steps 2 and 3 add recomputations, so they run only
-    where `max_computations` > 1; both may exceed it, as CP-SAT's model grows to take its
+    4. `solve_windows` re-solves windows of its plan's stages exactly with CP-SAT until they
+       keep nothing, for at most WINDOW_SHARE of the limit and the counted time left less
+       RESERVE_SHARE of it (run WINDOW when it is cheaper).
+    5. CP-SAT on the whole model, warm-started from the best plan so far, for what the
+       windows left less its presolve (CPSAT_PRESOLVE_COST per node), as deterministic
+       seconds priced at CPSAT_DTIME_COST per node; where a plan fits, it is skipped when
+       less is left for the search than for the presolve. A cheaper answer that is not
+       optimal is pruned (LOCAL_SEARCH again when that helps). Without a fitting plan
+       CP-SAT searches unhinted, the last resort.
+    Every step is bounded by counts, not the clock (schedule steps judged, CP-SAT's
+    deterministic time on one worker), so a plan that fits is found whatever the time limit,
+    and the same input gives the same plan under any load; the clock only stops a machine
+    far slower than the counts assume. Steps 2 to 4 add recomputations, so they run only
+    where `max_computations` > 1; they may exceed it, as CP-SAT's model grows to take its
     warm start. `method` = "auto" (all), or one of METHODS alone ("cpsat" keeps every step
     before it, for its warm start).
-    `work` (a caller's counted budget, with its command's deadline): steps 1 to 3 charge it
-    their steps judged and stop once it is spent (at least FLOOR_STEPS for the greedy and
+    `work` (a caller's counted budget, with its command's deadline): steps 1 to 4 charge it
+    their work and stop once it is spent (at least FLOOR_STEPS for the greedy and
     the repair together, as many for the local search: a first answer comes; whole up to
     WHOLE_NODES nodes), and CP-SAT
     runs only where building its model (CPSAT_NODE_COST per node squared) is within what is
     left, or within CPSAT_FLOOR_S: on a 6,500-node problem the heuristics' plan is the
     answer. Without it, steps 1 and 2 run whole. `final`: `budget_bytes` is the command's own
     budget (the `remat` command), so the first plan that fits it is the command's answer:
-    `work`'s deadline is then marked planned, and no floor runs past it.
+    `work`'s deadline is then marked planned, and no floor runs past it; the counts then
+    follow the command's own time limit (`_counting`), not `time_limit_s`.
     Raises BudgetInfeasible naming the smallest budget reached.
     """
     started = time.perf_counter()
@@ -1042,23 +1403,38 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
     lower = memory_lower_bound(problem)
     improve = CPSAT in wanted and budget_bytes >= lower
     recompute = max_computations > 1
-    _first_plans(problem, budget_bytes, wanted, max_computations, seeds, work, runs, repair=improve and recompute)
+    time_limit_s, counted = _counting(time_limit_s, work, final)
+    _first_plans(problem, budget_bytes, wanted, max_computations, seeds, counted, runs, repair=improve and recompute)
     best = _cheapest(runs.results)
     if improve and recompute and best is not None and best.status != "optimal":
-        steps = int(LNS_TIME_SHARE * time_limit_s * STEPS_PER_SECOND)
-        searched = solve_local_search(problem, budget_bytes, best, max_computations, steps,
-                                      deadline=started + (1 - CPSAT_MIN_SHARE) * time_limit_s, work=work)
-        if searched.total_cost < best.total_cost:
-            best = runs.keep(LOCAL_SEARCH, searched)
-    left = time_limit_s - (time.perf_counter() - started)
-    affords = work is None or CPSAT_NODE_COST * problem.n ** 2 <= max(work.left, CPSAT_FLOOR_S)
-    if improve and affords and not (best and best.status == "optimal") and \
-            (best is None or left >= CPSAT_MIN_SHARE * time_limit_s):
-        best = _cpsat_step(problem, budget_bytes, time_limit_s, best, max_computations, work, runs)
+        best = _improve(problem, budget_bytes, time_limit_s, best, max_computations, counted, runs)
+    left = _counted_left(counted, time_limit_s)
+    affords = CPSAT_NODE_COST * problem.n ** 2 <= max(counted.left, CPSAT_FLOOR_S)
+    presolve = CPSAT_PRESOLVE_COST * problem.n
+    if improve and affords and not (best and best.status == "optimal") and (best is None or left >= 2 * presolve):
+        best = _cpsat_step(problem, budget_bytes, time_limit_s, best, max_computations, counted, runs,
+                           max(left - presolve, CPSAT_MIN_SHARE * time_limit_s) / (CPSAT_DTIME_COST * problem.n))
+    if work is not None and counted is not work:
+        work.spend(counted.spent)
     if best is None:
         closest = runs.by_peak()[0]
         raise BudgetInfeasible(budget_bytes, closest.peak_bytes, lower, closest)
     return replace(best, seconds=time.perf_counter() - started, runs=runs.results)
+
+
+def _counting(time_limit_s: float, work: Work | None, final: bool) -> tuple[float, Work]:
+    """(the time limit `plan`'s counts follow, the Work they charge). The `remat` command's
+    plan (`final`, with its deadline) counts from the command's own time limit, not from what
+    its start-up left of it, so a start-up slowed by load changes no count (RESERVE_SHARE of
+    the limit covers it), and the caller's `work` is charged at the end; other callers' `work`
+    is charged as it goes and bounds the steps; without one, a tally bounds nothing."""
+    if work is None:
+        return time_limit_s, Work(math.inf)
+    deadline = work.deadline
+    if final and deadline is not None and math.isfinite(deadline.end):
+        limit = max(0.0, deadline.end - deadline.started)
+        return limit, Work(limit, deadline)
+    return time_limit_s, work
 
 
 class _Runs:
@@ -1103,16 +1479,39 @@ def _first_plans(problem: RematProblem, budget_bytes: int, wanted, max_computati
     charge(work, effort)
 
 
+def _counted_left(counted: Work, time_limit_s: float) -> float:
+    """Counted seconds left to plan with: the time limit (and `counted`'s own budget) less
+    what is spent and less RESERVE_SHARE of the limit."""
+    return min(counted.left, time_limit_s - counted.spent) - RESERVE_SHARE * time_limit_s
+
+
+def _improve(problem: RematProblem, budget_bytes: int, time_limit_s: float, best: Result, max_computations: int,
+             counted: Work, runs: _Runs) -> Result:
+    """Steps 3 and 4 of `plan`: the local search, then the windows from its plan, each kept
+    (as LOCAL_SEARCH, WINDOW) where cheaper; both charge `counted`. The best result then."""
+    until = runs.started + (1 - CPSAT_MIN_SHARE) * time_limit_s     # the clock's backstop
+    steps = int(LNS_TIME_SHARE * time_limit_s * STEPS_PER_SECOND)
+    searched = solve_local_search(problem, budget_bytes, best, max_computations, steps, deadline=until, work=counted)
+    if searched.total_cost < best.total_cost:
+        best = runs.keep(LOCAL_SEARCH, searched)
+    seconds = min(WINDOW_SHARE * time_limit_s, _counted_left(counted, time_limit_s))
+    if seconds > 0 and best.total_cost > problem.base_cost:
+        windowed, spent = solve_windows(problem, budget_bytes, best, seconds, until, counted.deadline)
+        counted.spend(spent)
+        if windowed.total_cost < best.total_cost:
+            best = runs.keep(WINDOW, windowed)
+    return best
+
+
 def _cpsat_step(problem: RematProblem, budget_bytes: int, time_limit_s: float, best: Result | None,
-                max_computations: int, work: Work | None, runs: _Runs) -> Result | None:
-    """Step 4 of `plan`: CP-SAT warm-started from `best` (or the lowest peak), its answer
-    pruned by the local search where it is not optimal; the best result then."""
+                max_computations: int, counted: Work, runs: _Runs, dtime: float) -> Result | None:
+    """Step 5 of `plan`: CP-SAT for `dtime` deterministic seconds on one worker, warm-started
+    from `best` (or the lowest peak), its answer pruned by the local search where it is not
+    optimal; the best result then."""
     warm = best or runs.by_peak()[0]
-    # CP-SAT's wall limit ends PRUNE_SHARE early, to prune its answer; the deterministic
-    # limit stays a share of the whole time limit
+    # CP-SAT's wall backstop ends PRUNE_SHARE early, to prune its answer
     found = solve_cpsat(problem, budget_bytes, time_limit_s, warm, max_computations,
-                        started=runs.started - PRUNE_SHARE * time_limit_s,
-                        deadline=work.deadline if work is not None else None)
+                        started=runs.started - PRUNE_SHARE * time_limit_s, deadline=counted.deadline, dtime=dtime)
     if found is None:
         return best
     found = runs.keep(CPSAT, found)
