@@ -53,8 +53,8 @@ class SolveResult:
 def solve(model: cp_model.CpModel, time_limit: float, presolve: bool = True,
           started: float | None = None, min_seconds: float = 0.01, deadline: Deadline | None = None,
           share: float = DETERMINISTIC_SHARE) -> SolveResult:
-    """Solve `model` in `share` x `time_limit` deterministic seconds, which take about
-    `time_limit` wall seconds on the development machine; never raises on a time-out.
+    """Solve `model` in `share` x `time_limit` deterministic seconds (1-2x `time_limit` in wall
+    seconds on the development machine, at the shares its models use); never raises on a time-out.
 
     `started` (a `time.perf_counter()` reading) is when the caller's `time_limit` began: the
     wall limit is what is left of WALL_SLACK times it (never under `min_seconds` nor
