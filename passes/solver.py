@@ -76,16 +76,24 @@ def solve(model: cp_model.CpModel, time_limit: float, presolve: bool = True,
     return run(model, max(DETERMINISTIC_FLOOR, share * float(time_limit)), wall, presolve, deadline)
 
 
+def safety_wall(deterministic_seconds: float, at_least: float = 0.0) -> float:
+    """The wall limit of a solve of `deterministic_seconds`: WALL_SLACK times it, at least
+    WALL_FLOOR (and `at_least`), so that its deterministic limit ends it on a loaded machine too."""
+    return max(at_least, WALL_FLOOR, WALL_SLACK * float(deterministic_seconds))
+
+
 def run(model: cp_model.CpModel, deterministic_seconds: float, wall: float, presolve: bool = True,
         deadline: Deadline | None = None, interleave: bool = False, probing: bool = True) -> SolveResult:
     """Solve `model` on one worker for `deterministic_seconds` (it stops there), with `wall`
     seconds and the command's `deadline` as the safety net (`solve` derives both from a
-    caller's limit). `interleave` runs CP-SAT's portfolio, its large-neighbourhood searches
-    included, in turns on that worker; `probing=False` skips presolve's probing, whose
-    seconds the deterministic time hardly counts."""
+    caller's limit; `safety_wall` gives the net for a deterministic limit). A search the
+    clock ends marks the deadline cut: only then may the answer differ from run to run.
+    `interleave` runs CP-SAT's portfolio, its large-neighbourhood searches included, in turns
+    on that worker; `probing=False` skips presolve's probing, whose seconds the deterministic
+    time hardly counts."""
     solver = cp_model.CpSolver()
     params = solver.parameters
-    params.max_time_in_seconds = max(0.001, wall if deadline is None else deadline.cap(wall))
+    params.max_time_in_seconds = max(0.001, wall if deadline is None else min(wall, deadline.left()))
     params.max_deterministic_time = max(0.001, deterministic_seconds)
     params.num_workers = 1
     params.interleave_search = interleave
@@ -108,5 +116,7 @@ def run(model: cp_model.CpModel, deterministic_seconds: float, wall: float, pres
     # time is past the limit
     on_time = seconds < 0.98 * params.max_time_in_seconds
     deterministic = finished or (on_time and solver.deterministic_time >= 0.99 * params.max_deterministic_time)
+    if not deterministic and deadline is not None:
+        deadline.cut = True     # the clock ended it: the answer may differ from run to run
     bound = solver.BestObjectiveBound() if status != "unknown" else None
     return SolveResult(solver, status, bound, seconds, deterministic)

@@ -51,7 +51,7 @@ from memsched.documents import read_document
 from memsched.deadline import Deadline, Work
 from memsched.errors import BudgetError, UserError
 
-from memsched.passes.solver import SolveResult, run, solve
+from memsched.passes.solver import SolveResult, run, safety_wall, solve
 
 CHECKPOINT_ALL = "checkpoint_all"
 SQRT_N = "sqrt_n"
@@ -1253,12 +1253,11 @@ def _window_hint(wm: _WindowModel, problem: RematProblem, frame: _Frame, plan: l
 def _solve_counted(model, dtime: float, wall: float, deadline: Deadline | None, interleave: bool,
                    probing: bool = True) -> SolveResult:
     """`passes.solver.run` for `dtime` deterministic seconds on one worker, which stops at that
-    limit, so the same model gives the same answer under any load; `wall` seconds and
-    `deadline` only stop a machine far slower than expected, and `deadline` is then marked cut."""
-    solved = run(model, dtime, wall, True, deadline, interleave, probing)
-    if not solved.deterministic and deadline is not None:
-        deadline.cut = True
-    return solved
+    limit, so the same model gives the same answer under any load; the wall limit (`wall`, or
+    the solver's safety net for `dtime` where that is longer: building a U-Net's model can
+    take the caller's whole time) and `deadline` only stop a machine far slower than
+    expected, and `deadline` is then marked cut."""
+    return run(model, dtime, safety_wall(dtime, wall), True, deadline, interleave, probing)
 
 
 def _solve_window(problem: RematProblem, plan: list[list[int]], budget_bytes: int, first: int, stop: int,
