@@ -105,11 +105,18 @@ DATA_OPS = frozenset({"Transpose", "Concat", "Split", "Slice", "Pad", "Expand", 
 
 # ---- algebra and structure: what the training-step builder and the rewrites rely on -------------
 # Ops whose output sample n depends on input sample n alone (batch on axis 0), whatever the
-# other attributes; passes.rewrites.batch_split checks Flatten, Softmax and MaxPool further.
+# other attributes; passes.rewrites.batch_split checks Flatten, Softmax, MaxPool and Concat further.
 PER_SAMPLE_OPS = frozenset({
     "Conv", "ConvTranspose", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "Softplus", "Erf",
     "HardSigmoid", "Identity", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Flatten",
-    "Add", "Sub", "Mul", "Div", "Gemm", "MatMul", "Softmax", "LogSoftmax"})
+    "Add", "Sub", "Mul", "Div", "Gemm", "MatMul", "Softmax", "LogSoftmax", "Concat"})
+# The batch split's form of a training BatchNormalization (passes.rewrites.batch_split): one node
+# of MEMSCHED_DOMAIN over the k chunks of the BN's input, inputs (x_0 .. x_k-1, scale, bias,
+# running mean, running var), outputs (y_0 .. y_k-1), the BN's attributes. It normalises every
+# chunk with the statistics of all of them, so its step is the whole batch's BN step. Only the
+# forward graph the step builder reads holds it (rules_nn gives its training form and gradient).
+MEMSCHED_DOMAIN = "memsched"
+CHUNKED_BATCH_NORM = "ChunkedBatchNormalization"
 # Arithmetic the GELU/LayerNorm pattern matcher follows through.
 ARITHMETIC_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Neg"})
 # Ops folded to constants when all their inputs are known (the shape arithmetic of exports).

@@ -20,6 +20,7 @@ from memsched.deadline import unlimited
 from memsched.runtime import run_plan
 from memsched.frontend import lower
 from memsched.memory import validate
+from memsched.ops import CHUNKED_BATCH_NORM, MEMSCHED_DOMAIN
 from memsched.onnx_utils import save_model_atomic
 from memsched.schedule import Plan
 from memsched.passes.rewrites.batch_split import SPLIT_KEY, chunk_count, split_batch, split_training_step
@@ -35,7 +36,8 @@ ALL = "order,reuse,recompute,swap"
 
 def cnn(batch: int = 4, front: str = "", pool_indices: bool = False):
     """The module docstring's model; `front`: "bn" puts a BatchNormalization on batch statistics
-    after the Conv, "batch-bias" adds an initializer with a batch-sized leading axis to z."""
+    after the Conv ("bn-running": one with its running statistics as outputs), "batch-bias"
+    adds an initializer with a batch-sized leading axis to z."""
     rng = np.random.default_rng(0)
 
     def init(name, shape):
@@ -45,11 +47,13 @@ def cnn(batch: int = 4, front: str = "", pool_indices: bool = False):
              init("fc.bias", (5,))]
     nodes = [helper.make_node("Conv", ["x", "conv.weight", "conv.bias"], ["z0" if front else "z"], name="conv",
                               pads=[1, 1, 1, 1])]
-    if front == "bn":
+    if front in ("bn", "bn-running"):   # the second with its running statistics as outputs too
         inits += [init("bn.scale", (3,)), init("bn.b", (3,)), init("bn.mean", (3,)),
                   numpy_helper.from_array(np.ones(3, np.float32), "bn.var")]
+        running = front == "bn-running"
         nodes.append(helper.make_node("BatchNormalization", ["z0", "bn.scale", "bn.b", "bn.mean", "bn.var"],
-                                      ["z"], name="bn", training_mode=0))
+                                      ["z", "bn.mean.out", "bn.var.out"] if running else ["z"], name="bn",
+                                      training_mode=int(running)))
     elif front == "batch-bias":
         inits.append(init("shift", (batch, 3, 8, 8)))
         nodes.append(helper.make_node("Add", ["z0", "shift"], ["z"], name="shift_add"))
@@ -84,7 +88,7 @@ def test_the_split_model_computes_what_the_model_does():
 
 
 @pytest.mark.parametrize("front, pool_indices, region", [
-    ("bn", False, ["conv"]),                       # batch statistics couple the samples
+    ("bn-running", False, ["conv"]),               # running statistics as outputs are not split
     ("batch-bias", False, ["conv"]),               # a batch-sized initializer reaches across samples
     ("", True, ["conv", "relu"]),                  # MaxPool's indices count over the whole batch
 ])
@@ -99,8 +103,10 @@ def test_nothing_splits_at_batch_one_or_into_more_chunks_than_samples():
     assert chunk_count(forward, 2000) == 1
 
 
-@pytest.mark.parametrize("budget, chunks", [(9000, 1), (8000, 2), (4000, 3), (1208, 0)])
-def test_the_chunks_are_the_fewest_whose_front_fits_beside_the_parameters(budget, chunks):
+# The front makes 7,680 B beside 1,208 B of parameters; its largest working set is the Relu's
+# z and a, 6,144 B: in chunks, it takes half the room beside the parameters or less.
+@pytest.mark.parametrize("budget, chunks", [(9000, 1), (8000, 2), (5000, 4), (1208, 0)])
+def test_the_chunks_leave_each_op_half_the_room_beside_the_parameters(budget, chunks):
     # 7,680 B of front activations; free = budget - 1,208 B of parameters
     assert chunk_count(cnn(), budget) == chunks
 
@@ -119,9 +125,84 @@ def test_a_split_step_runs_like_the_step_as_given():
     assert run.check["given"]["passed"] and run.check["given"]["max_abs_diff"] < 1e-5   # the sums round in pieces
 
 
-# The step as given reaches 5,984 B at best; split in two, its plans place from 5,588 B up to
-# above 5,900 B, depending on where a loaded machine's wall clock cuts the 2 s searches: 5,980 B
-# is the most room below the step as given.
+def test_a_batchnorm_joins_the_front_as_one_node_over_every_chunk():
+    split, region = split_batch(cnn(front="bn"), 2)
+    assert region == ["conv", "bn", "relu", "pool", "flatten"]
+    assert [op.name for op in split.ops] == [
+        "x/SplitBatch", "conv/chunk0", "conv/chunk1", "bn/chunks", "relu/chunk0", "pool/chunk0", "flatten/chunk0",
+        "relu/chunk1", "pool/chunk1", "flatten/chunk1", "f/ConcatBatch", "fc"]
+    bn = split.op_by_name["bn/chunks"]
+    assert (bn.domain, bn.op_type) == (MEMSCHED_DOMAIN, CHUNKED_BATCH_NORM)
+    assert bn.inputs == ["z0/chunk0", "z0/chunk1", "bn.scale", "bn.b", "bn.mean", "bn.var"]
+    assert bn.outputs == ["z/chunk0", "z/chunk1"]
+
+
+def test_a_split_batchnorm_trains_as_the_whole_batch_does():
+    """The step normalises every chunk with the whole batch's statistics: its loss, updated
+    weights and running statistics are the step's as given; the ReLU under it makes each chunk
+    keep its normalised input alone (bn_relu)."""
+    forward = cnn(front="bn")
+    given = BUILD(forward)
+    step = split_training_step(forward, given, BUILD, 2)
+    assert step.outputs == given.outputs and {"bn.mean.updated", "bn.var.updated"} <= set(step.outputs)
+    assert [t for t in step.tensors if t.startswith("bn/chunks/Mul") and t.endswith("_output_0")
+            and any(op.phase == "backward" and t in op.inputs for op in step.ops)]    # x^_i kept
+    run = run_plan(place_pass(Plan.initial(step), 5), steps=2, check=True, given=given_graph(step))
+    assert run.check["given"]["passed"] and run.check["given"]["max_abs_diff"] < 1e-5, run.check["given"]
+    assert set(run.check["given"]["per_output"]) == set(given.outputs)
+
+
+@pytest.mark.parametrize("name, options", [("unet2d", dict(batch=4, size=64, width=4, depth=2)),
+                                           ("resnet18", dict(batch=8, size=64))])
+def test_a_bundled_network_splits_through_its_batchnorms_and_trains_as_given(name, options):
+    """Through BatchNorms, skip concatenations and residual adds: the U-Net's region is the
+    whole network; the ResNet's ends where its weights outweigh its activations (layer 2),
+    and its split step, whose parameters are read first in another order (a block's
+    downsample before its second BN), gives the outputs of the step as given in their order."""
+    from memsched import models
+
+    forward = lower(models.build(name, **options))
+    given = BUILD(forward)
+    _, region = split_batch(forward, 2)
+    norms = [op.name for op in forward.ops if op.op_type == "BatchNormalization"]
+    assert len(set(norms) & set(region)) >= (len(norms) if name == "unet2d" else 6)
+    step = split_training_step(forward, given, BUILD, 2)
+    assert step is not None and step.outputs == given.outputs
+    run = run_plan(place_pass(Plan.initial(step), 5), steps=1, check=True, given=given_graph(step))
+    assert run.check["given"]["passed"], run.check["given"]
+
+
+def test_the_split_steps_gradients_agree_with_its_float64_run():
+    """The chunked BatchNorm's gradient against the same step in float64 (memsched.numerics),
+    BatchNorm parameters jittered off their initial 1 and 0: every parameter's gradient within
+    1e-3, as every bundled model's step is."""
+    from memsched import models, numerics
+    from memsched.passes.training import build_training_step
+    from tests.test_numerics import jittered
+
+    def build(forward):
+        return build_training_step(forward, optimizer="none")
+
+    forward = lower(jittered(models.build("unet2d", batch=4, size=64, width=4, depth=2)))
+    step = split_training_step(forward, build(forward), build, 2)
+    rows = numerics.check(step)
+    assert len(rows) == len(json.loads(step.metadata["memsched.training"])["parameters"])
+    assert rows[0].error < 1e-3, numerics.format_rows(rows, 5)
+
+
+def test_synchronised_batchnorm_finds_the_split_batchnorm_statistics():
+    from memsched.data_parallel import batch_statistics
+
+    forward = cnn(front="bn")
+    step = split_training_step(forward, BUILD(forward), BUILD, 2)
+    record = json.loads(step.metadata["memsched.batch_statistics"])
+    assert list(record) == ["bn/chunks"] and len(record["bn/chunks"]["forward"]) == 2
+    assert len(record["bn/chunks"]["backward"]) == 2 and len(batch_statistics(step)) == 4
+
+
+# The step as given reaches 5,984 B at best; in micro-batches (three at this budget: each op
+# then takes half the room beside the parameters or less) its plans place below it: 5,980 B is
+# the most room below the step as given.
 SPLIT_BUDGET = 5980
 
 
@@ -130,15 +211,16 @@ def test_compile_plans_micro_batches_where_the_step_as_given_cannot_fit(capsys):
     result = compile(forward, train=True, lr=0.1, strategies=ALL, budget=SPLIT_BUDGET, time_limit=2,
                      deadline=unlimited())
     note = result.plan.notes["batch_split"]
-    assert note["chosen"] and note["chunks"] == 2 and note["step_time_s"]["given"] is None
+    assert note["chosen"] and note["chunks"] == chunk_count(forward, SPLIT_BUDGET) == 3
+    assert note["step_time_s"]["given"] is None
     assert "cannot be met" in note["errors"]["given"]
-    assert result.report["plan"]["micro_batches"] == 2
+    assert result.report["plan"]["micro_batches"] == 3
     assert result.report["plan"]["arena_bytes"] <= SPLIT_BUDGET and result.report["plan"]["peak_bytes"] <= SPLIT_BUDGET
     assert [op.name for op in result.baseline.graph.ops] == [op.name for op in BUILD(forward).ops]
     run = run_plan(result.plan, steps=2, check=True, given=given_graph(result.plan.graph))
     assert run.check["given"]["passed"]
     views.print_compile(json.loads(json.dumps(result.report)))
-    assert "planned in 2 micro-batches: step as given no fit, in micro-batches +" in capsys.readouterr().out
+    assert "planned in 3 micro-batches: step as given no fit, in micro-batches +" in capsys.readouterr().out
 
 
 def test_compile_keeps_the_step_whole_where_it_fits_as_it_is():
@@ -160,7 +242,7 @@ def test_the_cli_compiles_micro_batches_and_runs_them_against_the_step_as_given(
     result = run_cli("compile", model, "--train", "--lr", "0.1", "--budget", f"{SPLIT_BUDGET}B", "--strategies", ALL,
                      "--time-limit", "30", "-o", scheduled, "--json")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["plan"]["micro_batches"] == 2
+    assert json.loads(result.stdout)["plan"]["micro_batches"] == 3
     run = run_cli("run", scheduled, "--check", "--json")
     assert run.returncode == 0, run.stderr
     check = json.loads(run.stdout)["check"]

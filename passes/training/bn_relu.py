@@ -34,7 +34,7 @@ before.
 from __future__ import annotations
 
 from memsched.ir import Graph, Op
-from memsched.ops import MASK_ACTIVATIONS
+from memsched.ops import CHUNKED_BATCH_NORM, MASK_ACTIVATIONS, MEMSCHED_DOMAIN
 
 _KEY = "bn_relu"
 
@@ -48,20 +48,31 @@ def stored_once(em) -> dict[str, Op]:
 
 
 def find_pairs(graph: Graph) -> dict[str, Op]:
-    """{BN op name: activation op} for the BN -> activation pairs of `graph` (module doc)."""
+    """{BN op name: activation op} for the BN -> activation pairs of `graph` (module doc); a
+    batch split's CHUNKED_BATCH_NORM pairs where each chunk does (its first chunk's activation)."""
     outputs = set(graph.outputs)
     pairs = {}
     for op in graph.ops:
-        if op.op_type != "BatchNormalization" or op.domain not in ("", "ai.onnx"):
+        if op.op_type == "BatchNormalization" and op.domain in ("", "ai.onnx"):
+            chunks = [(op.inputs[0], op.outputs[0])]
+        elif op.op_type == CHUNKED_BATCH_NORM and op.domain == MEMSCHED_DOMAIN:
+            chunks = list(zip(op.inputs, op.outputs))
+        else:
             continue
-        c, b = op.inputs[0], op.outputs[0]
-        if c not in graph.producer or c in outputs or len(graph.consumers.get(c, [])) != 1:
-            continue
-        readers = graph.consumers.get(b, [])
-        if b in outputs or len(readers) != 1 or readers[0].domain not in ("", "ai.onnx"):
-            continue
-        act = readers[0]
-        if act.op_type not in MASK_ACTIVATIONS or act.inputs[0] != b or act.outputs[0] in outputs:
-            continue
-        pairs[op.name] = act
+        acts = [_activation(graph, c, b, outputs) for c, b in chunks]
+        if all(acts):
+            pairs[op.name] = acts[0]
     return pairs
+
+
+def _activation(graph: Graph, c: str, b: str, outputs: set[str]) -> Op | None:
+    """The activation a BN reading `c` and writing `b` feeds, where the pair matches the pattern."""
+    if c not in graph.producer or c in outputs or len(graph.consumers.get(c, [])) != 1:
+        return None
+    readers = graph.consumers.get(b, [])
+    if b in outputs or len(readers) != 1 or readers[0].domain not in ("", "ai.onnx"):
+        return None
+    act = readers[0]
+    if act.op_type not in MASK_ACTIVATIONS or act.inputs[0] != b or act.outputs[0] in outputs:
+        return None
+    return act

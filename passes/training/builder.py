@@ -12,6 +12,7 @@ from memsched.data_parallel import BATCH_STATISTICS_KEY
 from memsched.errors import UserError
 from memsched.frontend import captured_names, subgraphs
 from memsched.ir import Graph, Op, header_only
+from memsched.ops import CHUNKED_BATCH_NORM
 from memsched.step_info import FORWARD_KEY, GRAD_ROLES_KEY, TRAINING_KEY
 from memsched.onnx_utils import IR_VERSION, OPSET
 from memsched.ops import WEIGHT_PART_OPS, WEIGHT_VIEW_OPS
@@ -23,7 +24,7 @@ from memsched.passes.training.loss import LOSS_NAME, LOSSES, emit_loss
 from memsched.passes.training.optimizer import OPTIMIZERS, STATES, emit_update, update_outputs
 from memsched.passes.training.rederive import rederive_in_backward
 from memsched.dtypes import FLOAT_TYPES
-from memsched.passes.training.registry import RULES, differentiable_outputs, differentiable_positions
+from memsched.passes.training.registry import differentiable_outputs, differentiable_positions, rule_of
 from memsched.passes.training.simplify import drop_no_ops
 
 
@@ -129,7 +130,7 @@ def _emit_forward(em: Emitter, graph: Graph, needed: list[Op]) -> None:
     """The forward ops, in training form where a rule says so (BN on batch statistics, ...)."""
     needed_names = {op.name for op in needed}
     for op in graph.ops:
-        rule = RULES.get(op.op_type)
+        rule = rule_of(op)
         if rule is not None and rule.forward is not None:
             rule.forward(em, op, op.name in needed_names)
         else:
@@ -150,7 +151,7 @@ def _emit_backward(em: Emitter, graph: Graph, needed: list[Op], params: list[str
         wants = _wants(graph, op, requiring)
         with em.scope(f"{op.name}/grad"):
             flowing = set(differentiable_outputs(op, graph.tensors))
-            produced = RULES[op.op_type].grad(em, op, [grads.get(t) if t in flowing else None
+            produced = rule_of(op).grad(em, op, [grads.get(t) if t in flowing else None
                                                        for t in op.outputs], wants)
             produced = list(produced) + [None] * (len(op.inputs) - len(produced))
             done.update(op.outputs)
@@ -263,7 +264,7 @@ def _check_supported(em: Emitter, needed: list[Op]) -> None:
     missing: dict[str, list[str]] = defaultdict(list)
     reasons = []
     for op in needed:
-        rule = RULES.get(op.op_type) if op.domain in ("", "ai.onnx") else None
+        rule = rule_of(op)
         if rule is None:
             missing[op.op_type if not op.domain else f"{op.domain}.{op.op_type}"].append(op.name)
         elif rule.check is not None:
@@ -395,7 +396,8 @@ def _assemble(source: Graph, em: Emitter, extra_inputs, outputs, params, roles, 
     statistics = {name: {"forward": [t for t in (saved["mean"], saved["var"]) if t in kept],
                          "backward": [t for t in saved.get("sums", []) if t in kept]}
                   for name, saved in em.saved.items()
-                  if name in source.op_by_name and source.op_by_name[name].op_type == "BatchNormalization"}
+                  if name in source.op_by_name
+                  and source.op_by_name[name].op_type in ("BatchNormalization", CHUNKED_BATCH_NORM)}
     if statistics:
         metadata[BATCH_STATISTICS_KEY] = json.dumps(statistics, sort_keys=True)
     return Graph(em.ops, kept, inputs, outputs, name=source.name, opset_imports={"": opset},

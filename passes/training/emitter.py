@@ -264,8 +264,14 @@ class Emitter:
         return self.op(op_type, [x], axes=axes, keepdims=int(keepdims))
 
     def mean_square(self, x: str, axes, keepdims: bool) -> str:
-        """mean(x * x) over `axes` as ReduceSumSquare / count: x * x is never made (a
-        normalisation's variance over a 4.7 GB map would otherwise hold a third such map).
+        """mean(x * x) over `axes`: `sum_square` / count."""
+        rank = self.rank(x)
+        count = int(np.prod([self.shape(x)[int(a) % rank] for a in axes]))
+        return self.divide(self.sum_square(x, axes, keepdims), count)
+
+    def sum_square(self, x: str, axes, keepdims: bool) -> str:
+        """sum(x * x) over `axes` as ReduceSumSquare: x * x is never made (a normalisation's
+        variance over a 4.7 GB map would otherwise hold a third such map).
 
         Where more than the last axis is reduced and the last one is (BatchNorm's N, H, W),
         the sum of squares runs over the last axis alone and a ReduceSum adds those partial
@@ -276,13 +282,17 @@ class Emitter:
         the exact step."""
         rank = self.rank(x)
         axes = sorted(int(a) + rank if int(a) < 0 else int(a) for a in axes)
-        count = int(np.prod([self.shape(x)[a] for a in axes]))
         if len(axes) > 1 and axes[-1] == rank - 1:
             partial = self.reduce("ReduceSumSquare", x, [rank - 1], keepdims=True)
-            total = self.reduce("ReduceSum", partial, axes, keepdims)
-        else:
-            total = self.reduce("ReduceSumSquare", x, axes, keepdims)
-        return self.divide(total, count)
+            return self.reduce("ReduceSum", partial, axes, keepdims)
+        return self.reduce("ReduceSumSquare", x, axes, keepdims)
+
+    def total(self, parts: list[str]) -> str:
+        """The sum of same-shaped tensors, added one after another (the chunks' partial sums)."""
+        result = parts[0]
+        for part in parts[1:]:
+            result = self.op("Add", [result, part])
+        return result
 
     def divide(self, x: str, count: float) -> str:
         """x / count, for a mean's count (or another constant that is exact in x's dtype): a

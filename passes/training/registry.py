@@ -37,12 +37,18 @@ RULES: dict[str, Rule] = {}
 
 def rule(*op_types: str, inputs: tuple[int, ...] | None = None, outputs: tuple[int, ...] | None = None,
          check: Callable | None = None, forward: Callable | None = None):
-    """Register the decorated gradient function for `op_types`."""
+    """Register the decorated gradient function for `op_types` ("domain.type" for memsched's own ops)."""
     def register(grad: Callable) -> Callable:
         for op_type in op_types:
             RULES[op_type] = Rule(grad, inputs, outputs, check, forward)
         return grad
     return register
+
+
+def rule_of(op) -> Rule | None:
+    """The rule of `op`: a default-domain op's by its type, one of memsched's own ops
+    (memsched.ops.MEMSCHED_DOMAIN) by "domain.type"; None where there is none."""
+    return RULES.get(op.op_type if op.domain in ("", "ai.onnx") else f"{op.domain}.{op.op_type}")
 
 
 def differentiable_positions(op, tensors) -> list[int]:
@@ -56,7 +62,7 @@ def differentiable_outputs(op, tensors) -> list[str]:
 
 
 def _allowed(op, field: str):
-    known = RULES.get(op.op_type) if op.domain in ("", "ai.onnx") else None
+    known = rule_of(op)
     allowed = getattr(known, field) if known is not None else None
     return range(len(op.inputs if field == "inputs" else op.outputs)) if allowed is None else allowed
 

@@ -25,6 +25,7 @@ import math
 import numpy as np
 from onnx import TensorProto
 
+from memsched.ops import CHUNKED_BATCH_NORM, MEMSCHED_DOMAIN
 from memsched.passes.training.bn_relu import stored_once
 from memsched.passes.training.registry import rule
 from memsched.passes.training.rules_shape import folded_bias, folded_scale, runs_as_gemm, scaled_scores
@@ -450,12 +451,13 @@ def _batch_norm_forward(em, op, needed):
         em.op("Add", [scaled, bias_b], outputs=[op.outputs[0]], name=op.name)
         _running_statistics(em, op, {1: mean, 2: var})
         count = int(np.prod([em.shape(x)[a] for a in axes]))
-        _carried_running_statistics(em, op, mean, var, count)
+        _carried_running_statistics(em, op, op.inputs[3:5], mean, var, count)
 
 
-def _carried_running_statistics(em, op, mean, var, count):
-    """The step's outputs `<running_mean>.updated` and `<running_var>.updated`, carried to the
-    next step like the weights, as PyTorch's train mode updates them:
+def _carried_running_statistics(em, op, running, mean, var, count):
+    """For the running statistics `running` (the names of the mean and variance buffers), the
+    step's outputs `<running_mean>.updated` and `<running_var>.updated`, carried to the next
+    step like the weights, as PyTorch's train mode updates them:
     running = (1 - m) * running + m * batch, with m = 1 - the node's ONNX momentum (PyTorch's
     0.1 where the node says nothing) and the batch variance unbiased (times n / (n - 1)) for
     running_var. Only where both statistics are float initializers of the model (buffers). The
@@ -464,7 +466,7 @@ def _carried_running_statistics(em, op, mean, var, count):
     place), so the step holds one copy of each."""
     if not em.carry_statistics:
         return
-    running = [op.inputs[i] if len(op.inputs) > i else "" for i in (3, 4)]
+    running = list(running) + [""] * (2 - len(running))
     tensors = [em.source.tensors.get(name) for name in running]
     if not all(t is not None and t.is_static and t.kind == "buffer" for t in tensors):
         return
@@ -547,6 +549,83 @@ def batch_norm(em, op, dys, wants):
         grads[1] = em.reshape(sum_dy_xhat, em.shape(scale))
     if wants[2]:
         grads[2] = em.reshape(sum_dy, em.shape(bias))
+    return grads
+
+
+def _chunked_batch_norm_forward(em, op, needed):
+    """CHUNKED_BATCH_NORM (memsched.ops) in training form: the whole batch's mean and biased
+    variance from the chunks' partial sums (the mean first, then the squares of the centred
+    chunks, as the whole-batch BN takes them), every chunk normalised with them; running
+    statistics carried as a BN's. A BN of the `bn_relu` pattern (each chunk) keeps its chunks'
+    normalised inputs x^_i, the others their inputs x_i."""
+    chunks = len(op.outputs)
+    xs, (scale, bias), running = op.inputs[:chunks], op.inputs[chunks:chunks + 2], op.inputs[chunks + 2:]
+    rank = em.rank(xs[0])
+    axes = [0] + list(range(2, rank))
+    channel_shape = [1, em.shape(xs[0])[1]] + [1] * (rank - 2)
+    count = sum(int(np.prod([em.shape(x)[a] for a in axes])) for x in xs)
+    eps = op.attributes.get("epsilon", 1e-5)
+    with em.scope(op.name):
+        mean = em.divide(em.total([em.reduce("ReduceSum", x, axes, keepdims=True) for x in xs]), count)
+        centred = [em.op("Sub", [x, mean]) for x in xs]
+        var = em.divide(em.total([em.sum_square(c, axes, keepdims=True) for c in centred]), count)
+        inv_std = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, em.scalar(eps, xs[0])])])])
+        scale_b, bias_b = em.reshape(scale, channel_shape), em.reshape(bias, channel_shape)
+        factor = em.op("Mul", [inv_std, scale_b])
+        em.saved[op.name] = {"mean": mean, "var": var, "inv_std": inv_std, "k": factor, "count": count}
+        if needed and op.name in stored_once(em):
+            em.saved[op.name]["xhats"] = xhats = [em.op("Mul", [c, inv_std]) for c in centred]
+            scaled = [em.op("Mul", [xhat, scale_b]) for xhat in xhats]
+        else:
+            scaled = [em.op("Mul", [c, factor]) for c in centred]
+        for i, (part, y) in enumerate(zip(scaled, op.outputs)):
+            em.op("Add", [part, bias_b], outputs=[y], name=f"{op.name}/chunk{i}")
+        _carried_running_statistics(em, op, running, mean, var, count)
+
+
+@rule(f"{MEMSCHED_DOMAIN}.{CHUNKED_BATCH_NORM}", forward=_chunked_batch_norm_forward)
+def chunked_batch_norm(em, op, dys, wants):
+    """BatchNormalization's gradient (`batch_norm`) over chunks: the two per-channel sums are
+    the chunks' partial sums added up, and each chunk's input gradient is
+        dx_i = k * dy_i - x^_i * sum(dy * x^) * k / m - sum(dy) * k / m
+    with m the whole batch's count. x^_i is the kept one, or normalised again from x_i for
+    each of its two readers (one chunk-sized transient at a time, not every chunk's)."""
+    chunks = len(op.outputs)
+    xs, scale, bias = op.inputs[:chunks], op.inputs[chunks], op.inputs[chunks + 1]
+    saved = em.saved[op.name]
+    axes = [0] + list(range(2, em.rank(xs[0])))
+    want_x, want_scale, want_bias = any(wants[:chunks]), wants[chunks], wants[chunks + 1]
+    present = [i for i in range(chunks) if dys[i] is not None]
+    kept = saved.get("xhats")
+
+    def xhat(i: int) -> str:
+        return kept[i] if kept else _normalized(em, xs[i], saved["mean"], saved["inv_std"])
+
+    grads: list[str | None] = [None] * len(op.inputs)
+    sums = []
+    if want_x or want_bias:
+        sum_dy = em.total([em.reduce("ReduceSum", dys[i], axes, keepdims=True) for i in present])
+        sums.append(sum_dy)
+    if want_x or want_scale:
+        sum_dy_xhat = em.total([em.reduce("ReduceSum", em.op("Mul", [dys[i], xhat(i)]), axes, keepdims=True)
+                                for i in present])
+        sums.append(sum_dy_xhat)
+    saved["sums"] = sums     # what synchronised BatchNorm averages across data-parallel workers
+    if want_x:
+        scaled_mean = _scaled_mean(em, saved["k"], saved["count"])
+        along_xhat, along_one = scaled_mean(sum_dy_xhat), scaled_mean(sum_dy)
+        for i in range(chunks):
+            if not wants[i]:
+                continue
+            centred = em.op("Mul", [xhat(i), along_xhat])
+            if dys[i] is None:
+                grads[i] = em.op("Neg", [em.op("Add", [centred, along_one])])
+            else:
+                grads[i] = em.op("Sub", [em.op("Sub", [em.op("Mul", [dys[i], saved["k"]]), centred]), along_one])
+    if want_scale:
+        grads[chunks] = em.reshape(sum_dy_xhat, em.shape(scale))
+    if want_bias:
+        grads[chunks + 1] = em.reshape(sum_dy, em.shape(bias))
     return grads
 
 
