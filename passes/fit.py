@@ -199,23 +199,42 @@ class FitSearch:
         # the longest wall time one planned and placed round took: once a plan is kept, no
         # round starts that the deadline cannot afford (a 10,193-op GPT-2 step's take 7-14 s)
         self.slowest_round = 0.0
+        self.opening = False                     # in phase 1 (first_plans, joint_climb)
+        self.climbs = True                       # whether phase 1 goes on to the joint climb
 
     # ---- the phases ----
     def first_plans(self) -> None:
         """Phase 1: the plan as it is where it fits (or there is no budget), else the
-        candidates at the quick effort."""
-        if (self.budget is None or self.start_peak <= self.budget) and self._place_as_is():
+        candidates recompute and swap at the quick effort (`joint_climb` follows)."""
+        self.opening = True
+        try:
+            if (self.budget is None or self.start_peak <= self.budget) and self._place_as_is():
+                self.climbs = False
+                return
+            effort = self.ledger.quick
+            if "recompute" in self.strategies and \
+                    self.attempt(Candidate("recompute"), effort, FIRST_ROUNDS) is not None and \
+                    self.last_planned.notes["recompute"].get("overhead", 1.0) <= 0.0:
+                self.climbs = False     # recompute alone adds no time: nothing to swap for
+                return
+            if "swap" in self.strategies:
+                self.attempt(Candidate("swap"), effort, FIRST_ROUNDS)
+            self.climbs = {"recompute", "swap"} <= set(self.strategies)
+        finally:
+            self.opening = False
+
+    def joint_climb(self) -> None:
+        """The rest of phase 1: the joint candidates (recompute to a relaxation of the budget,
+        then swap) climbed at the quick effort, where the first plans left room for them.
+        A command with several searches runs every search's first plans before any climb, and
+        climbs the search with the fastest plan first (the ledger may not afford the others')."""
+        if not self.climbs:
             return
-        effort = self.ledger.quick
-        if "recompute" in self.strategies and \
-                self.attempt(Candidate("recompute"), effort, FIRST_ROUNDS) is not None and \
-                self.last_planned.notes["recompute"].get("overhead", 1.0) <= 0.0:
-            return              # recompute alone adds no time: nothing to swap for
-        if "swap" not in self.strategies:
-            return
-        self.attempt(Candidate("swap"), effort, FIRST_ROUNDS)
-        if "recompute" in self.strategies:
-            self.climb(False, effort)
+        self.opening = True
+        try:
+            self.climb(False, self.ledger.quick)
+        finally:
+            self.opening = False
 
     def explore(self) -> None:
         """Phase 3: the joint candidates on drained orders too, where draining changes them and
@@ -274,12 +293,18 @@ class FitSearch:
         """Whether to stop before work priced `price`: on a stop (Ctrl-C); or, once a plan is
         kept here or by another search of the command, where the deadline has passed or the
         ledger cannot afford it (until then the work is charged unasked, and passes out of
-        time still give their heuristic answers: an answer comes)."""
+        time still give their heuristic answers: an answer comes). A search's phase 1 goes on
+        until it keeps a plan of its own while the deadline affords it, whatever the other
+        searches kept, and is not charged once another search keeps one: the micro-batched
+        step is planned after the step as given, whose first plans may have spent the ledger,
+        and its first plans leave the ledger to the climbs of both."""
         if self.deadline.stopped:
             return True
         if self.best is None and not self.deadline.planned:
             self.ledger.charge(price)
             return False
+        if self.best is None and self.opening:      # another search's plan is kept: this one's first still comes
+            return self.deadline.cuts() or not self.deadline.affords(self.slowest_round)
         return self.deadline.cuts() or not self.deadline.affords(self.slowest_round) or not self.ledger.take(price)
 
     # ---- one attempt ----

@@ -184,9 +184,7 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
                                          budget_bytes)
             if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
                 searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ")
-            improvement_levels(searches, ledger, deadline)
-            for found in searches.values():
-                found.rescue()
+            after_first_plans(searches, ledger, deadline)
     try:
         plan = _faster(searches, split[1] if split is not None else None, strategies, hw, costs)
     except BudgetError:
@@ -223,6 +221,16 @@ def _search(step: Plan, runner: PassRunner, budget_bytes: int | None, strategies
     found = FitSearch(start, peak, budget_bytes, strategies, runner, time_limit, say, label, ledger)
     found.first_plans()
     return found
+
+
+def after_first_plans(searches: dict[str, FitSearch], ledger: Ledger, deadline: Deadline) -> None:
+    """The phases after every search's first plans: the joint climbs, the search with the
+    fastest plan first (the ledger may afford no other), the improvement levels, the rescue."""
+    for name in sorted(searches, key=lambda n: (_best_time(searches[n]), n)):
+        searches[name].joint_climb()
+    improvement_levels(searches, ledger, deadline)
+    for found in searches.values():
+        found.rescue()
 
 
 def improvement_levels(searches: dict[str, FitSearch], ledger: Ledger, deadline: Deadline) -> None:

@@ -270,6 +270,7 @@ def _fake_command(seed: int, time_limit: float, monkeypatch, deadline: Deadline 
                            _runner(_fake_passes(seed), deadline, judge=lambda plan: plan.notes["peak"]), time_limit,
                            ledger=ledger)
     search.first_plans()
+    search.joint_climb()
     if slowest_round is not None:
         search.slowest_round = slowest_round
     improvement_levels({"given": search}, ledger, deadline)

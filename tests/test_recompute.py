@@ -586,6 +586,7 @@ def test_fit_climbs_the_relaxations_on_drained_orders_too_where_draining_changes
     assert fit.drains_anything(start)
     search = _fit_search(start, int(0.4 * analyze_plan(start).peak_bytes))
     search.first_plans()
+    search.joint_climb()
     search.explore()
     names = [t["candidate"] for t in search.tried]
     drained = [n for n in names if n.endswith(" on drained orders too, then swap")]
@@ -619,6 +620,7 @@ def test_fit_climbs_only_relaxations_under_the_start_peak():
     target = int(analyze_plan(Plan.initial(graph)).peak_bytes * 0.45)
     search = _fit_search(start, target)
     search.first_plans()
+    search.joint_climb()
     tried = {t["candidate"] for t in search.tried}
     assert {"recompute", "swap"} <= tried
     relaxations = {float(n.split()[2].rstrip("x,")) for n in tried if n.startswith("recompute to")}
