@@ -244,6 +244,14 @@ class FitSearch:
         if not self._stopping() and drains_anything(self.start):
             self.climb(True, self.ledger.quick)
 
+    def adds_time(self) -> bool:
+        """Whether the kept plan is predicted slower than its start (the step in its order with
+        no recompute or swap): where it is not, no other form of the step can beat it."""
+        if self.best is None or self.best.record < 0:
+            return False
+        start = simulate(dataclasses.replace(self.start, budget=None), self.start.hardware, self.costs).step_time
+        return self.best.step_time > start
+
     def improvable(self) -> bool:
         """Whether improvement can change the plan: one is kept and it came from an attempt."""
         return self.best is not None and self.best.record >= 0

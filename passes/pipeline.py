@@ -177,12 +177,11 @@ def compile(model: "str | Path | Graph", *, dims: dict[str, int] | None = None, 
         searches, split = {"given": search(initial, variants, "")}, None
         if budget_bytes is not None:
             given = searches["given"]
-            needs_more = given.best is None or \
-                (not deadline.cuts() and not ledger.closed and {"recompute", "swap"} & set(given.best.plan.notes))
+            needs_more = given.best is None or (not deadline.cuts() and not ledger.closed and given.adds_time())
             if train and {"recompute", "swap"} & set(strategies) and not deadline.stopped and needs_more:
                 split = batch_split_step(forward, graph, step_builder(loss, optimizer, lr, freeze, training_options),
                                          budget_bytes)
-            if split is not None:      # the step needs recompute or swap (or fits not at all): try micro-batches too
+            if split is not None:      # the first plan adds time (or none fits): try micro-batches too
                 searches["split"] = search(Plan.initial(split[0], hardware=hw), {}, f"{split[1]} micro-batches: ")
             after_first_plans(searches, ledger, deadline)
     try:

@@ -153,7 +153,7 @@ def test_a_split_batchnorm_trains_as_the_whole_batch_does():
 
 
 @pytest.mark.parametrize("name, options", [("unet2d", dict(batch=4, size=64, width=4, depth=2)),
-                                           ("resnet18", dict(batch=8, size=64))])
+                                           ("resnet18", dict(batch=8, size=48))])
 def test_a_bundled_network_splits_through_its_batchnorms_and_trains_as_given(name, options):
     """Through BatchNorms, skip concatenations and residual adds: the U-Net's region is the
     whole network; the ResNet's ends where its weights outweigh its activations (layer 2),
