@@ -197,7 +197,8 @@ def plan_point(graph, budget: int | None, time_limit: float) -> dict:
     return {"budget_bytes": budget, "fits": True, "peak_bytes": report["plan"]["peak_bytes"],
             "arena_bytes": report["plan"]["arena_bytes"], "overhead": round(report["plan"]["overhead"], 4),
             "baseline_peak_bytes": report["baseline"]["peak_bytes"], "ops": report["graph"]["ops"],
-            "deadline_hit": report["solver"]["deadline_hit"], "compile_s": round(time.perf_counter() - started, 1)}
+            "deadline_hit": report["solver"]["deadline_hit"], "micro_batches": report["plan"]["micro_batches"],
+            "compile_s": round(time.perf_counter() - started, 1)}
 
 
 def smallest(points: list[dict], overhead: float) -> int | None:

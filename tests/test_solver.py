@@ -43,6 +43,20 @@ def test_a_search_the_wall_clock_ends_is_not_reproducible():
     assert result.status in ("feasible", "unknown") and not result.deterministic
 
 
+def test_the_deadline_is_marked_cut_only_where_its_clock_ends_the_search():
+    """A wall limit longer than what is left of the command's deadline is capped silently: a
+    search its deterministic limit ends is reproducible. One the deadline ends is marked."""
+    from memsched.deadline import Deadline
+
+    roomy = Deadline(WALL_FLOOR - 1.0)        # less than the 4 s safety net asks for
+    result = solve(weighted_completion(), 0.2, deadline=roomy)
+    assert result.solver.parameters.max_time_in_seconds < WALL_FLOOR
+    assert result.deterministic and not roomy.cut
+    short = Deadline(0.2)
+    result = solve(weighted_completion(), 10.0, deadline=short)
+    assert not result.deterministic and short.cut
+
+
 def test_a_caller_past_its_limit_still_gets_its_least_wall_time_and_the_same_deterministic_limit():
     tiny = cp_model.CpModel()
     tiny.NewBoolVar("x")
