@@ -192,11 +192,7 @@ def _alive(pids) -> set[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-# Ctrl-C to the launcher failed twice inside the whole default suite (the launcher still
-# running 60 s after it) and never alone (16 runs, idle and beside two busy processes): in
-# the slow set until the cause is found
-@pytest.mark.parametrize("signal_name, exit_code",
-                         [("SIGTERM", 143), pytest.param("SIGINT", 130, marks=pytest.mark.slow), ("SIGKILL", -9)])
+@pytest.mark.parametrize("signal_name, exit_code", [("SIGTERM", 143), ("SIGINT", 130), ("SIGKILL", -9)])
 def test_no_rank_outlives_its_launcher(tmp_path, signal_name, exit_code):
     """SIGTERM or Ctrl-C to `run --workers 2` stops its ranks on the way out (exit 143, 130);
     SIGKILL (no way out) stops them too, through the kernel (PR_SET_PDEATHSIG). Waits are

@@ -35,6 +35,7 @@ on scratch tensors of the same sizes), so the overlap fraction is 1 - wait / all
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -59,6 +60,7 @@ from .run import run_plan, steady_step_time
 BACKEND = "gloo"
 TIMEOUT_S = 300.0          # a rank that does not finish in this time fails the run
 STORE_WAIT_S = 60.0        # a rank waits at most this long (or its timeout) for rank 0's store
+LAUNCHER_PID = "MEMSCHED_LAUNCHER_PID"    # set in the ranks a local launcher starts (`tie_to_launcher`)
 COMM_REPEATS = 3           # timed runs of the buckets' all-reduces alone (median)
 
 
@@ -302,6 +304,7 @@ def rank_of(plan: Plan, overlap: bool = True, sync_batchnorm: bool = False, time
     torchrun): yields (rank, world size, its `_Comm`: the step hooks that broadcast rank 0's
     weights at the start, all-reduce each bucket of gradients and wait for it, torch.distributed)
     with the process group up; tears it down after."""
+    tie_to_launcher()
     torch, dist = import_torch()
     if not launched():
         raise UserError("not started as a rank: run under torchrun, or with --workers N")
@@ -357,9 +360,15 @@ def _reach_store(address: tuple[str, int], rank: int, wait: float) -> None:
             time.sleep(0.2)
 
 
-def _die_with_parent() -> None:
-    """In a launched rank, before exec: the kernel sends it SIGTERM when its launcher dies
-    (Linux prctl PR_SET_PDEATHSIG), so no rank outlives a launcher that was killed."""
+def tie_to_launcher() -> None:
+    """In a rank `launch` or `launch_command` started: the kernel sends it SIGTERM when its
+    launcher dies (Linux prctl PR_SET_PDEATHSIG), and a rank whose launcher is already gone
+    stops, so no rank outlives a launcher that was killed. Set here, after exec, not between
+    fork and exec (a `preexec_fn`), where Python code may deadlock in a launcher with threads
+    (torch's) and hold the launcher in its wait for the exec."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if not launcher or sys.platform != "linux":
+        return
     import ctypes
     import signal
 
@@ -367,17 +376,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)       # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if str(os.getppid()) != launcher:
+        raise UserError("the launcher that started this rank is gone")
 
 
 def _start_rank(args: list[str], env: dict, **popen) -> subprocess.Popen:
-    """One local rank's process, tied to this launcher's life (`_die_with_parent`)."""
-    return subprocess.Popen(args, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None, **popen)
+    """One local rank's process (it ties itself to this launcher's life: `tie_to_launcher`)."""
+    return subprocess.Popen(args, env=env, **popen)
 
 
 def _rank_env(rank: int, workers: int, port: int) -> dict[str, str]:
     """The environment of local rank `rank` of `workers`, as torchrun sets it (loopback store)."""
     return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(workers),
-            "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            "LOCAL_WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            LAUNCHER_PID: str(os.getpid())}
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -387,6 +399,25 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
     for p in procs:
         p.wait()
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float | None = None) -> int | None:
+    """Wait in short sleeps until every rank has ended or one failed: a Ctrl-C is then handled
+    at once (the kernel may hand the signal to another thread than the main one, and a
+    blocking wait there would not return to take it). Returns the first rank still running
+    when `deadline` (a time.monotonic reading) passed, else None."""
+    while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+        if deadline is not None and time.monotonic() > deadline:
+            return next(r for r, p in enumerate(procs) if p.poll() is None)
+        time.sleep(0.05)
+    return None
+
+
+def _last_line(log, returncode: int) -> str:
+    """A failed rank's reason: the last line it wrote (`log`, a file), else its exit status."""
+    log.seek(0)
+    lines = [line for line in log.read().strip().splitlines() if line.strip()]
+    return lines[-1].replace("memsched: error: ", "") if lines else f"exit status {returncode}"
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -418,22 +449,16 @@ def launch_command(command: list[str], workers: int) -> int:
             logs.append(log)
             procs.append(_start_rank([sys.executable, "-m", "memsched", *command], _rank_env(rank, workers, port),
                                      stdout=subprocess.DEVNULL if rank else None, stderr=log, text=True))
-        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
-            time.sleep(0.05)
+        _wait(procs)
     finally:        # also on Ctrl-C and SIGTERM (cli.main's Terminated): no rank outlives the launcher
         _stop(procs)
-    errors = []
-    for log in logs:
-        if log is not None:
-            log.seek(0)
-        errors.append(log.read() if log is not None else "")
-        if log is not None:
+    try:
+        failed = [r for r, p in enumerate(procs) if p.returncode and p.returncode > 0]
+        if failed and failed[0] != 0:
+            raise UserError(f"rank {failed[0]} failed: {_last_line(logs[failed[0]], procs[failed[0]].returncode)}")
+    finally:
+        for log in logs[1:]:
             log.close()
-    failed = [r for r, p in enumerate(procs) if p.returncode and p.returncode > 0]
-    if failed and failed[0] != 0:
-        lines = [line for line in (errors[failed[0]] or "").strip().splitlines() if line.strip()]
-        reason = lines[-1].replace("memsched: error: ", "") if lines else f"exit status {procs[failed[0]].returncode}"
-        raise UserError(f"rank {failed[0]} failed: {reason}")
     return procs[0].returncode if procs[0].returncode >= 0 else 1
 
 
@@ -457,19 +482,21 @@ def launch(plan_path: str, workers: int, steps: int = 1, threads: int = 1, input
     check_plan(read_plan(plan_path), workers)
     import_torch()                        # the one-line error before any process starts
     procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory(prefix="memsched-dp-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="memsched-dp-") as tmp, contextlib.ExitStack() as files:
         try:
-            return _collect(procs, tmp, plan_path, workers, steps, threads, inputs, outputs, overlap, timeout,
-                            sync_batchnorm)
+            return _collect(procs, files, tmp, plan_path, workers, steps, threads, inputs, outputs, overlap,
+                            timeout, sync_batchnorm)
         finally:     # also on Ctrl-C and SIGTERM: no rank outlives the launcher
             _stop(procs)
 
 
-def _collect(procs: list, tmp: str, plan_path: str, workers: int, steps: int, threads: int, inputs, outputs,
-             overlap: bool, timeout: float, sync_batchnorm: bool) -> dict:
-    """`launch`'s body: start the ranks (into `procs`, which the caller stops) and gather them."""
+def _collect(procs: list, files: contextlib.ExitStack, tmp: str, plan_path: str, workers: int, steps: int,
+             threads: int, inputs, outputs, overlap: bool, timeout: float, sync_batchnorm: bool) -> dict:
+    """`launch`'s body: start the ranks (into `procs`, which the caller stops; their logs into
+    `files`, which it closes) and gather them."""
     port = free_port()
     summary_path = Path(tmp) / "summary.json"
+    logs = []
     for rank in range(workers):
         args = [sys.executable, "-m", "memsched.runtime.distributed", str(plan_path), "--steps", str(steps),
                 "--threads", str(threads), "--timeout", str(timeout), "--summary", str(summary_path)]
@@ -477,21 +504,16 @@ def _collect(procs: list, tmp: str, plan_path: str, workers: int, steps: int, th
         args += ["--outputs", str(outputs)] if outputs else []
         args += [] if overlap else ["--no-overlap"]
         args += ["--sync-batchnorm"] if sync_batchnorm else []
-        procs.append(_start_rank(args, _rank_env(rank, workers, port), stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    failed = None
-    for rank, proc in enumerate(procs):
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise UserError(f"rank {rank} did not finish within {timeout:g} s; the data-parallel run was "
-                            f"stopped") from None
-        if proc.returncode and failed is None:
-            lines = [line for line in out.strip().splitlines() if line.strip()]
-            failed = f"rank {rank} failed: {lines[-1] if lines else f'exit status {proc.returncode}'}"
-    if failed is not None:
-        raise UserError(failed.replace("memsched: error: ", ""))
+        log = files.enter_context(open(Path(tmp) / f"rank{rank}.log", "w+"))    # a file: a full pipe blocks
+        logs.append(log)
+        procs.append(_start_rank(args, _rank_env(rank, workers, port), stdout=log, stderr=subprocess.STDOUT,
+                                 text=True))
+    late = _wait(procs, time.monotonic() + timeout)
+    if late is not None:
+        raise UserError(f"rank {late} did not finish within {timeout:g} s; the data-parallel run was stopped")
+    failed = [r for r, p in enumerate(procs) if p.returncode]
+    if failed:
+        raise UserError(f"rank {failed[0]} failed: {_last_line(logs[failed[0]], procs[failed[0]].returncode)}")
     return json.loads(summary_path.read_text())
 
 
