@@ -111,6 +111,21 @@ def test_the_chunks_leave_each_op_half_the_room_beside_the_parameters(budget, ch
     assert chunk_count(cnn(), budget) == chunks
 
 
+def test_no_split_where_no_op_crowds_the_room_beside_the_parameters():
+    """The small U-Net makes 6,520,832 B of activations beside 30,856 B of parameters; its
+    largest working set (a Concat of two 262,144 B maps into 524,288 B) is 1,048,576 B. Below
+    the activations, it splits only once that set takes three quarters of the room."""
+    from memsched import models
+
+    forward = lower(models.build("unet2d", batch=4, size=64, width=4, depth=2))
+    params, largest = 30856, 1048576
+    assert chunk_count(forward, params + 6520832) == 1                 # everything fits
+    assert chunk_count(forward, params + 6520831) == 1                 # the largest takes 16 %
+    assert chunk_count(forward, params + largest * 4 // 3 + 2) == 1    # just under 75 %
+    assert chunk_count(forward, params + largest * 4 // 3 - 2) == 2    # just over: halved
+    assert chunk_count(forward, params + largest) == 2
+
+
 def test_a_split_step_runs_like_the_step_as_given():
     forward = cnn()
     given = BUILD(forward)
