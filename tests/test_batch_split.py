@@ -187,6 +187,58 @@ def test_a_bundled_network_splits_through_its_batchnorms_and_trains_as_given(nam
     assert run.check["given"]["passed"], run.check["given"]
 
 
+def _dense_bn(batch: int = 4):
+    """x (batch, 6) float64 -> Gemm (5) -> BatchNormalization (training) -> Relu -> Gemm (3):
+    ONNX Runtime's CPU runs it in float64 (it has no float64 Conv)."""
+    rng = np.random.default_rng(3)
+
+    def init(name, *shape, low=None):
+        value = rng.uniform(0.5, 1.5, shape) if low else rng.standard_normal(shape)
+        return numpy_helper.from_array(value.astype(np.float64), name)
+
+    inits = [init("w1", 5, 6), init("b1", 5), init("scale", 5, low=True), init("shift", 5), init("mean", 5),
+             init("var", 5, low=True), init("w2", 3, 5), init("b2", 3)]
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("BatchNormalization", ["h", "scale", "shift", "mean", "var"], ["n"], name="bn"),
+             helper.make_node("Relu", ["n"], ["a"], name="relu"),
+             helper.make_node("Gemm", ["a", "w2", "b2"], ["logits"], name="fc2", transB=1)]
+    graph = helper.make_graph(nodes, "dense_bn", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [batch, 6])],
+                              [helper.make_tensor_value_info("logits", TensorProto.DOUBLE, [batch, 3])], inits)
+    return lower(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+
+
+def test_the_chunked_batchnorm_gradient_is_the_central_difference():
+    """The gradient rule of ChunkedBatchNormalization, as every rule is checked: in float64,
+    every parameter's gradient of the split step (batch 5 in chunks of 3 and 2) against central
+    differences of its own loss."""
+    from memsched.passes.training import build_training_step
+    from tests.gradcheck import initial_values, session, training_info, with_inputs
+
+    def build(forward):
+        return build_training_step(forward, optimizer="none")
+
+    forward = _dense_bn(batch=5)
+    step = split_training_step(forward, build(forward), build, 2)
+    assert any(op.name.startswith("bn/chunks/grad/") for op in step.ops) and "fc1/chunk1" in step.op_by_name
+    proto = step.to_onnx()
+    params = training_info(step)["parameters"]
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal((5, 6)), "labels": np.array([0, 2, 1, 2, 0], np.int64)}
+    analytic = dict(zip(params, session(proto).run([f"{p}.grad" for p in params], feeds)))
+    values = initial_values(proto, params)
+    probe = session(with_inputs(proto, params, outputs=["loss"]))
+
+    def loss_at(name, index, delta):
+        changed = {**values, name: values[name].copy()}
+        changed[name].reshape(-1)[index] += delta
+        return float(probe.run(None, {**feeds, **changed})[0])
+
+    assert set(params) == {"w1", "b1", "scale", "shift", "w2", "b2"}
+    for name in params:
+        numeric = [(loss_at(name, i, 1e-6) - loss_at(name, i, -1e-6)) / 2e-6 for i in range(values[name].size)]
+        np.testing.assert_allclose(analytic[name].reshape(-1), numeric, rtol=1e-6, atol=1e-9, err_msg=name)
+
+
 def test_the_split_steps_gradients_agree_with_its_float64_run():
     """The chunked BatchNorm's gradient against the same step in float64 (memsched.numerics),
     BatchNorm parameters jittered off their initial 1 and 0: every parameter's gradient within
