@@ -74,7 +74,7 @@ def busy_processes(count: int):
             spinner.join()
 
 
-def plan_digest(report: dict) -> str:
+def report_digest(report: dict) -> str:
     """sha256 of what makes two plans the same: the plan's figures and each tensor the plan
     recomputes or swaps, with where and when."""
     swap = report["passes"].get("swap", {})
@@ -101,7 +101,7 @@ def measure(name: str, limit: float, budget: str) -> dict:
             "first_fit_s": report["solver"]["first_fit_s"], "deadline_hit": report["solver"]["deadline_hit"],
             "overhead": round(report["plan"]["overhead"], 4), "peak_bytes": report["plan"]["peak_bytes"],
             "arena_bytes": report["plan"]["arena_bytes"], "budget_bytes": report["budget_bytes"],
-            "micro_batches": report["plan"]["micro_batches"], "plan_sha256": plan_digest(report),
+            "micro_batches": report["plan"]["micro_batches"], "plan_sha256": report_digest(report),
             "chosen": next((t["candidate"] for t in report["passes"].get("fit", {}).get("tried", [])
                             if t["chosen"]), "as is"),
             "attempts": len(report["passes"].get("fit", {}).get("tried", [])),

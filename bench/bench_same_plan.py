@@ -37,7 +37,7 @@ CASES = {"mlp": ("mlp", {"batch": 32}), "resnet18": ("resnet18", {"batch": 4, "s
          "unet": ("unet2d", {"batch": 2, "size": 64}), "dcgan": ("dcgan-generator", {"batch": 4})}
 
 
-def plan_digest(plan) -> str:
+def whole_plan_digest(plan) -> str:
     """sha256 of everything a plan decides."""
     text = json.dumps([[(op.name, op.op_type, op.inputs, op.outputs) for op in plan.graph.ops],
                        [str(step) for step in plan.schedule], sorted(plan.aliases.items()),
@@ -70,7 +70,7 @@ def measure(name: str, budget: str | None) -> dict:
     except BudgetError as err:
         return {**row, "fits": False, "smallest_bytes": err.smallest_feasible_bytes,
                 "seconds": round(time.perf_counter() - started, 2)}
-    return {**row, "fits": True, "plan_sha256": plan_digest(result.plan),
+    return {**row, "fits": True, "plan_sha256": whole_plan_digest(result.plan),
             "arena_bytes": result.report["plan"]["arena_bytes"],
             "step_over_baseline": round(result.sim.step_time / result.baseline_sim.step_time, 5),
             "clock_ended": clock_ended(result.plan.notes), "seconds": round(time.perf_counter() - started, 2)}
