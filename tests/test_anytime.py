@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import pty
 import signal
@@ -276,6 +277,35 @@ def _fake_command(seed: int, time_limit: float, monkeypatch, deadline: Deadline 
     improvement_levels({"given": search}, ledger, deadline)
     search.rescue()
     return search
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_second_search_makes_its_first_plans_after_the_first_spent_the_ledger(seed, monkeypatch):
+    """The micro-batched step's search comes after the given step's first plans, which may have
+    spent the ledger: its own first plans still come, uncharged, and then the search with the
+    faster plan climbs first."""
+    from types import SimpleNamespace
+
+    from memsched.passes.pipeline import after_first_plans
+
+    monkeypatch.setattr(fit, "simulate", lambda plan, hardware, costs: SimpleNamespace(step_time=plan.notes["time"]))
+    monkeypatch.setattr(fit, "drains_anything", lambda plan: False)
+    deadline, ledger = unlimited(), fit.Ledger(60)
+    searches = {name: fit.FitSearch(_FakePlan(None, {"time": 1.0, "peak": 2000}), 2000, 1000,
+                                    ("order", "reuse", "recompute", "swap"),
+                                    _runner(_fake_passes(seed + k), deadline, judge=lambda plan: plan.notes["peak"]),
+                                    60, ledger=ledger) for k, name in enumerate(("given", "split"))}
+    searches["given"].first_plans()
+    deadline.planned = True                            # whether or not it kept one: the other rule
+    ledger.charge(ledger.budget)                       # the given step's first plans spent it all
+    spent = ledger.spent
+    searches["split"].first_plans()
+    assert searches["split"].tried and ledger.spent == spent
+    climbed = []
+    monkeypatch.setattr(fit.FitSearch, "climb", lambda self, drained, effort: climbed.append(self))
+    after_first_plans(searches, ledger, deadline)
+    fastest_first = sorted(searches, key=lambda n: (searches[n].best.step_time if searches[n].best else math.inf, n))
+    assert climbed == [searches[n] for n in fastest_first if searches[n].climbs]
 
 
 @given(seed=st.integers(0, 10**6))
