@@ -16,7 +16,9 @@ its argmax as int32 where the input has fewer than 2^31 elements.
 BatchNormalization trains on batch statistics, as PyTorch's train mode does: its forward
 is rewritten into primitive ops that keep the batch mean and 1/std for the backward pass; a BN
 that feeds a ReLU (or ReLU6) keeps its normalised input instead of its input, and the backward
-pass recomputes the activation from it (passes.training.bn_relu).
+pass recomputes the activation from it (passes.training.bn_relu). The batch split's
+ChunkedBatchNormalization (memsched.ops) trains the same way over all its chunks at once: the
+batch statistics and the backward's two sums are added up from the chunks.
 """
 from __future__ import annotations
 
