@@ -117,6 +117,18 @@ PER_SAMPLE_OPS = frozenset({
 # forward graph the step builder reads holds it (rules_nn gives its training form and gradient).
 MEMSCHED_DOMAIN = "memsched"
 CHUNKED_BATCH_NORM = "ChunkedBatchNormalization"
+
+
+def is_batch_norm(op: Op) -> bool:
+    """ONNX's BatchNormalization (the default domain)."""
+    return op.op_type == "BatchNormalization" and op.domain in ("", "ai.onnx")
+
+
+def is_chunked_batch_norm(op: Op) -> bool:
+    """The batch split's CHUNKED_BATCH_NORM node."""
+    return op.op_type == CHUNKED_BATCH_NORM and op.domain == MEMSCHED_DOMAIN
+
+
 # Arithmetic the GELU/LayerNorm pattern matcher follows through.
 ARITHMETIC_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Neg"})
 # Ops folded to constants when all their inputs are known (the shape arithmetic of exports).

@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import Callable
 
 from memsched.ir import Graph, Op, Tensor
-from memsched.ops import CHUNKED_BATCH_NORM, MEMSCHED_DOMAIN, PER_SAMPLE_OPS
+from memsched.ops import CHUNKED_BATCH_NORM, MEMSCHED_DOMAIN, PER_SAMPLE_OPS, is_batch_norm
 from memsched.step_info import TRAINING_KEY, training_record
 
 from memsched.passes.rewrites.concat_split import even_sizes, names_taken, sizes_constant
@@ -93,11 +93,11 @@ def split_batch(forward: Graph, chunks: int) -> tuple[Graph, list[str]]:
         for i in range(chunks):
             ops.extend(Op(f"{op.name}/chunk{i}", op.op_type, [chunked[t][i] if t in chunked else t for t in op.inputs],
                           [chunked[t][i] for t in op.outputs], dict(op.attributes), op.domain, op.phase,
-                          doc_string=f"batch split: {op.name}, chunk {i}") for op in stage if not _is_batch_norm(op))
+                          doc_string=f"batch split: {op.name}, chunk {i}") for op in stage if not is_batch_norm(op))
         ops.extend(Op(f"{op.name}/chunks", CHUNKED_BATCH_NORM, [*chunked[op.inputs[0]], *op.inputs[1:]],
                       chunked[op.outputs[0]], dict(op.attributes), MEMSCHED_DOMAIN, op.phase,
                       doc_string=f"batch split: {op.name} on the statistics of all {chunks} chunks")
-                   for op in stage if _is_batch_norm(op))
+                   for op in stage if is_batch_norm(op))
     consumers = forward.consumers
     outside = [t for op in region_ops for t in op.outputs
                if t in forward.outputs or any(c.name not in region for c in consumers.get(t, []))]
@@ -217,21 +217,17 @@ def _stages(region_ops: list[Op]) -> list[list[Op]]:
     for op in region_ops:
         stage = max((level.get(t, 0) for t in op.inputs), default=0)
         for out in op.outputs:
-            level[out] = stage + 1 if _is_batch_norm(op) else stage
+            level[out] = stage + 1 if is_batch_norm(op) else stage
         stages.extend([] for _ in range(stage + 1 - len(stages)))
         stages[stage].append(op)
     return stages
-
-
-def _is_batch_norm(op: Op) -> bool:
-    return op.op_type == "BatchNormalization" and op.domain in ("", "ai.onnx")
 
 
 def _normalises_chunks(graph: Graph, op: Op, batched: set[str], batch: int) -> bool:
     """Whether `op` is a BatchNormalization the region can run over its chunks at once
     (CHUNKED_BATCH_NORM): its input a region tensor, its scale, bias and running statistics
     initializers, one output (the running statistics as outputs 1 and 2 are not split)."""
-    return (_is_batch_norm(op) and len(op.inputs) == 5 and op.inputs[0] in batched
+    return (is_batch_norm(op) and len(op.inputs) == 5 and op.inputs[0] in batched
             and all(t and graph.tensors[t].is_static for t in op.inputs[1:])
             and len(op.present_outputs) == 1 and op.outputs[0] and graph.tensors[op.outputs[0]].shape is not None
             and graph.tensors[op.outputs[0]].shape[:1] == (batch,))

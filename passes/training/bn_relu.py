@@ -34,7 +34,7 @@ before.
 from __future__ import annotations
 
 from memsched.ir import Graph, Op
-from memsched.ops import CHUNKED_BATCH_NORM, MASK_ACTIVATIONS, MEMSCHED_DOMAIN
+from memsched.ops import MASK_ACTIVATIONS, is_batch_norm, is_chunked_batch_norm
 
 _KEY = "bn_relu"
 
@@ -53,9 +53,9 @@ def find_pairs(graph: Graph) -> dict[str, Op]:
     outputs = set(graph.outputs)
     pairs = {}
     for op in graph.ops:
-        if op.op_type == "BatchNormalization" and op.domain in ("", "ai.onnx"):
+        if is_batch_norm(op):
             chunks = [(op.inputs[0], op.outputs[0])]
-        elif op.op_type == CHUNKED_BATCH_NORM and op.domain == MEMSCHED_DOMAIN:
+        elif is_chunked_batch_norm(op):
             chunks = list(zip(op.inputs, op.outputs))
         else:
             continue

@@ -12,7 +12,7 @@ from memsched.data_parallel import BATCH_STATISTICS_KEY
 from memsched.errors import UserError
 from memsched.frontend import captured_names, subgraphs
 from memsched.ir import Graph, Op, header_only
-from memsched.ops import CHUNKED_BATCH_NORM
+from memsched.ops import is_batch_norm, is_chunked_batch_norm
 from memsched.step_info import FORWARD_KEY, GRAD_ROLES_KEY, TRAINING_KEY
 from memsched.onnx_utils import IR_VERSION, OPSET
 from memsched.ops import WEIGHT_PART_OPS, WEIGHT_VIEW_OPS
@@ -397,7 +397,7 @@ def _assemble(source: Graph, em: Emitter, extra_inputs, outputs, params, roles, 
                          "backward": [t for t in saved.get("sums", []) if t in kept]}
                   for name, saved in em.saved.items()
                   if name in source.op_by_name
-                  and source.op_by_name[name].op_type in ("BatchNormalization", CHUNKED_BATCH_NORM)}
+                  and (is_batch_norm(source.op_by_name[name]) or is_chunked_batch_norm(source.op_by_name[name]))}
     if statistics:
         metadata[BATCH_STATISTICS_KEY] = json.dumps(statistics, sort_keys=True)
     return Graph(em.ops, kept, inputs, outputs, name=source.name, opset_imports={"": opset},
