@@ -228,11 +228,20 @@ class Nvml:
             self.lib.nvmlShutdown()
             raise UserError(f"NVML sees no GPU {index}")
 
+    def memory(self) -> tuple[int, int, int]:
+        """The GPU's device memory: (total, free, used) bytes, every process's together."""
+        memory = (ctypes.c_ulonglong * 3)()
+        self.lib.nvmlDeviceGetMemoryInfo(self.handle, memory)
+        return int(memory[0]), int(memory[1]), int(memory[2])
+
     def used_bytes(self) -> int:
         """Device memory in use on the GPU, every process's together."""
-        memory = (ctypes.c_ulonglong * 3)()                  # total, free, used
-        self.lib.nvmlDeviceGetMemoryInfo(self.handle, memory)
-        return int(memory[2])
+        return self.memory()[2]
+
+    def name(self) -> str:
+        name = ctypes.create_string_buffer(96)
+        self.lib.nvmlDeviceGetName(self.handle, name, 96)
+        return name.value.decode(errors="replace")
 
     def process_bytes(self, pid: int) -> int | None:
         """Device memory process `pid` holds on the GPU; None where NVML lists no such process
@@ -298,21 +307,17 @@ def _overhead_key() -> str | None:
     Runtime's version, the cuBLAS workspace setting, the Python; None without a GPU."""
     import hashlib
 
-    found = gpus()
-    if not found:
-        return None
     try:
         import onnxruntime
         nvml = Nvml()
     except (ImportError, UserError):
         return None
     try:
-        driver = nvml.driver_version()
+        name, total, driver = nvml.name(), nvml.memory()[0], nvml.driver_version()
     finally:
         nvml.close()
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    text = json.dumps([found[0]["name"], found[0]["memory_bytes"], driver, onnxruntime.__version__, workspace,
-                       sys.executable])
+    text = json.dumps([name, total, driver, onnxruntime.__version__, workspace, sys.executable])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
