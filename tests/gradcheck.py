@@ -67,8 +67,16 @@ def check_gradients(model: onnx.ModelProto, feeds: dict | None = None, *, loss: 
     """Assert analytic == central-difference gradients for every trainable parameter.
 
     Returns the training Graph. `sample` limits the checked elements per parameter."""
-    feeds = dict(feeds or {})
     train = build_training_step(lower(model), loss=loss, optimizer="none", freeze=freeze)
+    check_step_gradients(train, feeds, rtol=rtol, atol=atol, eps=eps, sample=sample, seed=seed)
+    return train
+
+
+def check_step_gradients(train, feeds: dict | None = None, *, rtol: float = 1e-6, atol: float = 1e-9,
+                         eps: float = 1e-6, sample: int | None = None, seed: int = 0) -> None:
+    """Assert that a training step built with optimizer none (`train`) gives every trainable
+    parameter's gradient as central differences of its own loss do."""
+    feeds = dict(feeds or {})
     proto = train.to_onnx()
     onnx.checker.check_model(proto)
     params = training_info(train)["parameters"]
@@ -90,7 +98,6 @@ def check_gradients(model: onnx.ModelProto, feeds: dict | None = None, *, loss: 
         numeric = np.array([(loss_at(name, i, eps) - loss_at(name, i, -eps)) / (2 * eps) for i in indices])
         got = analytic[f"{name}.grad"].reshape(-1)[list(indices)]
         np.testing.assert_allclose(got, numeric, rtol=rtol, atol=atol, err_msg=f"gradient of '{name}'")
-    return train
 
 
 def to_double(model: onnx.ModelProto) -> onnx.ModelProto:
