@@ -134,16 +134,18 @@ class Work:
 
     def __init__(self, seconds: float, deadline: Deadline | None = None):
         self.budget = max(0.0, float(seconds))
-        self.left = self.budget
+        self.spent = 0.0
         self.deadline = deadline
+
+    @property
+    def left(self) -> float:
+        """The budget less what is spent: infinite for an unbounded tally, whose `spent` is
+        still the sum of its steps' prices."""
+        return self.budget - self.spent
 
     def ok(self) -> bool:
         """Whether another step may run: budget left and the deadline not passed."""
         return self.left > 0 and not (self.deadline is not None and self.deadline.cuts())
 
     def spend(self, seconds: float) -> None:
-        self.left -= seconds
-
-    @property
-    def spent(self) -> float:
-        return self.budget - self.left
+        self.spent += seconds

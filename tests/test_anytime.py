@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from memsched import models
-from memsched.deadline import Deadline, unlimited
+from memsched.deadline import Deadline, Work, unlimited
 from memsched.errors import BudgetError
 from memsched.frontend import lower
 from memsched.onnx_utils import save_model_atomic
@@ -100,6 +100,16 @@ def test_reading_a_deadline_marks_nothing_stopping_work_marks_the_cut():
     assert deadline.expired and not deadline.cut          # a report may ask without changing the answer
     assert deadline.cuts() and deadline.cut               # work that stops because of it says so
     assert not Deadline(1e6).cuts()
+
+
+def test_an_unbounded_work_tally_still_counts_what_is_spent():
+    tally = Work(math.inf)
+    tally.spend(1.5)
+    tally.spend(2.0)
+    assert tally.spent == 3.5 and tally.left == math.inf and tally.ok()
+    bounded = Work(3.0)
+    bounded.spend(3.0)
+    assert bounded.spent == 3.0 and bounded.left == 0.0 and not bounded.ok()
 
 
 def test_a_deadline_affords_work_or_marks_the_cut_and_a_reserve_ends_it_earlier():

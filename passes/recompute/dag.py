@@ -1256,10 +1256,8 @@ def _solve_counted(model, dtime: float, wall: float, deadline: Deadline | None, 
     limit, so the same model gives the same answer under any load; the wall limit (`wall`, or
     the solver's safety net for `dtime` where that is longer: building a U-Net's model can
     take the caller's whole time) and `deadline` only stop a machine far slower than
-    expected, and `deadline` is then marked cut. Without counted work (`plan` called with a
-    time limit alone) `dtime` is infinite and `wall` is the limit."""
-    return run(model, dtime, wall if math.isinf(dtime) else safety_wall(dtime, wall), True, deadline, interleave,
-               probing)
+    expected, and `deadline` is then marked cut."""
+    return run(model, dtime, safety_wall(dtime, wall), True, deadline, interleave, probing)
 
 
 def _solve_window(problem: RematProblem, plan: list[list[int]], budget_bytes: int, first: int, stop: int,
@@ -1428,7 +1426,8 @@ def _counting(time_limit_s: float, work: Work | None, final: bool) -> tuple[floa
     plan (`final`, with its deadline) counts from the command's own time limit, not from what
     its start-up left of it, so a start-up slowed by load changes no count (RESERVE_SHARE of
     the limit covers it), and the caller's `work` is charged at the end; other callers' `work`
-    is charged as it goes and bounds the steps; without one, a tally bounds nothing."""
+    is charged as it goes and bounds the steps; without one, an unbounded tally, whose
+    spending the time limit bounds."""
     if work is None:
         return time_limit_s, Work(math.inf)
     deadline = work.deadline
