@@ -1175,6 +1175,22 @@ def _window_copies(problem: RematProblem, frame: _Frame, wm: _WindowModel, v: in
     return copies, intervals, objective
 
 
+def _serving(model, copies: list, name: str, fin, start=None) -> list:
+    """(copy index, literal) for each copy of a node that may serve a read: a chosen copy
+    lives to `fin` and, for a recomputation (`start` given: the reader's start), starts before
+    the read and is present."""
+    options = []
+    for j, source in enumerate(copies):
+        lit = model.new_bool_var(f"{name}_{j}")
+        model.add(source.fin >= fin).only_enforce_if(lit)
+        if j:   # a first copy comes before any read of it in the window
+            if start is not None:
+                model.add(source.start <= start - 1).only_enforce_if(lit)
+            model.add_implication(lit, source.present)
+        options.append((j, lit))
+    return options
+
+
 def _window_reads(wm: _WindowModel, problem: RematProblem, frame: _Frame) -> None:
     """Every read in the window (by its own nodes and by the recomputations) is served by a
     copy live there; every node read after the window has a copy kept to its end. Copies of a
@@ -1185,26 +1201,13 @@ def _window_reads(wm: _WindowModel, problem: RematProblem, frame: _Frame) -> Non
     for v, k in readers:
         read = wm.copies[v][k]
         for u in problem.preds[v]:
-            options = []
-            for j, source in enumerate(wm.copies[u]):
-                lit = model.new_bool_var(f"serve_{u}_{j}_{v}_{k}")
-                model.add(source.fin >= read.start + 1).only_enforce_if(lit)
-                if j:   # a first copy comes before any read of it in the window
-                    model.add(source.start <= read.start - 1).only_enforce_if(lit)
-                    model.add_implication(lit, source.present)
-                options.append((j, lit))
+            options = _serving(model, wm.copies[u], f"serve_{u}_{v}_{k}", read.start + 1, read.start)
             clause = model.add_bool_or([lit for _, lit in options])
             if k:
                 clause.only_enforce_if(read.present)
             wm.serves[(u, v, k)] = options
     for u in frame.after:
-        options = []
-        for j, source in enumerate(wm.copies[u]):
-            lit = model.new_bool_var(f"after_{u}_{j}")
-            model.add(source.fin >= wm.span).only_enforce_if(lit)
-            if j:
-                model.add_implication(lit, source.present)
-            options.append((j, lit))
+        options = _serving(model, wm.copies[u], f"after_{u}", wm.span)
         model.add_bool_or([lit for _, lit in options])
         wm.serves[(u, None, 0)] = options
 
