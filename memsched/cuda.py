@@ -182,36 +182,28 @@ def device_memory(cudart) -> tuple[int, int]:
 def gpus() -> list[dict]:
     """Name and memory of every GPU the NVIDIA driver's NVML sees (empty without a driver)."""
     try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return []
-    if nvml.nvmlInit_v2() != 0:
+        nvml = Nvml()
+    except UserError:
         return []
     try:
-        count = ctypes.c_uint()
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-            return []
         found = []
-        for index in range(count.value):
-            handle = ctypes.c_void_p()
-            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+        for index in range(nvml.count()):
+            try:
+                handle = nvml.handle_of(index)
+            except UserError:
                 continue
-            name = ctypes.create_string_buffer(96)
-            nvml.nvmlDeviceGetName(handle, name, 96)
-            memory = (ctypes.c_ulonglong * 3)()                  # total, free, used
-            nvml.nvmlDeviceGetMemoryInfo(handle, memory)
-            found.append({"index": index, "name": name.value.decode(errors="replace"),
-                          "memory_bytes": int(memory[0]), "free_bytes": int(memory[1])})
+            total, free, _ = nvml.memory(handle)
+            found.append({"index": index, "name": nvml.name(handle), "memory_bytes": total, "free_bytes": free})
         return found
     finally:
-        nvml.nvmlShutdown()
+        nvml.close()
 
 
 class Nvml:
     """NVML, the NVIDIA driver's management library, for one GPU: the device memory in use on
     it and the device memory one process holds there, as the driver counts them (the CUDA
     context included, which cudaMemGetInfo inside a process cannot separate out). UserError
-    where there is no driver."""
+    where there is no driver. The other GPUs' figures come through `handle_of`."""
 
     class _ProcessInfo(ctypes.Structure):      # nvmlProcessInfo_v1_t
         _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong)]
@@ -223,24 +215,38 @@ class Nvml:
             raise UserError("NVML (libnvidia-ml.so.1) is not here: no NVIDIA driver") from None
         if self.lib.nvmlInit_v2() != 0:
             raise UserError("NVML could not be initialised")
-        self.handle = ctypes.c_void_p()
-        if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0:
+        try:
+            self.handle = self.handle_of(index)
+        except UserError:
             self.lib.nvmlShutdown()
-            raise UserError(f"NVML sees no GPU {index}")
+            raise
 
-    def memory(self) -> tuple[int, int, int]:
-        """The GPU's device memory: (total, free, used) bytes, every process's together."""
+    def count(self) -> int:
+        """How many GPUs the driver sees (0 where it cannot say)."""
+        count = ctypes.c_uint()
+        return int(count.value) if self.lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else 0
+
+    def handle_of(self, index: int) -> ctypes.c_void_p:
+        """NVML's handle of GPU `index`; UserError where it sees none."""
+        handle = ctypes.c_void_p()
+        if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+            raise UserError(f"NVML sees no GPU {index}")
+        return handle
+
+    def memory(self, handle: ctypes.c_void_p | None = None) -> tuple[int, int, int]:
+        """The GPU's device memory (this one's, or `handle`'s): (total, free, used) bytes, every
+        process's together."""
         memory = (ctypes.c_ulonglong * 3)()
-        self.lib.nvmlDeviceGetMemoryInfo(self.handle, memory)
+        self.lib.nvmlDeviceGetMemoryInfo(self.handle if handle is None else handle, memory)
         return int(memory[0]), int(memory[1]), int(memory[2])
 
     def used_bytes(self) -> int:
         """Device memory in use on the GPU, every process's together."""
         return self.memory()[2]
 
-    def name(self) -> str:
+    def name(self, handle: ctypes.c_void_p | None = None) -> str:
         name = ctypes.create_string_buffer(96)
-        self.lib.nvmlDeviceGetName(self.handle, name, 96)
+        self.lib.nvmlDeviceGetName(self.handle if handle is None else handle, name, 96)
         return name.value.decode(errors="replace")
 
     def process_bytes(self, pid: int) -> int | None:

@@ -187,6 +187,41 @@ def test_nvml_without_a_driver_is_a_user_error():
         cuda.Nvml()
 
 
+class _FakeNvml:
+    """The NVML calls `cuda.gpus` makes, for three GPUs of which the second has no handle."""
+
+    def __init__(self):
+        self.shutdowns = 0
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlShutdown(self):
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = 3
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = 100 + index
+        return 1 if index == 1 else 0
+
+    def nvmlDeviceGetName(self, handle, name, length):
+        name.value = f"Fake GPU {handle.value - 100}".encode()
+
+    def nvmlDeviceGetMemoryInfo(self, handle, memory):
+        memory[0], memory[1], memory[2] = 1000 * handle.value, 10 * handle.value, 0
+
+
+def test_gpus_lists_every_gpu_nvml_has_a_handle_for(monkeypatch):
+    fake = _FakeNvml()
+    monkeypatch.setattr(cuda.ctypes, "CDLL", lambda name: fake)
+    assert cuda.gpus() == [{"index": 0, "name": "Fake GPU 0", "memory_bytes": 100_000, "free_bytes": 1_000},
+                           {"index": 2, "name": "Fake GPU 2", "memory_bytes": 102_000, "free_bytes": 1_020}]
+    assert fake.shutdowns == 1
+
+
 def test_the_device_accounting_has_three_parts(monkeypatch):
     from memsched.runtime import run
 
