@@ -2,12 +2,13 @@
 0.9 and 0.8 of the no-recomputation peak. Prints one JSON object on stdout (progress on
 stderr). `--quick` runs a few small cases with a short limit. `--rlg` runs instead the
 linearised graphs (`passes.recompute.graphs.linearized`, the shape of Moccasin's RLG graphs) of 250 and
-1,000 nodes at 0.8 and 0.9 (`--fractions`) for the seeds given through the `memsched remat`
-command, each row saying how long the whole command took (from outside), when its first
-fitting plan came and how cheap its answer was, beside Moccasin's published overhead for the
-same size and fraction.
+1,000 nodes at 0.8 and 0.9 (`--fractions`) for the seeds given, and the node-link files given
+with `--graphs` (Moccasin's own RLG files from its repository's data/, read as they are; not
+bundled), through the `memsched remat` command, each row saying how long the whole command
+took (from outside), when its first fitting plan came and how cheap its answer was, beside
+Moccasin's published overhead for the same size and fraction.
 
-    python bench/bench_remat.py [--quick | --rlg [--seeds 0 1 ...] [--fractions 0.8 0.9]]
+    python bench/bench_remat.py [--quick | --rlg [--seeds 0 1 ...] [--fractions 0.8 0.9] [--graphs FILE ...]]
         [--time-limit S] [--only NAME ...]
 """
 from __future__ import annotations
@@ -89,13 +90,12 @@ def bench_case(name: str, problem: remat.RematProblem, fraction: float, time_lim
     return row
 
 
-def command_row(name: str, problem: remat.RematProblem, fraction: float, limit: float, folder: Path) -> dict:
-    """`memsched remat GRAPH.json --budget-fraction F --time-limit LIMIT --json` as a user runs it:
-    the whole command's wall time from outside, and its answer (the first fitting plan's time
-    and overhead from the methods' `found_at`; the schedule's SHA-1, to compare runs: the same
-    command gives the same plan under any load)."""
-    path = folder / f"{name}.json"
-    path.write_text(json.dumps(remat.to_node_link(problem)))
+def command_row(name: str, path: Path, fraction: float, limit: float) -> dict:
+    """`memsched remat GRAPH.json --budget-fraction F --time-limit LIMIT --json` as a user runs it
+    on the node-link graph at `path`: the whole command's wall time from outside, and its answer
+    (the first fitting plan's time and overhead from the methods' `found_at`; the schedule's
+    SHA-1, to compare runs: the same command gives the same plan under any load)."""
+    problem = remat.load_node_link(path)
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "memsched", "remat", str(path), "--budget-fraction", str(fraction),
                            "--time-limit", str(limit), "--json"], capture_output=True, text=True)
@@ -118,24 +118,36 @@ def command_row(name: str, problem: remat.RematProblem, fraction: float, limit: 
     return row
 
 
-def main_rlg(seeds, fractions, limit: float) -> int:
+def rlg_graphs(seeds, files, folder: Path) -> list[tuple[str, Path]]:
+    """(name, node-link file) of each graph to run: the linearised graphs of RLG_NODES nodes
+    for every seed, written to `folder`, then the `files` given (Moccasin's own RLG files,
+    which memsched remat reads as they are; they are not bundled)."""
+    cases = []
+    for nodes in RLG_NODES:
+        for seed in seeds:
+            path = folder / f"linearized-{nodes}-seed{seed}.json"
+            path.write_text(json.dumps(remat.to_node_link(graphs.linearized(nodes, seed=seed))))
+            cases.append((path.stem, path))
+    return cases + [(Path(f).stem, Path(f)) for f in files]
+
+
+def main_rlg(seeds, fractions, limit: float, files=()) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for nodes in RLG_NODES:
+        for name, path in rlg_graphs(seeds, files, Path(folder)):
             for fraction in fractions:
-                for seed in seeds:
-                    name = f"linearized-{nodes}-seed{seed}"
-                    row = command_row(name, graphs.linearized(nodes, seed=seed), fraction, limit, Path(folder))
-                    published = MOCCASIN_PUBLISHED.get((nodes, fraction))
-                    row.update(moccasin_published_overhead=published,
-                               at_or_below_moccasin=(published is not None and row.get("overhead") is not None
-                                                     and row["overhead"] <= published))
-                    rows.append(row)
-                    print(f"{name} n={row['nodes']} F={fraction}: first fit {row.get('first_fit_overhead')} at "
-                          f"{row.get('first_fit_seconds')} s, end {row.get('overhead')}, "
-                          f"command {row['command_wall_s']} s (Moccasin {published})", file=sys.stderr, flush=True)
+                row = command_row(name, path, fraction, limit)
+                published = MOCCASIN_PUBLISHED.get((row["nodes"], fraction))
+                row.update(moccasin_published_overhead=published,
+                           at_or_below_moccasin=(published is not None and row.get("overhead") is not None
+                                                 and row["overhead"] <= published))
+                rows.append(row)
+                print(f"{name} n={row['nodes']} F={fraction}: first fit {row.get('first_fit_overhead')} at "
+                      f"{row.get('first_fit_seconds')} s, end {row.get('overhead')}, "
+                      f"command {row['command_wall_s']} s (Moccasin {published})", file=sys.stderr, flush=True)
     print(json.dumps({
         "benchmark": "remat-rlg", "generator": "passes.recompute.graphs.linearized(nodes, seed, skips=4)",
+        "files": [str(f) for f in files],
         "command": "memsched remat GRAPH.json --budget-fraction F --time-limit S --json",
         "fractions": list(fractions), "time_limit_s": limit, "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2), "cases": rows,
@@ -155,9 +167,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", nargs="*", type=int, default=[0], help="graph seeds for --rlg (0)")
     parser.add_argument("--fractions", nargs="*", type=float, default=list(RLG_FRACTIONS),
                         help="budget fractions for --rlg (0.8 0.9)")
+    parser.add_argument("--graphs", nargs="*", default=[],
+                        help="node-link graph files for --rlg besides the generated ones (Moccasin's data/ files)")
     args = parser.parse_args(argv)
     if args.rlg:
-        return main_rlg(args.seeds, args.fractions, args.time_limit or 60.0)
+        return main_rlg(args.seeds, args.fractions, args.time_limit or 60.0, args.graphs)
     cases = QUICK_CASES if args.quick else FULL_CASES
     limit = args.time_limit or (5.0 if args.quick else 60.0)
     if args.only:

@@ -413,6 +413,16 @@ def test_load_node_link_reads_checkmate_graphs(tmp_path, edges_key):
     assert dict(zip(problem.ids, problem.cost)) == {0: 1.0, 1: 2.5, 2: 1.0, 3: 0.5}
 
 
+def test_load_node_link_reads_the_attributes_a_moccasin_graph_names(tmp_path):
+    data = checkmate_data(order=[0, 2, 1, 3])
+    data["graph"].update(node_duration_tag="duration", node_output_cost_tag="out_cost")
+    data["nodes"] = [{"name": n["id"], "duration": n["cost_cpu"], "out_cost": n["cost_ram"], "param_cost": 0}
+                     for n in data["nodes"]]
+    data["links"] = [{"0": e["source"], "1": e["target"]} for e in data["links"]]
+    problem = remat.load_node_link(write_json(tmp_path / "m.json", data))
+    assert problem == remat.load_node_link(write_json(tmp_path / "c.json", checkmate_data(order=[0, 2, 1, 3])))
+
+
 def test_load_node_link_uses_the_given_order_and_its_peak_for_budgets(tmp_path):
     problem = remat.load_node_link(write_json(tmp_path / "g.json", checkmate_data(order=[0, 2, 1, 3])))
     assert problem.ids == (0, 2, 1, 3)
@@ -442,6 +452,7 @@ def test_to_node_link_round_trips(tmp_path):
     (json.dumps({**checkmate_data(), "graph": [1, 2]}), "'graph' must be an object"),
     (json.dumps({"nodes": [7], "links": []}), "each node one"),
     (json.dumps({**checkmate_data(), "graph": {"order": 5}}), "'order' must be a list"),
+    (json.dumps({**checkmate_data(), "graph": {"node_duration_tag": 3}}), "attribute tags must be names"),
 ])
 def test_load_node_link_errors_are_one_line(tmp_path, content, message):
     path = tmp_path / "bad.json"

@@ -199,8 +199,10 @@ def make_problem(graph: nx.DiGraph, order=None, pinned_bytes: int = 0,
 
 def load_node_link(path, pinned_bytes: int = 0) -> RematProblem:
     """A Checkmate / Moccasin graph: networkx node-link JSON, nodes with `cost_cpu` (time) and
-    `cost_ram` (bytes of the output), edges under "links" or "edges". The order is
-    `graph["order"]` when the file gives one, else a topological sort.
+    `cost_ram` (bytes of the output), or the attributes Moccasin's files name in their graph
+    data (`node_duration_tag`, `node_output_cost_tag`: its `duration` and `out_cost`); edges
+    under "links" or "edges". The order is `graph["order"]` when the file gives one, else a
+    topological sort.
     """
     path = Path(path)
     data = read_document(path, "node-link graph", RematInputError)
@@ -214,16 +216,32 @@ def load_node_link(path, pinned_bytes: int = 0) -> RematProblem:
     data = dict(data, directed=True, multigraph=False)  # edges are dependencies, whatever the file says
     data.setdefault(edges_key, [])
     try:
-        graph = nx.node_link_graph(data, edges=edges_key)
+        graph = nx.node_link_graph(data, edges=edges_key, **_node_link_keys(data, edges_key))
     except (KeyError, TypeError, AttributeError, ValueError, nx.NetworkXError) as exc:
         raise RematInputError(f"{path}: malformed node-link graph ({type(exc).__name__}: {exc})") from None
     order = graph.graph.get("order")
     if order is not None and not isinstance(order, list):
         raise RematInputError(f"{path}: the graph's 'order' must be a list of its nodes, not {order!r}")
+    cost, size = (graph.graph.get(tag, default) for tag, default in
+                  (("node_duration_tag", "cost_cpu"), ("node_output_cost_tag", "cost_ram")))
+    if not isinstance(cost, str) or not isinstance(size, str):
+        raise RematInputError(f"{path}: the graph's attribute tags must be names, not {cost!r} and {size!r}")
     try:
-        return make_problem(graph, order, pinned_bytes, cost="cost_cpu", size="cost_ram")
+        return make_problem(graph, order, pinned_bytes, cost=cost, size=size)
     except RematInputError as exc:
         raise RematInputError(f"{path}: {exc}") from None
+
+
+def _node_link_keys(data: dict, edges_key: str) -> dict:
+    """networkx's node-link keys: "id", "source" and "target", or those of Moccasin's files,
+    whose nodes are named by "name" and whose edges hold their ends under "0" and "1"."""
+    keys = {}
+    if data["nodes"] and all("id" not in node and "name" in node for node in data["nodes"]):
+        keys["name"] = "name"
+    edges = data[edges_key]
+    if edges and all(isinstance(e, dict) and "source" not in e and "0" in e and "1" in e for e in edges):
+        keys.update(source="0", target="1")
+    return keys
 
 
 def to_node_link(problem: RematProblem) -> dict:
