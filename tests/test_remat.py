@@ -815,6 +815,39 @@ def test_plan_runs_the_windows_after_the_local_search_with_the_same_answer_each_
     assert result.runs[remat.WINDOW].total_cost < result.runs[remat.LOCAL_SEARCH].total_cost
 
 
+@pytest.mark.parametrize("costs, calls", [
+    # each search's answer in turn (cost over the floor; the start's is 100): turns go on while one is cheaper
+    ([90, 80, 70, 70], ["search", "windows", "search", "windows"]),
+    ([90, 80, 80], ["search", "windows", "search"]),      # the local search finds nothing in the windows' plan
+    ([100, 80, 70, 60, 60], ["search", "windows", "search", "windows", "search"]),
+    ([100, 100], ["search", "windows"]),                   # neither improves the first plan
+])
+def test_the_local_search_and_the_windows_take_turns_while_one_improves(searched_60, monkeypatch, costs, calls):
+    """`plan`'s improvement alternates: the windows from the local search's plan, the local
+    search again from the windows', until a turn keeps nothing; each kept under its own name."""
+    from memsched.deadline import Work
+
+    problem, budget, searched = searched_60
+    floor = problem.base_cost
+    answers, made = iter(costs), []
+
+    def answer(kind, best):
+        made.append(kind)
+        return replace(best, total_cost=floor + next(answers))
+
+    monkeypatch.setattr(remat, "solve_local_search", lambda problem, budget, best, *a, **k: answer("search", best))
+    monkeypatch.setattr(remat, "solve_windows", lambda problem, budget, best, *a: (answer("windows", best), 0.1))
+    runs = remat._Runs(0.0)
+    best = remat._improve(problem, budget, 60.0, replace(searched, total_cost=floor + 100), 2, Work(60.0), runs)
+    assert made == calls
+    assert best.total_cost == floor + min(costs)
+    kept, best_so_far = {}, 100
+    for cost, kind in zip(costs, calls):      # an answer is kept where it beats the best so far
+        if cost < best_so_far:
+            kept[remat.LOCAL_SEARCH if kind == "search" else remat.WINDOW], best_so_far = floor + cost, cost
+    assert {name: run.total_cost for name, run in runs.results.items()} == kept
+
+
 def test_the_remat_command_counts_from_its_own_time_limit(searched_60):
     """`final` (the remat command): the counts follow the length of the command's deadline,
     not the time limit left when planning begins, which a start-up slowed by load shortens:

@@ -65,7 +65,7 @@ REPAIR_ROUNDS = 6               # computations per node the repair may add beyon
 LNS_SHARES = (0.1, 0.3, 0.6)    # shares of the recomputations a local-search round removes
 LNS_PATIENCE = 60               # local-search rounds without a cheaper plan before it stops
 LNS_SEED = 20240607
-LNS_TIME_SHARE = 0.6            # share of `plan`'s time limit given to local search, as schedule steps
+LNS_TIME_SHARE = 0.3            # share of `plan`'s time limit given to the first local search, as schedule steps
 STEPS_PER_SECOND = 300_000      # schedule steps judged per second on a loaded core (a low estimate)
 WHOLE_NODES = 1500              # up to this many nodes the heuristics run whole even with a caller's `Work`
                                 # (ResNet-18's step, ~960 nodes); beyond, they are bounded by counted steps (BERT-base
@@ -1384,7 +1384,8 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
        time limit, counted in schedule steps judged (run LOCAL_SEARCH when it is cheaper).
     4. `solve_windows` re-solves windows of its plan's stages exactly with CP-SAT until they
        keep nothing, for at most WINDOW_SHARE of the limit and the counted time left less
-       RESERVE_SHARE of it (run WINDOW when it is cheaper).
+       RESERVE_SHARE of it (run WINDOW when it is cheaper); then steps 3 and 4 take turns,
+       each from the other's plan, while a turn makes it cheaper (`_improve`).
     5. CP-SAT on the whole model, warm-started from the best plan so far, for what the
        windows left less its presolve (CPSAT_PRESOLVE_COST per node), as deterministic
        seconds priced at CPSAT_DTIME_COST per node; where a plan fits, it is skipped when
@@ -1508,20 +1509,35 @@ def _counted_left(counted: Work, time_limit_s: float) -> float:
 
 def _improve(problem: RematProblem, budget_bytes: int, time_limit_s: float, best: Result, max_computations: int,
              counted: Work, runs: _Runs) -> Result:
-    """Steps 3 and 4 of `plan`: the local search, then the windows from its plan, each kept
-    (as LOCAL_SEARCH, WINDOW) where cheaper; both charge `counted`. The best result then."""
+    """Steps 3 and 4 of `plan`, in turns: the local search, then the windows from its plan,
+    then the local search again from theirs, and so on while a turn makes the plan cheaper
+    (each kept, as LOCAL_SEARCH or WINDOW, where cheaper). The two search different
+    neighbourhoods: the windows trade recomputations between nearby stages exactly, the
+    local search moves them across the whole plan, so each finds what the other's plan
+    opens. The first local search takes at most LNS_TIME_SHARE of the limit, each windows'
+    turn WINDOW_SHARE; the later local searches what is left; where the whole model's
+    presolve is a small part of the limit, every turn leaves step 5 the time it needs to
+    run. All charge `counted`. The best result then."""
     until = runs.started + (1 - CPSAT_MIN_SHARE) * time_limit_s     # the clock's backstop
-    steps = int(LNS_TIME_SHARE * time_limit_s * STEPS_PER_SECOND)
-    searched = solve_local_search(problem, budget_bytes, best, max_computations, steps, deadline=until, work=counted)
-    if searched.total_cost < best.total_cost:
-        best = runs.keep(LOCAL_SEARCH, searched)
-    seconds = min(WINDOW_SHARE * time_limit_s, _counted_left(counted, time_limit_s))
-    if seconds > 0 and best.total_cost > problem.base_cost:
+    kept = 2 * CPSAT_PRESOLVE_COST * problem.n      # what step 5 needs left, where that is a small part of the limit
+    kept = kept if kept <= CPSAT_MIN_SHARE * time_limit_s else 0.0
+    searching = LNS_TIME_SHARE * time_limit_s
+    while True:
+        searched = solve_local_search(problem, budget_bytes, best, max_computations,
+                                      max(0, int(searching * STEPS_PER_SECOND)), deadline=until, work=counted)
+        if searched.total_cost < best.total_cost:
+            best = runs.keep(LOCAL_SEARCH, searched)
+        elif WINDOW in runs.results:
+            return best         # the windows' plan is the local search's too: a turn more finds nothing
+        seconds = min(WINDOW_SHARE * time_limit_s, _counted_left(counted, time_limit_s) - kept)
+        if seconds <= 0 or best.total_cost <= problem.base_cost:
+            return best
         windowed, spent = solve_windows(problem, budget_bytes, best, seconds, until, counted.deadline)
         counted.spend(spent)
-        if windowed.total_cost < best.total_cost:
-            best = runs.keep(WINDOW, windowed)
-    return best
+        if windowed.total_cost >= best.total_cost:
+            return best
+        best = runs.keep(WINDOW, windowed)
+        searching = _counted_left(counted, time_limit_s) - kept
 
 
 def _cpsat_step(problem: RematProblem, budget_bytes: int, time_limit_s: float, best: Result | None,
