@@ -118,26 +118,27 @@ def command_row(name: str, path: Path, fraction: float, limit: float) -> dict:
     return row
 
 
-def rlg_graphs(seeds, files, folder: Path) -> list[tuple[str, Path]]:
-    """(name, node-link file) of each graph to run: the linearised graphs of RLG_NODES nodes
-    for every seed, written to `folder`, then the `files` given (Moccasin's own RLG files,
-    which memsched remat reads as they are; they are not bundled)."""
+def rlg_graphs(seeds, files, folder: Path) -> list[tuple[str, Path, int | None]]:
+    """(name, node-link file, its size in RLG_NODES) of each graph to run: the linearised
+    graphs of RLG_NODES nodes for every seed (one node fewer: a forward chain and its
+    backward), written to `folder`, then the `files` given (Moccasin's own RLG files, which
+    memsched remat reads as they are; they are not bundled), sized by their node count."""
     cases = []
     for nodes in RLG_NODES:
         for seed in seeds:
             path = folder / f"linearized-{nodes}-seed{seed}.json"
             path.write_text(json.dumps(remat.to_node_link(graphs.linearized(nodes, seed=seed))))
-            cases.append((path.stem, path))
-    return cases + [(Path(f).stem, Path(f)) for f in files]
+            cases.append((path.stem, path, nodes))
+    return cases + [(Path(f).stem, Path(f), None) for f in files]
 
 
 def main_rlg(seeds, fractions, limit: float, files=()) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for name, path in rlg_graphs(seeds, files, Path(folder)):
+        for name, path, nodes in rlg_graphs(seeds, files, Path(folder)):
             for fraction in fractions:
                 row = command_row(name, path, fraction, limit)
-                published = MOCCASIN_PUBLISHED.get((row["nodes"], fraction))
+                published = MOCCASIN_PUBLISHED.get((nodes or row["nodes"], fraction))
                 row.update(moccasin_published_overhead=published,
                            at_or_below_moccasin=(published is not None and row.get("overhead") is not None
                                                  and row["overhead"] <= published))
