@@ -848,6 +848,23 @@ def test_the_local_search_and_the_windows_take_turns_while_one_improves(searched
     assert {name: run.total_cost for name, run in runs.results.items()} == kept
 
 
+def test_the_fit_windows_lower_the_peak_of_a_plan_no_first_plan_fits():
+    """Moccasin's first phase in windows: around the peak stage, CP-SAT finds the lowest
+    window peak the plan outside allows; the judge keeps only a lower peak. On this graph at a
+    quarter of its peak neither the greedy nor the repair fits; the windows take the lowest
+    of their peaks, 195,035,136 B, down (to 188,743,680 B in 6 counted seconds)."""
+    problem = graphs.random_layered(150, seed=2)
+    budget = remat.budget_from_fraction(problem, 0.25)
+    runs = remat._Runs(0.0)
+    remat._first_plans(problem, budget, remat.METHODS, 2, None, None, runs, repair=True)
+    assert remat._cheapest(runs.results) is None
+    lowest = runs.by_peak()[0]
+    result, spent = remat.solve_windows_to_fit(problem, budget, lowest, 3.0)
+    valid, peak, _, _ = remat.evaluate(problem, result.schedule)
+    assert valid and peak == result.peak_bytes < lowest.peak_bytes
+    assert result.method == remat.FIT_WINDOWS and 0 < spent < 3.0 + 2 * remat.WINDOW_DTIME_COST
+
+
 def test_the_remat_command_counts_from_its_own_time_limit(searched_60):
     """`final` (the remat command): the counts follow the length of the command's deadline,
     not the time limit left when planning begins, which a start-up slowed by load shortens:

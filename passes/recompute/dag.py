@@ -61,6 +61,7 @@ METHODS = (CHECKPOINT_ALL, SQRT_N, GREEDY, CPSAT)
 REPAIR = "repair"               # `plan`'s feasibility phase, when no baseline fits
 LOCAL_SEARCH = "local_search"   # `plan`'s improvement of the best plan so far (prune, ruin and recreate)
 WINDOW = "window"               # `plan`'s improvement of the local search's plan, window by window with CP-SAT
+FIT_WINDOWS = "fit_windows"     # `plan`'s last feasibility phase: windows around the peak lower it
 REPAIR_ROUNDS = 6               # computations per node the repair may add beyond max_computations
 LNS_SHARES = (0.1, 0.3, 0.6)    # shares of the recomputations a local-search round removes
 LNS_PATIENCE = 60               # local-search rounds without a cheaper plan before it stops
@@ -86,6 +87,8 @@ WINDOW_DTIME = 1.0              # CP-SAT's deterministic seconds per window, at 
 WINDOW_TERM_COST = 2e-4         # counted seconds per term (interval, literal) of a window model: building, presolve
 WINDOW_DTIME_COST = 5.0         # counted seconds per deterministic second of a window's search (one loaded core)
 WINDOW_SHARE = 0.4              # share of `plan`'s time limit the windows may take, counted
+FIT_STAGES = 20                 # stages in a window of `solve_windows_to_fit` (its model is dearer per stage)
+FIT_OFFSETS = (0.5, 0.25, 0.75, 0.0, 1.0)   # where the peak stage sits in the windows tried around it, in turn
 RESERVE_SHARE = 0.15            # share of `plan`'s time limit never counted out: start-up, judging, a loaded machine
 
 
@@ -1120,14 +1123,18 @@ class _WindowModel:
     size: int = 0      # intervals and literals: the model's size, for counting work
 
 
-def _window_model(problem: RematProblem, frame: _Frame, budget_bytes: int, icost: list[int]) -> _WindowModel:
+def _window_model(problem: RematProblem, frame: _Frame, budget_bytes: int, icost: list[int],
+                  ceiling: int | None = None) -> _WindowModel:
     """The Moccasin model of `build_model` restricted to a window: stage t of the window has
     points t*width + i for a recomputation of nodes[i] and t*width + width-1 for its own node.
     The steps before the window that bound it (`frame.floor`) are the points -len(floor)..-1,
     each a fixed interval of its live bytes; a copy kept into the window is live from the
     first of them after its last read there, so the one cumulative is the whole memory model.
     After the window, the live bytes do not depend on it: the reads there want only that
-    some copy of each node of `frame.after` is kept to the window's end."""
+    some copy of each node of `frame.after` is kept to the window's end. With a `ceiling`
+    (bytes, over the budget) the memory may reach it: the model then finds the lowest peak of
+    the window down to the budget first and the cheapest recomputations for it second, as
+    Moccasin's first phase minimises the footprint."""
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
@@ -1149,8 +1156,14 @@ def _window_model(problem: RematProblem, frame: _Frame, budget_bytes: int, icost
         demands.extend([problem.size[v] // unit] * len(kept))
         objective.extend(costs)
     _window_reads(wm, problem, frame)
-    model.add_cumulative(intervals, demands, (budget_bytes - problem.pinned_bytes) // unit)
-    model.minimize(sum(objective))
+    capacity = (budget_bytes - problem.pinned_bytes) // unit
+    if ceiling is None:
+        model.add_cumulative(intervals, demands, capacity)
+        model.minimize(sum(objective))
+    else:
+        peak = model.new_int_var(capacity, max(capacity, (ceiling - problem.pinned_bytes) // unit), "peak")
+        model.add_cumulative(intervals, demands, peak)
+        model.minimize((sum(icost) + 1) * peak + sum(objective))
     wm.size = len(intervals) + sum(len(options) for options in wm.serves.values())
     return wm
 
@@ -1282,13 +1295,14 @@ def _solve_counted(model, dtime: float, wall: float, deadline: Deadline | None, 
 
 
 def _solve_window(problem: RematProblem, plan: list[list[int]], budget_bytes: int, first: int, stop: int,
-                  icost: list[int], dtime: float, interleave: bool, until: float, deadline: Deadline | None):
-    """CP-SAT's answer for the window [first, stop) of `plan`: (the plan with the window's
-    recomputations replaced, or None where it found none; the counted seconds it took, at
-    WINDOW_TERM_COST per model term and WINDOW_DTIME_COST per deterministic second; the
-    SolveResult)."""
+                  icost: list[int], dtime: float, interleave: bool, until: float, deadline: Deadline | None,
+                  ceiling: int | None = None):
+    """CP-SAT's answer for the window [first, stop) of `plan` (`ceiling`: see `_window_model`):
+    (the plan with the window's recomputations replaced, or None where it found none; the
+    counted seconds it took, at WINDOW_TERM_COST per model term and WINDOW_DTIME_COST per
+    deterministic second; the SolveResult)."""
     frame = _window_frame(problem, plan, first, stop)
-    wm = _window_model(problem, frame, budget_bytes, icost)
+    wm = _window_model(problem, frame, budget_bytes, icost, ceiling)
     _window_hint(wm, problem, frame, plan)
     solved = _solve_counted(wm.model, dtime, until - time.perf_counter(), deadline, interleave, probing=False)
     spent = WINDOW_TERM_COST * wm.size + WINDOW_DTIME_COST * solved.solver.deterministic_time
@@ -1363,6 +1377,58 @@ def solve_windows(problem: RematProblem, budget_bytes: int, start: Result, secon
     return result, seconds - left
 
 
+def _peak_stage(problem: RematProblem, plan: list[list[int]]) -> tuple[int, int]:
+    """(the stage of `plan`'s peak step, the peak): a step's stage is the number of first
+    computations before it."""
+    seq = schedule_from_plan(problem, plan)
+    lv = _liveness(problem, seq)
+    seen: set[int] = set()
+    for v in seq[:lv.peak_step]:
+        seen.add(v)
+    return len(seen), lv.peak
+
+
+def solve_windows_to_fit(problem: RematProblem, budget_bytes: int, start: Result, seconds: float,
+                         until: float | None = None, deadline: Deadline | None = None) -> tuple[Result, float]:
+    """Lower the peak of a plan that does not fit, window by window, as Moccasin's first phase
+    minimises the footprint before its second minimises the time: CP-SAT re-solves a window of
+    FIT_STAGES stages around the peak stage with the memory free up to the plan's peak
+    (`_window_model`'s ceiling), lowest window peak first, cheapest second; the judge keeps an
+    answer with a lower peak (or the same peak, cheaper). Windows placed around the peak at
+    FIT_OFFSETS are tried in turn; the search stops once the plan fits, when no window around
+    the peak lowers it, or when `seconds` (counted as `solve_windows` counts them) are spent.
+    `until` and `deadline` as for `solve_windows`. Returns the result, called FIT_WINDOWS,
+    and the counted seconds spent."""
+    started = time.perf_counter()
+    until = math.inf if until is None else until
+    best = plan_from_schedule(problem, start.schedule)
+    stage, peak = _peak_stage(problem, best)
+    best_cost, left = _plan_cost(problem, best), float(seconds)
+    icost, _ = _integer_costs(problem.cost)
+    width = min(FIT_STAGES, problem.n - 1)
+    lowered = True
+    while lowered and peak > budget_bytes and left > 0:
+        lowered = False
+        for share in FIT_OFFSETS:
+            if left <= 0 or time.perf_counter() >= until or deadline is not None and deadline.cuts():
+                left = min(left, 0.0)
+                break
+            first = max(1, min(problem.n - width, stage - round(share * (width - 1))))
+            found, spent, _ = _solve_window(problem, best, budget_bytes, first, first + width, icost,
+                                            min(WINDOW_DTIME, left / WINDOW_DTIME_COST), False, until, deadline,
+                                            ceiling=peak)
+            left -= spent
+            if found is None:
+                continue
+            found_peak, cost = _peak_of(problem, found), _plan_cost(problem, found)
+            if found_peak < peak or found_peak == peak and cost < best_cost - 1e-9 * problem.base_cost:
+                best, best_cost, lowered = found, cost, True
+                stage, peak = _peak_stage(problem, best)
+                break
+    result = _result(problem, FIT_WINDOWS, schedule_from_plan(problem, best), budget_bytes, "heuristic", started)
+    return result, seconds - left
+
+
 # --------------------------------------------------------------------------- entry point
 
 def _cheapest(runs: dict[str, Result]) -> Result | None:
@@ -1379,7 +1445,10 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
     1. Baselines (checkpoint-all, sqrt(n), greedy) and `seeds` (name -> plan, e.g. from a
        caller that knows the graph's structure) are judged.
     2. If none fits, `solve_repair` continues the greedy from the lowest-peak ones with more
-       computations per node allowed (run REPAIR).
+       computations per node allowed (run REPAIR); if none fits still and the budget is the
+       command's own (`final`), `solve_windows_to_fit` lowers the peak of the lowest-peak plan
+       window by window (run FIT_WINDOWS). A compile's inner solves try many budgets and
+       learn from a miss, so they do not spend on it.
     3. `solve_local_search` improves the cheapest fitting plan for about LNS_TIME_SHARE of the
        time limit, counted in schedule steps judged (run LOCAL_SEARCH when it is cheaper).
     4. `solve_windows` re-solves windows of its plan's stages exactly with CP-SAT until they
@@ -1427,6 +1496,8 @@ def plan(problem: RematProblem, budget_bytes: int, time_limit_s: float = 10.0, m
     time_limit_s, counted = _counting(time_limit_s, work, final)
     _first_plans(problem, budget_bytes, wanted, max_computations, seeds, counted, runs, repair=improve and recompute)
     best = _cheapest(runs.results)
+    if improve and recompute and best is None and final:
+        best = _fit_by_windows(problem, budget_bytes, time_limit_s, counted, runs)
     if improve and recompute and best is not None and best.status != "optimal":
         best = _improve(problem, budget_bytes, time_limit_s, best, max_computations, counted, runs)
     left = _counted_left(counted, time_limit_s)
@@ -1499,6 +1570,22 @@ def _first_plans(problem: RematProblem, budget_bytes: int, wanted, max_computati
         runs.keep(REPAIR, solve_repair(problem, budget_bytes, [s for s in starts if s is not None],
                                        max_computations, effort=effort))
     charge(work, effort)
+
+
+def _fit_by_windows(problem: RematProblem, budget_bytes: int, time_limit_s: float, counted: Work,
+                    runs: _Runs) -> Result | None:
+    """Step 2b of `plan`, where no plan fits yet: `solve_windows_to_fit` from the lowest-peak
+    plan so far, for at most WINDOW_SHARE of the limit and the counted time left (kept as
+    FIT_WINDOWS); its plan where it fits, else None."""
+    seconds = min(WINDOW_SHARE * time_limit_s, _counted_left(counted, time_limit_s))
+    lowest = next((r for r in runs.by_peak() if plan_from_schedule(problem, r.schedule) is not None), None)
+    if seconds <= 0 or lowest is None:
+        return None
+    until = runs.started + (1 - CPSAT_MIN_SHARE) * time_limit_s     # the clock's backstop
+    fitted, spent = solve_windows_to_fit(problem, budget_bytes, lowest, seconds, until, counted.deadline)
+    counted.spend(spent)
+    fitted = runs.keep(FIT_WINDOWS, fitted)
+    return fitted if fitted.fits else None
 
 
 def _counted_left(counted: Work, time_limit_s: float) -> float:
