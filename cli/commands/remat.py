@@ -7,7 +7,8 @@ from memsched.cli.render import print_json
 
 def register(sub) -> None:
     p = sub.add_parser("remat", help="least-cost recomputation plan for a Checkmate-format graph under a budget")
-    p.add_argument("graph", metavar="GRAPH.json", help="networkx node-link JSON, nodes with cost_cpu and cost_ram")
+    p.add_argument("graph", metavar="GRAPH.json",
+                   help="networkx node-link JSON, nodes with cost_cpu and cost_ram (or a Moccasin data file as it is)")
     p.add_argument("--budget-fraction", type=float, required=True, metavar="F",
                    help="budget as a fraction of the graph's peak without recomputation (e.g. 0.8)")
     p.add_argument("--time-limit", type=positive_seconds, default=30.0, metavar="S",
