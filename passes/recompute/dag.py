@@ -1358,7 +1358,7 @@ def solve_windows(problem: RematProblem, budget_bytes: int, start: Result, secon
         idle += 1
         for first, stop in _windows(problem, best, sweep):
             for interleave in (False, True):
-                clocked = clocked or time.perf_counter() >= until or deadline is not None and deadline.cuts()
+                clocked = clocked or _clock_ended(until, deadline)
                 if left <= 0 or clocked:
                     break
                 found, spent, solved = _solve_window(problem, best, budget_bytes, first, stop, icost,
@@ -1382,10 +1382,13 @@ def _peak_stage(problem: RematProblem, plan: list[list[int]]) -> tuple[int, int]
     computations before it."""
     seq = schedule_from_plan(problem, plan)
     lv = _liveness(problem, seq)
-    seen: set[int] = set()
-    for v in seq[:lv.peak_step]:
-        seen.add(v)
-    return len(seen), lv.peak
+    return len(set(seq[:lv.peak_step])), lv.peak
+
+
+def _clock_ended(until: float, deadline: Deadline | None) -> bool:
+    """Whether a window search's clock backstop (`until`, a `time.perf_counter()` reading) or
+    the command's deadline ends it (the deadline then marked cut)."""
+    return time.perf_counter() >= until or deadline is not None and deadline.cuts()
 
 
 def solve_windows_to_fit(problem: RematProblem, budget_bytes: int, start: Result, seconds: float,
@@ -1410,7 +1413,7 @@ def solve_windows_to_fit(problem: RematProblem, budget_bytes: int, start: Result
     while lowered and peak > budget_bytes and left > 0:
         lowered = False
         for share in FIT_OFFSETS:
-            if left <= 0 or time.perf_counter() >= until or deadline is not None and deadline.cuts():
+            if left <= 0 or _clock_ended(until, deadline):
                 left = min(left, 0.0)
                 break
             first = max(1, min(problem.n - width, stage - round(share * (width - 1))))
@@ -1420,10 +1423,9 @@ def solve_windows_to_fit(problem: RematProblem, budget_bytes: int, start: Result
             left -= spent
             if found is None:
                 continue
-            found_peak, cost = _peak_of(problem, found), _plan_cost(problem, found)
+            (found_stage, found_peak), cost = _peak_stage(problem, found), _plan_cost(problem, found)
             if found_peak < peak or found_peak == peak and cost < best_cost - 1e-9 * problem.base_cost:
-                best, best_cost, lowered = found, cost, True
-                stage, peak = _peak_stage(problem, best)
+                best, best_cost, stage, peak, lowered = found, cost, found_stage, found_peak, True
                 break
     result = _result(problem, FIT_WINDOWS, schedule_from_plan(problem, best), budget_bytes, "heuristic", started)
     return result, seconds - left
@@ -1538,6 +1540,11 @@ class _Runs:
         self.started, self.planned = started, planned
         self.results: dict[str, Result] = {}
 
+    def backstop(self, time_limit_s: float) -> float:
+        """The clock's backstop on the heuristics (a `time.perf_counter()` reading): CPSAT_MIN_SHARE
+        of the limit before its end."""
+        return self.started + (1 - CPSAT_MIN_SHARE) * time_limit_s
+
     def by_peak(self) -> list[Result]:
         """The results, lowest peak (then cost) first."""
         return sorted(self.results.values(), key=lambda r: (r.peak_bytes, r.total_cost))
@@ -1581,8 +1588,8 @@ def _fit_by_windows(problem: RematProblem, budget_bytes: int, time_limit_s: floa
     lowest = next((r for r in runs.by_peak() if plan_from_schedule(problem, r.schedule) is not None), None)
     if seconds <= 0 or lowest is None:
         return None
-    until = runs.started + (1 - CPSAT_MIN_SHARE) * time_limit_s     # the clock's backstop
-    fitted, spent = solve_windows_to_fit(problem, budget_bytes, lowest, seconds, until, counted.deadline)
+    fitted, spent = solve_windows_to_fit(problem, budget_bytes, lowest, seconds, runs.backstop(time_limit_s),
+                                         counted.deadline)
     counted.spend(spent)
     fitted = runs.keep(FIT_WINDOWS, fitted)
     return fitted if fitted.fits else None
@@ -1605,7 +1612,7 @@ def _improve(problem: RematProblem, budget_bytes: int, time_limit_s: float, best
     turn WINDOW_SHARE; the later local searches what is left; where the whole model's
     presolve is a small part of the limit, every turn leaves step 5 the time it needs to
     run. All charge `counted`. The best result then."""
-    until = runs.started + (1 - CPSAT_MIN_SHARE) * time_limit_s     # the clock's backstop
+    until = runs.backstop(time_limit_s)
     kept = 2 * CPSAT_PRESOLVE_COST * problem.n      # what step 5 needs left, where that is a small part of the limit
     kept = kept if kept <= CPSAT_MIN_SHARE * time_limit_s else 0.0
     searching = LNS_TIME_SHARE * time_limit_s
