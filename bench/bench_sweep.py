@@ -15,9 +15,11 @@ torch.optim.SGD) runs on the meta device under a dispatch mode that adds each ne
 bytes and takes them off when the storage is freed (parameters and buffers count from the
 start). That is the peak of the tensors PyTorch holds, without the CUDA caching allocator's
 rounding; for ResNet-50 b64 it equals torch's own MemTracker under FakeTensorMode to the byte.
-Where no PyTorch module of the workload is at hand (U-Net, the GPT decoder), the reference is
-memsched's eager-equivalent baseline (the step in its own order, every gradient alive until
-its update, updates in place), and the row says so.
+The PyTorch modules: torchvision's ResNet-50 and ViT-B/16, the BERT module of
+bench_vs_torch.py, milesial's U-Net and Hugging Face's GPT-2 with eager attention at
+GPT-Neo-1.3B's shape (bench/torch_models.py, each the model memsched plans, parameter for
+parameter). Each row also gives memsched's eager-equivalent baseline (the step in its own
+order, every gradient alive until its update, updates in place).
 
 memsched: the zero-overhead plan (order, reuse; no budget), then one `compile` with every
 strategy at each budget fraction of the reference, on `h100-80gb`, each with its own
@@ -54,8 +56,9 @@ WORKLOADS = {
     "vit-b16-b64": {"onnx": "vit_b_16", "torch": "vit_b_16", "batch": 64},
     "bert-base-b32x512": {"memsched": ("bert-base", {"batch": 32, "seq": 512}), "torch": "bert", "batch": 32,
                           "seq": 512},
-    "unet2d-b32": {"memsched": ("unet2d", {"batch": 32, "size": 256}), "torch": None},
-    "gpt-1.3b-b32x512": {"memsched": ("gpt2", {"batch": 32, "seq": 512, **GPT_NEO_1_3B}), "torch": None},
+    "unet2d-b32": {"memsched": ("unet2d", {"batch": 32, "size": 256}), "torch": "unet2d", "batch": 32, "size": 256},
+    "gpt-1.3b-b32x512": {"memsched": ("gpt2", {"batch": 32, "seq": 512, **GPT_NEO_1_3B}), "torch": "gpt2", "batch": 32,
+                         "seq": 512},
     # the zero-overhead rows of bench_vs_torch.py, planned with every strategy too
     "resnet18-b32": {"memsched": ("resnet18", {"batch": 32, "size": 224}), "torch": "resnet18", "batch": 32},
     "resnet50-b16": {"memsched": ("resnet50", {"batch": 16, "size": 224}), "torch": "resnet50", "batch": 16},
@@ -80,13 +83,24 @@ def torch_eager_peak(workload: str) -> dict:
         if name == "bert":
             from bench.bench_vs_torch import bert_module
             return bert_module()
+        if name == "unet2d":
+            from bench.torch_models import milesial_unet
+            return milesial_unet()
+        if name == "gpt2":
+            from bench.torch_models import hf_gpt2
+            return hf_gpt2(**{key: GPT_NEO_1_3B[key] for key in ("layers", "hidden", "heads")},
+                           positions=GPT_NEO_1_3B["max_positions"])
         import torchvision
         return getattr(torchvision.models, name)()
 
     def batch_of():
-        if name == "bert":
+        if name in ("bert", "gpt2"):  # a class per sequence / a token per position
             seq = WORKLOADS[workload]["seq"]
-            return torch.zeros(batch, seq, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
+            labels = batch if name == "bert" else batch * seq
+            return torch.zeros(batch, seq, dtype=torch.int64), torch.zeros(labels, dtype=torch.int64)
+        if name == "unet2d":  # per-pixel labels
+            size = WORKLOADS[workload]["size"]
+            return torch.zeros(batch, 3, size, size), torch.zeros(batch, size, size, dtype=torch.int64)
         return torch.zeros(batch, 3, 224, 224), torch.zeros(batch, dtype=torch.int64)
 
     started = time.perf_counter()

@@ -9,6 +9,7 @@ first token). Exported by the TorchScript exporter at opset 17, as `models/` mir
 from __future__ import annotations
 
 import io
+import math
 
 import onnx
 
@@ -193,3 +194,151 @@ def _mobilenetv2(classes: int):
             return self.classifier(torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1))
 
     return MobileNetV2()
+
+
+def milesial_unet(channels: int = 3, classes: int = 2, width: int = 64):
+    """milesial/Pytorch-UNet's ``UNet(n_channels, n_classes, bilinear=False)`` as its
+    unet_parts.py writes it, with its module names (DoubleConv = conv-BN-ReLU twice, ReLU in
+    place, bias-free convs; Down = MaxPool + DoubleConv; Up = ConvTranspose halving the
+    channels, the pad to the skip's size, Concat [skip, up], DoubleConv; a 1x1 OutConv; `width`
+    is level 0's channels, 64 in milesial's): the bundled `unet2d` name for name and shape
+    (31,037,698 parameters at width 64), for PyTorch's own peak memory of a training step."""
+    import torch
+    from torch import nn
+    from torch.nn import functional
+
+    class DoubleConv(nn.Module):
+        def __init__(self, cin: int, cout: int):
+            super().__init__()
+            self.double_conv = nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+                nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+        def forward(self, x):
+            return self.double_conv(x)
+
+    class Down(nn.Module):
+        def __init__(self, cin: int, cout: int):
+            super().__init__()
+            self.maxpool_conv = nn.Sequential(nn.MaxPool2d(2), DoubleConv(cin, cout))
+
+        def forward(self, x):
+            return self.maxpool_conv(x)
+
+    class Up(nn.Module):
+        def __init__(self, cin: int, cout: int):
+            super().__init__()
+            self.up, self.conv = nn.ConvTranspose2d(cin, cin // 2, 2, stride=2), DoubleConv(cin, cout)
+
+        def forward(self, x1, x2):
+            x1 = self.up(x1)
+            dy, dx = x2.size()[2] - x1.size()[2], x2.size()[3] - x1.size()[3]
+            x1 = functional.pad(x1, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
+            return self.conv(torch.cat([x2, x1], dim=1))
+
+    class OutConv(nn.Module):
+        def __init__(self, cin: int, cout: int):
+            super().__init__()
+            self.conv = nn.Conv2d(cin, cout, 1)
+
+        def forward(self, x):
+            return self.conv(x)
+
+    class UNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = [width * 2 ** i for i in range(5)]
+            self.inc = DoubleConv(channels, w[0])
+            self.down1, self.down2, self.down3, self.down4 = (Down(w[i], w[i + 1]) for i in range(4))
+            self.up1, self.up2, self.up3, self.up4 = (Up(w[i], w[i - 1]) for i in (4, 3, 2, 1))
+            self.outc = OutConv(w[0], classes)
+
+        def forward(self, x):
+            x1 = self.inc(x)
+            x2 = self.down1(x1)
+            x3 = self.down2(x2)
+            x4 = self.down3(x3)
+            x = self.up1(self.down4(x4), x4)
+            return self.outc(self.up4(self.up3(self.up2(x, x3), x2), x1))
+
+    torch.manual_seed(0)
+    return UNet()
+
+
+def hf_gpt2(layers: int = 12, hidden: int = 768, heads: int = 12, vocab: int = 50257, positions: int = 1024):
+    """Hugging Face's GPT2LMHeadModel with eager attention, with its module names, as the
+    bundled `gpt2` mirrors it (pre-LayerNorm blocks, Conv1D projections (weight [in, out],
+    torch.addmm), causal mask by torch.where at finfo.min, tied LM head, no dropout), for
+    PyTorch's own peak memory of a training step. GELU is the tanh form in one op (HF's
+    "gelu_pytorch_tanh", the same function as the bundled model's "gelu_new"): HF's
+    NewGELUActivation written out keeps its intermediates for the backward and would raise
+    PyTorch's peak (GPT-Neo-1.3B's shape, b32 x 512: 118.5 GB against 79.8 GB). The forward
+    returns the logits as [N * L, vocab] (a view), the form F.cross_entropy takes with labels
+    [N * L]."""
+    import torch
+    from torch import nn
+
+    class Conv1D(nn.Module):
+        def __init__(self, fin: int, fout: int):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(fin, fout) * 0.02), nn.Parameter(torch.zeros(fout))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn, self.c_proj = Conv1D(hidden, 3 * hidden), Conv1D(hidden, hidden)
+
+        def forward(self, x, causal):
+            n, length, _ = x.shape
+
+            def split(t):
+                return t.view(n, length, heads, hidden // heads).transpose(1, 2)
+
+            q, k, v = self.c_attn(x).split(hidden, dim=2)
+            scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(hidden // heads)
+            scores = torch.where(causal[:length, :length], scores, torch.finfo(scores.dtype).min)
+            return self.c_proj((scores.softmax(-1) @ split(v)).transpose(1, 2).reshape(n, length, hidden))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc, self.c_proj = Conv1D(hidden, 4 * hidden), Conv1D(4 * hidden, hidden)
+
+        def forward(self, x):
+            return self.c_proj(nn.functional.gelu(self.c_fc(x), approximate="tanh"))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(hidden), Attention(), nn.LayerNorm(hidden), MLP()
+
+        def forward(self, x, causal):
+            x = self.attn(self.ln_1(x), causal) + x
+            return self.mlp(self.ln_2(x)) + x
+
+    class Transformer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(positions, hidden)
+            self.h, self.ln_f = nn.ModuleList(Block() for _ in range(layers)), nn.LayerNorm(hidden)
+            self.register_buffer("causal", torch.ones(positions, positions, dtype=torch.bool).tril(), persistent=False)
+
+        def forward(self, ids):
+            x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device)[None])
+            for block in self.h:
+                x = block(x, self.causal)
+            return self.ln_f(x)
+
+    class GPT2LMHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer = Transformer()
+
+        def forward(self, ids):
+            return (self.transformer(ids) @ self.transformer.wte.weight.t()).view(-1, vocab)
+
+    torch.manual_seed(0)
+    return GPT2LMHead()
