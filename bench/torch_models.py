@@ -1,10 +1,14 @@
-"""Small networks written in PyTorch and exported with torch.onnx.export, for the benches.
+"""Networks written in PyTorch for the benches: small ones exported with torch.onnx.export,
+and the PyTorch modules of bundled models whose own peak memory PyTorch is measured on.
 
-torchvision and transformers are not installed here, so the modules are written out in
-their style: a ResNet-style CNN (conv-BN-ReLU basic blocks with identity shortcuts,
-adaptive average pooling, a linear head) and a BERT-style encoder (embedding, multi-head
-self-attention from Linear layers, LayerNorm, a ReLU feed-forward, a classifier on the
-first token). Exported by the TorchScript exporter at opset 17, as `models/` mirrors.
+The modules are written out in their libraries' style (neither transformers nor milesial's
+U-Net is a dependency): a ResNet-style CNN (conv-BN-ReLU basic blocks with identity
+shortcuts, adaptive average pooling, a linear head) and a BERT-style encoder (embedding,
+multi-head self-attention from Linear layers, LayerNorm, a ReLU feed-forward, a classifier
+on the first token), exported by the TorchScript exporter at opset 17 as `models/` mirrors;
+torchvision's ResNets and MobileNetV2, milesial's U-Net and Hugging Face's GPT-2, each the
+bundled model of that name (tests/test_torch_references.py loads the bundled weights into
+the last two and compares their outputs).
 """
 from __future__ import annotations
 
