@@ -9,6 +9,7 @@ A fact about an op type lives here and nowhere else; a stage that needs a new on
 from __future__ import annotations
 
 from .ir import Op
+from .onnx_utils import MEMSCHED_DOMAIN
 
 # ---- storage: the memory model's rule 4 --------------------------------------------------------
 # Shape-only views: they change no element, so they share their input's storage.
@@ -115,7 +116,6 @@ PER_SAMPLE_OPS = frozenset({
 # running mean, running var), outputs (y_0 .. y_k-1), the BN's attributes. It normalises every
 # chunk with the statistics of all of them, so its step is the whole batch's BN step. Only the
 # forward graph the step builder reads holds it (rules_nn gives its training form and gradient).
-MEMSCHED_DOMAIN = "memsched"
 CHUNKED_BATCH_NORM = "ChunkedBatchNormalization"
 
 

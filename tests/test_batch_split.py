@@ -20,7 +20,8 @@ from memsched.deadline import unlimited
 from memsched.runtime import run_plan
 from memsched.frontend import lower
 from memsched.memory import validate
-from memsched.ops import CHUNKED_BATCH_NORM, MEMSCHED_DOMAIN
+from memsched.onnx_utils import MEMSCHED_DOMAIN
+from memsched.ops import CHUNKED_BATCH_NORM
 from memsched.onnx_utils import save_model_atomic
 from memsched.schedule import Plan
 from memsched.passes.rewrites.batch_split import SPLIT_KEY, chunk_count, split_batch, split_training_step

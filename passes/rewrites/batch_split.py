@@ -34,7 +34,8 @@ from __future__ import annotations
 from typing import Callable
 
 from memsched.ir import Graph, Op, Tensor
-from memsched.ops import CHUNKED_BATCH_NORM, MEMSCHED_DOMAIN, PER_SAMPLE_OPS, is_batch_norm
+from memsched.onnx_utils import MEMSCHED_DOMAIN
+from memsched.ops import CHUNKED_BATCH_NORM, PER_SAMPLE_OPS, is_batch_norm
 from memsched.step_info import TRAINING_KEY, training_record
 
 from memsched.passes.rewrites.concat_split import even_sizes, names_taken, sizes_constant

@@ -47,7 +47,7 @@ def rule(*op_types: str, inputs: tuple[int, ...] | None = None, outputs: tuple[i
 
 def rule_of(op) -> Rule | None:
     """The rule of `op`: a default-domain op's by its type, one of memsched's own ops
-    (memsched.ops.MEMSCHED_DOMAIN) by "domain.type"; None where there is none."""
+    (memsched.onnx_utils.MEMSCHED_DOMAIN) by "domain.type"; None where there is none."""
     return RULES.get(op.op_type if op.domain in ("", "ai.onnx") else f"{op.domain}.{op.op_type}")
 
 

@@ -27,7 +27,8 @@ import math
 import numpy as np
 from onnx import TensorProto
 
-from memsched.ops import CHUNKED_BATCH_NORM, MEMSCHED_DOMAIN
+from memsched.onnx_utils import MEMSCHED_DOMAIN
+from memsched.ops import CHUNKED_BATCH_NORM
 from memsched.passes.training.bn_relu import stored_once
 from memsched.passes.training.registry import rule
 from memsched.passes.training.rules_shape import folded_bias, folded_scale, runs_as_gemm, scaled_scores
