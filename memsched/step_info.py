@@ -111,6 +111,29 @@ def training_record(graph: Graph) -> dict:
     return {} if raw is None else metadata_json(raw, TRAINING_KEY, lambda v: isinstance(v, dict), "a JSON object")
 
 
+_BUILDER_OPTIONS = {"loss": str, "optimizer": str, "lr": (int, float), "momentum": (int, float), "betas": list,
+                    "eps": (int, float), "parameters": list}
+
+
+def builder_options(graph: Graph) -> dict:
+    """The training-step builder's options as the step's training record holds them (loss,
+    optimizer, lr, momentum, betas, eps, weight_decay where set, and the trained parameters
+    under `parameters`), so the step can be built again from its model; a UserError naming
+    the field where one is missing or of another type."""
+    stored = training_record(graph)
+    for key, kind in _BUILDER_OPTIONS.items():
+        if not isinstance(stored.get(key), kind) or isinstance(stored.get(key), bool):
+            raise UserError(f"the plan's training options ({TRAINING_KEY}) lack a valid '{key}'")
+    if not all(isinstance(p, str) for p in stored["parameters"]):
+        raise UserError(f"the plan's training options ({TRAINING_KEY}) list a parameter that is not a name")
+    options = {key: stored[key] for key in _BUILDER_OPTIONS}
+    options["betas"] = tuple(options["betas"])
+    decay = stored.get("weight_decay")
+    if isinstance(decay, (int, float)) and not isinstance(decay, bool):
+        options["weight_decay"] = decay
+    return options
+
+
 def grad_roles(graph: Graph) -> dict[str, dict]:
     """Op name -> its role as the training-step builder records it: {"role": "dW" | "dX" |
     "shared", "layer": forward op, "param": parameter} for backward ops, {"role": "update",

@@ -6,7 +6,6 @@ the plan was built with, so the executor can compare the plan's outputs with it.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from memsched.errors import UserError
 from memsched.frontend import lower, read_model
 from memsched.ir import Graph
 from memsched.schedule import Plan
+from memsched.step_info import builder_options, training_record
 
 
 def model_step(plan: Plan, model: str | os.PathLike) -> Graph:
@@ -44,7 +44,7 @@ def model_step(plan: Plan, model: str | os.PathLike) -> Graph:
     if TRAINING_KEY not in plan.graph.metadata or TRAINING_KEY in forward.metadata:
         step, what = given_graph(forward), f"{path}"
     else:
-        options = _training_options(plan.graph.metadata[TRAINING_KEY])
+        options = builder_options(plan.graph)
         trained = options.pop("parameters")
 
         def build(freeze: list[str]) -> Graph:
@@ -58,37 +58,13 @@ def model_step(plan: Plan, model: str | os.PathLike) -> Graph:
                   and t.dtype in FLOAT_TYPES and t.shape]
         if others:       # freeze exactly those the builder would train and the plan does not
             try:
-                candidates = json.loads(build([]).metadata[TRAINING_KEY])["parameters"]
+                candidates = training_record(build([]))["parameters"]
                 others = [name for name in others if name in candidates]
             except UserError:    # unbuildable with everything trained (control flow): freeze them all
                 pass
         step, what = build([_fnmatch_literal(name) for name in others]), f"the training step of {path}"
     _check_same_interface(step, plan.graph, what)
     return step
-
-
-_OPTIONS = {"loss": str, "optimizer": str, "lr": (int, float), "momentum": (int, float), "betas": list,
-            "eps": (int, float), "parameters": list}
-
-
-def _training_options(text: str) -> dict:
-    """The builder's options from the plan's `memsched.training` JSON (its own keys, checked)."""
-    try:
-        stored = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"the plan's training options (memsched.training) are not valid JSON: {exc}") from None
-    if not isinstance(stored, dict):
-        raise UserError("the plan's training options (memsched.training) are not a JSON object")
-    for key, kind in _OPTIONS.items():
-        if not isinstance(stored.get(key), kind) or isinstance(stored.get(key), bool):
-            raise UserError(f"the plan's training options (memsched.training) lack a valid '{key}'")
-    if not all(isinstance(p, str) for p in stored["parameters"]):
-        raise UserError("the plan's training options (memsched.training) list a parameter that is not a name")
-    options = {key: stored[key] for key in _OPTIONS}
-    options["betas"] = tuple(options["betas"])
-    if isinstance(stored.get("weight_decay"), (int, float)) and not isinstance(stored.get("weight_decay"), bool):
-        options["weight_decay"] = stored["weight_decay"]
-    return options
 
 
 def _options_text(options: dict) -> str:

@@ -13,7 +13,7 @@ from memsched.errors import UserError
 from memsched.frontend import captured_names, subgraphs
 from memsched.ir import Graph, Op, header_only
 from memsched.ops import is_batch_norm, is_chunked_batch_norm
-from memsched.step_info import FORWARD_KEY, GRAD_ROLES_KEY, TRAINING_KEY
+from memsched.step_info import FORWARD_KEY, GRAD_ROLES_KEY, TRAINING_KEY, training_record
 from memsched.onnx_utils import IR_VERSION, OPSET
 from memsched.ops import WEIGHT_PART_OPS, WEIGHT_VIEW_OPS
 
@@ -407,7 +407,7 @@ def _assemble(source: Graph, em: Emitter, extra_inputs, outputs, params, roles, 
 
 def describe(graph: Graph) -> dict:
     """What `memsched train-graph` reports about a training step (JSON-able)."""
-    info = json.loads(graph.metadata[TRAINING_KEY])
+    info = training_record(graph)
     phases: dict[str, int] = {}
     for op in graph.ops:
         phases[op.phase] = phases.get(op.phase, 0) + 1
