@@ -355,6 +355,24 @@ def print_run(summary: dict) -> None:
                       f"(tolerance {against['tolerance']:g})")
 
 
+def print_data_parallel_run(summary: dict, sync_batchnorm: bool) -> None:
+    """A data-parallel run's summary (`run --workers N`): measured next to predicted, per worker."""
+    measured, predicted = summary["measured"], summary["predicted"]
+    print(f"ran {summary['steps']} step(s) of {summary['plan']} on {summary['workers']} workers "
+          f"({summary['backend']}, {len(summary['buckets'])} gradient buckets)")
+    print(f"{'':24}{'measured':>16}{'predicted':>16}")
+    rows = (("peak bytes per worker", "peak_bytes", "{:,}"), ("step time (s)", "step_time_s", "{:.6f}"),
+            ("all-reduce wait (s)", "allreduce_wait_s", "{:.6f}"), ("all-reduce time (s)", "allreduce_s", "{:.6f}"),
+            ("overlap fraction", "overlap_fraction", "{:.3f}"))
+    for label, key, form in rows:
+        print(f"{label:24}{form.format(measured[key]):>16}{form.format(predicted[key]):>16}")
+    if sync_batchnorm:
+        print(f"BatchNorm on the whole batch: {summary['synchronised_batch_statistics']} per-channel statistics "
+              f"averaged across the workers")
+    print(f"predicted step without overlap: {predicted['step_no_overlap_s']:.6f} s (the cpu profile, "
+          f"{predicted['interconnect']['bandwidth'] / 1e9:g} GB/s interconnect)")
+
+
 def _print_device_accounting(out, device: dict) -> None:
     """The process's device memory against the three parts it accounts for (run --json's
     process.device.accounted)."""

@@ -12,6 +12,7 @@ import pytest
 from memsched.emit import read_plan, write_plan
 from memsched.errors import UserError
 from memsched.step_info import step_info
+from memsched import views
 from memsched.runtime import run_plan
 from memsched.memory import validate
 from memsched.models.cnn import plain_cnn, small_resnet
@@ -68,11 +69,12 @@ def _two_ranks_against_one(model: onnx.ModelProto, tmp_path, sync_batchnorm: boo
 
 
 @pytest.mark.parametrize("build", [mlp, pytest.param(small_cnn, marks=pytest.mark.slow)])   # the MLP in the fast suite
-def test_two_ranks_on_b_update_as_one_rank_on_2b(build, tmp_path):
+def test_two_ranks_on_b_update_as_one_rank_on_2b(build, tmp_path, capsys):
     """The averaged gradients of 2 ranks on B rows each are the gradient of 2B rows (mean losses):
     after STEPS steps every updated weight matches one rank's run on the whole batch within 1e-5
     relative, and both ranks hold the same weights. Each rank's measured peak (the executor's
-    arena accounting) is the plan's per-worker peak."""
+    arena accounting) is the plan's per-worker peak, and the run's table (`run --workers`
+    without --json) prints it next to the predicted one."""
     path, summary, errors = _two_ranks_against_one(build(WORKERS * BATCH), tmp_path)
     assert len(errors) >= 4 and max(errors.values()) <= 1e-5, errors
     peak = validate(read_plan(path)).peak_bytes
@@ -81,6 +83,10 @@ def test_two_ranks_on_b_update_as_one_rank_on_2b(build, tmp_path):
     assert all(len(r["step_times_s"]) == STEPS and len(r["allreduce_wait_s"]) == STEPS for r in summary["ranks"])
     assert 0.0 <= summary["measured"]["overlap_fraction"] <= 1.0
     assert summary["predicted"]["step_overlap_s"] < summary["predicted"]["step_no_overlap_s"]
+    views.print_data_parallel_run(summary, sync_batchnorm=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"ran {STEPS} step(s) of {path} on {WORKERS} workers")
+    assert lines[2].split()[-2:] == [f"{peak:,}", f"{peak:,}"] and lines[2].startswith("peak bytes per worker")
 
 
 @pytest.mark.slow

@@ -91,6 +91,7 @@ def run_workers(args) -> int:
     from memsched.emit import read_plan
     from memsched.errors import UserError
     from memsched.runtime.distributed import launch, launched, rank_and_world, run_rank
+    from memsched.views import print_data_parallel_run
 
     used = [flag for flag, given in (("--check", args.check), ("--device cuda", args.device == "cuda"),
                                      ("--nvdimm-dir", args.nvdimm_dir)) if given]
@@ -112,18 +113,5 @@ def run_workers(args) -> int:
     if args.json:
         print_json(summary)
         return 0
-    measured, predicted = summary["measured"], summary["predicted"]
-    print(f"ran {summary['steps']} step(s) of {summary['plan']} on {summary['workers']} workers "
-          f"({summary['backend']}, {len(summary['buckets'])} gradient buckets)")
-    print(f"{'':24}{'measured':>16}{'predicted':>16}")
-    rows = (("peak bytes per worker", "peak_bytes", "{:,}"), ("step time (s)", "step_time_s", "{:.6f}"),
-            ("all-reduce wait (s)", "allreduce_wait_s", "{:.6f}"), ("all-reduce time (s)", "allreduce_s", "{:.6f}"),
-            ("overlap fraction", "overlap_fraction", "{:.3f}"))
-    for label, key, form in rows:
-        print(f"{label:24}{form.format(measured[key]):>16}{form.format(predicted[key]):>16}")
-    if args.sync_batchnorm:
-        print(f"BatchNorm on the whole batch: {summary['synchronised_batch_statistics']} per-channel statistics "
-              f"averaged across the workers")
-    print(f"predicted step without overlap: {predicted['step_no_overlap_s']:.6f} s (the cpu profile, "
-          f"{predicted['interconnect']['bandwidth'] / 1e9:g} GB/s interconnect)")
+    print_data_parallel_run(summary, args.sync_batchnorm)
     return 0
