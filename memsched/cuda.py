@@ -109,6 +109,15 @@ def loaded_libraries() -> dict[str, str]:
     return paths
 
 
+def loadable(name: str) -> bool:
+    """Whether the shared library `name` loads in this process (the dynamic loader's search)."""
+    try:
+        ctypes.CDLL(name)
+    except OSError:
+        return False
+    return True
+
+
 def locate(names: list[str]) -> dict[str, str | None]:
     """Where each library is: loaded in this process, else in a wheel's folder, else None."""
     loaded = loaded_libraries()

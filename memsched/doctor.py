@@ -32,7 +32,7 @@ def diagnose() -> dict:
     needed = cuda.required_libraries()
     preload_error = cuda.preload() if needed else None
     libraries = cuda.locate(needed)
-    driver = _loadable(cuda.DRIVER)
+    driver = cuda.loadable(cuda.DRIVER)
     report = {"onnxruntime": runtime,
               "libraries": libraries, "preload": preload_error or "ok", "gpus": cuda.gpus(),
               "session_providers": None, "cuda_usable": False, "reason": None, "fix": None}
@@ -63,16 +63,6 @@ def fixed_overhead(report: dict) -> dict:
         return cuda.fixed_overhead(refresh=True)
     return {"bytes": None, "source": None,
             "reason": f"cannot be measured on this machine: {report['reason']}; it needs a usable CUDA GPU"}
-
-
-def _loadable(name: str) -> bool:
-    import ctypes
-
-    try:
-        ctypes.CDLL(name)
-    except OSError:
-        return False
-    return True
 
 
 __all__ = ["CUDA_PROVIDER", "diagnose", "fixed_overhead"]

@@ -33,9 +33,9 @@ def test_doctor_reasons_come_in_the_order_a_session_needs_them(monkeypatch):
     assert doctor.diagnose()["fix"] == doctor.FIX_BUILD
     monkeypatch.setattr(onnxruntime, "get_available_providers",
                         lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
-    monkeypatch.setattr(doctor, "_loadable", lambda name: False)
+    monkeypatch.setattr(cuda, "loadable", lambda name: False)
     assert doctor.diagnose()["fix"] == doctor.FIX_DRIVER
-    monkeypatch.setattr(doctor, "_loadable", lambda name: True)
+    monkeypatch.setattr(cuda, "loadable", lambda name: True)
     monkeypatch.setattr(cuda, "required_libraries", lambda: [cuda.DRIVER, "libcublas.so.13", cuda.CUDNN])
     monkeypatch.setattr(cuda, "locate", lambda names: {name: None for name in names})
     report = doctor.diagnose()

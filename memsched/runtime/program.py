@@ -306,7 +306,7 @@ def host_constants(graph: Graph, feeds: dict, device: str = "cpu") -> dict[str, 
             if not t.is_static or name in updated or name in feeds:
                 continue
             value = tensor_value(t, graph.base_dir)
-        elif op.op_type in ("Shape", "Size") and graph.tensors[op.inputs[0]].shape is not None:
+        elif op.op_type in HOISTED_OPS and graph.tensors[op.inputs[0]].shape is not None:
             shape = graph.tensors[op.inputs[0]].shape
             if op.op_type == "Size":
                 value = np.array(math.prod(shape))
