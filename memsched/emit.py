@@ -21,9 +21,9 @@ node out of order, a SwapOut whose `tier` attribute names another tier, an initi
 data does not fill its shape, a graph that no longer matches its digest) is rejected rather
 than guessed at.
 
-`model_step` builds again, from the user's original model file, the step a plan claims to run
-(the training options are in the plan's `memsched.training` metadata), so `run --against` can
-compare the plan with the model and not only with itself.
+`passes.rebuild.model_step` builds again, from the user's original model file, the step a plan
+claims to run (the training options are in the plan's `memsched.training` metadata), so `run
+--against` can compare the plan with the model and not only with itself.
 """
 from __future__ import annotations
 

@@ -32,10 +32,10 @@ Metadata (graph.metadata, kept in ONNX metadata_props):
   "backward": [sum of dy, sum of dy * xhat]}}: what synchronised BatchNorm averages across
   data-parallel workers (memsched.data_parallel.batch_statistics).
 
-Training semantics: BatchNormalization normalises with batch statistics (PyTorch's train
-mode) and does not update its running statistics (they do not affect the step's loss or
-gradients); Dropout follows the node's own training_mode input (with a mask kept for the
-backward pass when it drops anything).
+Training semantics: BatchNormalization normalises with batch statistics and updates its
+running statistics with its momentum (PyTorch's train mode: the unbiased batch variance), as
+`<buffer>.updated` outputs carried to the next step; Dropout follows the node's own
+training_mode input (with a mask kept for the backward pass when it drops anything).
 
 What the backward keeps: a BatchNormalization that feeds a ReLU or ReLU6 keeps its normalised
 input alone (bn_relu), and values cheap ops make from tensors the backward keeps anyway (GELU
