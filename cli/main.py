@@ -8,7 +8,7 @@ import sys
 
 from memsched.cli.options import attach_negative_values, build_parser
 
-from memsched.errors import MemschedError
+from memsched.errors import MemschedError, printable
 from memsched.outputs import Terminated, install_sigterm_handler
 
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = given    # a launcher starts ranks with them
         return args.handler(args)
     except MemschedError as exc:
-        print(f"memsched: error: {exc}", file=sys.stderr)
+        print(f"memsched: error: {printable(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("memsched: interrupted", file=sys.stderr)
@@ -30,12 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         print("memsched: terminated", file=sys.stderr)
         return 143
     except OSError as exc:      # a full disk, a file it may not read or write: the system's reason
-        print(f"memsched: error: {os_error_line(exc)}", file=sys.stderr)
+        print(f"memsched: error: {printable(os_error_line(exc))}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - a bug, but the user still gets one line
         if os.environ.get("MEMSCHED_DEBUG"):
             raise
-        print(f"memsched: internal error: {type(exc).__name__}: {exc} "
+        print(f"memsched: internal error: {type(exc).__name__}: {printable(exc)} "
               f"(set MEMSCHED_DEBUG=1 for a traceback)", file=sys.stderr)
         return 1
     finally:        # a caller in the same process (a test, a notebook) gets its own handler back

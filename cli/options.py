@@ -6,12 +6,23 @@ import argparse
 import math
 import re
 
+from memsched.errors import UserError
 from memsched.hardware import PLANNING_PROFILE
 
 # the training step's losses (passes.training.loss.LOSSES, named here so parsing imports no pass)
 LOSSES = ["cross_entropy", "mse", "bce_with_logits", "output"]
 # ... and optimizers (passes.training.optimizer.OPTIMIZERS)
 OPTIMIZERS = ["none", "sgd", "momentum", "adam", "adamw"]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (an unknown option, a missing argument, a value
+    of the wrong kind) are UserErrors: one line and exit code 1, as every other bad input,
+    instead of argparse's usage block and exit 2. Subcommands' parsers are of this class too
+    (argparse makes them of their parent's)."""
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from memsched.cli.commands import NAMES
 
-    parser = argparse.ArgumentParser(prog="memsched", description="Plan how a training step uses GPU memory.")
+    parser = Parser(prog="memsched", description="Plan how a training step uses GPU memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in NAMES:
         importlib.import_module(f"memsched.cli.commands.{name}").register(sub)
@@ -47,11 +58,9 @@ def attach_negative_values(argv: list[str]) -> list[str]:
 
 
 def positive_int(what: str):
-    """argparse type for a count or size named `what`: an integer above 0 (not an integer:
-    argparse's usage error; 0 or less: a UserError, one line and exit 1)."""
+    """argparse type for a count or size named `what`: an integer above 0 (anything else is
+    one line and exit 1: argparse's usage error, or a UserError naming `what`)."""
     def parse(text: str) -> int:
-        from memsched.errors import UserError
-
         try:
             value = int(text)
         except ValueError:

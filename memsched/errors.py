@@ -33,3 +33,11 @@ def first_line(exc: BaseException) -> str:
     if not text:
         return type(exc).__name__
     return f"{text[0]} {text[1]}" if text[0].endswith(":") and len(text) > 1 else text[0]
+
+
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on (newline, carriage return, escape,
+    NUL, other control characters) written as its Python escape (`\\n`, `\\x1b`): names from a
+    model reach error lines and tables, and one such name must not split a line, forge one, or
+    clear the screen."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))

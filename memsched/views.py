@@ -9,6 +9,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 from rich.table import Table
 
+from .errors import printable
 from .units import format_bytes, format_seconds
 
 
@@ -18,8 +19,9 @@ def console() -> Console:
 
 def _e(value) -> str:
     """`value` as text rich prints literally: names from models, paths and profiles may hold '[...]',
-    which rich would read as markup (a crash on '[/]', a hyperlink from '[link=...]')."""
-    return escape(str(value))
+    which rich would read as markup (a crash on '[/]', a hyperlink from '[link=...]'), and
+    control characters, which the terminal would act on (`errors.printable`)."""
+    return escape(printable(value))
 
 
 def print_inspect(summary: dict) -> None:

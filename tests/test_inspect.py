@@ -32,6 +32,12 @@ def test_inspect_table(tmp_path):
     assert "MatMul" in result.stdout
 
 
-def test_usage_error_exit_2():
-    result = run_cli("inspect")
-    assert result.returncode == 2
+def test_usage_errors_are_one_line_and_exit_1():
+    """A missing argument, an unknown option or command: one line that names the command's
+    --help, exit 1 (argparse's usage block and exit 2 are not what a user gets)."""
+    for args, fragment in ((("inspect",), "memsched inspect --help"), (("inspect", "m.onnx", "--bogus"), "--bogus"),
+                           (("frobnicate",), "'frobnicate'")):
+        result = run_cli(*args)
+        assert result.returncode == 1 and result.stdout == "", result
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("memsched: error: ")
+        assert fragment in result.stderr

@@ -422,7 +422,8 @@ def test_cli_models_export_errors_are_one_line(tmp_path, args, message):
 
 
 def test_cli_models_export_needs_output():
-    assert run_cli("models", "export", "mlp").returncode == 2
+    result = run_cli("models", "export", "mlp")
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and "-o/--output" in result.stderr
 
 
 # -- DCGAN ------------------------------------------------------------------------------

@@ -319,8 +319,35 @@ def test_time_limits_must_be_finite_and_positive(text, command):
 
 
 def test_time_limit_that_is_not_a_number_is_a_usage_error():
-    result = run_cli("tune-batch", "mlp", "--time-limit", "abc")
-    assert result.returncode == 2 and "argument --time-limit: 'abc' is not a number of seconds" in result.stderr
+    one_line_error(run_cli("tune-batch", "mlp", "--time-limit", "abc"),
+                   "argument --time-limit: 'abc' is not a number of seconds", "memsched tune-batch --help")
+
+
+FORGED = "\nTraceback (most recent call last):\x1b[2J"      # a newline, a forged line, a screen clear
+
+
+def _model_named(path, node_name: str, weight_name: str, domain: str = ""):
+    """A one-MatMul model (or, with `domain`, one op of that domain) with the names given."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    weight = numpy_helper.from_array(np.ones((3, 4), np.float32), weight_name)
+    node = helper.make_node("Frob" if domain else "MatMul", ["x", weight_name], ["y"], name=node_name, domain=domain)
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    onnx.save(helper.make_model(helper.make_graph([node], "g", [x], [y], [weight]), opset_imports=opsets,
+                                ir_version=8), str(path))
+    return path
+
+
+def test_names_with_control_characters_stay_on_their_line(tmp_path):
+    """A name from a model that holds a newline or a terminal escape is printed escaped, in an
+    error line and in a table: it cannot split the line, forge a traceback or clear the screen."""
+    bad = _model_named(tmp_path / "bad.onnx", f"evil{FORGED}", "w", domain="x.evil")
+    line = one_line_error(run_cli("inspect", bad), "unsupported op 'Frob'", "evil\\nTraceback", "\\x1b[2J")
+    assert "\x1b" not in line
+    result = run_cli("inspect", _model_named(tmp_path / "ok.onnx", f"mm{FORGED}", f"w{FORGED}"))
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout and "Traceback (most" in result.stdout
+    assert not any(line.startswith("Traceback") for line in result.stdout.splitlines())
 
 
 def test_time_limit_accepts_positive_seconds():
