@@ -28,7 +28,7 @@ from memsched import hardware as hardware_mod
 from memsched.deadline import Deadline
 from memsched.errors import BudgetError, UserError
 from memsched.ir import Graph
-from memsched.units import parse_bytes
+from memsched.units import format_bytes, parse_bytes
 
 from memsched.passes.pipeline import compile as compile_plan
 
@@ -147,7 +147,19 @@ def tune_batch(build: Callable[[int], Graph], *, hardware=hardware_mod.PLANNING_
                 say(f"{name}: measuring batch {row['batch']} on {measure}")
                 row.update(measure_row(measure_build or build, row["batch"], sets[name], hw, capacity, measure,
                                        measure_steps, options))
+    if not any(row["fits"] for row in trials.rows):
+        raise _nothing_fits(trials.rows, capacity)
     return TuneResult(trials.rows, largest, best, _fastest(trials.rows), capacity, complete)
+
+
+def _nothing_fits(rows: list[dict], capacity: int) -> BudgetError:
+    """The error where no batch fits under any strategy set (exit 3): the smallest peak a
+    batch of 1 reached, where it was tried, is the smallest budget that works."""
+    ones = [row["peak_bytes"] for row in rows if row["batch"] == 1 and row.get("peak_bytes")]
+    smallest = min(ones, default=None)
+    reached = f"; batch 1 needs at least {format_bytes(smallest)} ({smallest:,} B)" if smallest else ""
+    return BudgetError(f"no batch size fits in {format_bytes(capacity)} ({capacity:,} B) with any strategy set"
+                       f"{reached}", smallest)
 
 
 class _Trials:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from memsched import models
+from memsched.errors import BudgetError
 from memsched.hardware import load
 from memsched.onnx_utils import save_model_atomic
 from memsched.passes.pipeline import compile as compile_plan
@@ -95,3 +96,19 @@ def test_measure_runs_the_chosen_batch_with_the_executor():
     assert measured["provider"] == "CPUExecutionProvider"
     assert measured["peak_bytes"] == measured["planned_peak_bytes"] == best["peak_bytes"]
     assert measured["time_per_sample_s"] > 0
+
+
+def test_no_batch_that_fits_is_a_budget_error_naming_the_smallest_that_works():
+    """Where no batch fits under any set, the search ends in exit 3 (a BudgetError) naming the
+    smallest peak a batch of 1 reached; with that as the budget, batch 1 fits."""
+    build = graph_builder("mlp")
+    with pytest.raises(BudgetError, match="no batch size fits") as caught:
+        tune_batch(build, hardware=tiny_gpu(0.5), strategy_sets=SETS, time_limit=4, deadline=unlimited(),
+                   max_batch=4)
+    smallest = caught.value.smallest_feasible_bytes
+    assert smallest is not None and smallest > 0.5 * 2**20
+    fitting = tune_batch(build, hardware=tiny_gpu(smallest / 2**20), strategy_sets=SETS, time_limit=4,
+                         deadline=unlimited(), max_batch=1)
+    assert fitting.largest["reuse"] == 1
+    result = run_cli("tune-batch", "mlp", "--time-limit", "5", "--max-batch", "2", "--budget", "1B")
+    assert result.returncode == 3 and result.stderr.count("\n") == 1 and "batch 1 needs at least" in result.stderr
