@@ -377,6 +377,9 @@ class CostTable:
         data = read_document(path, "cost table")
         if not isinstance(data, dict) or data.get("format") != "memsched-costs":
             raise UserError(f"{path} is not a memsched cost table (write one with `memsched profile`)")
+        if data.get("version") != 1:
+            raise UserError(f"{path} is a memsched cost table of version {data.get('version')!r}; this memsched "
+                            f"reads version 1 (write it again with `memsched profile`)")
         times = _seconds_table(data.get("times", {}), "times", path)
         by_sig = _seconds_table(data.get("by_signature", {}), "by_signature", path)
         meta = {k: v for k, v in data.items() if k not in ("format", "version", "times", "by_signature")}

@@ -406,6 +406,27 @@ def test_cost_tables_with_bad_times_are_refused(tmp_path, value):
     one_line_error(run_cli("simulate", model, "--costs", path), "fc1")
 
 
+def test_a_cost_table_of_another_version_is_refused(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"format": "memsched-costs", "version": 99, "times": {"fc1": 0.1}}))
+    with pytest.raises(UserError, match="version 99"):
+        CostTable.load(path)
+
+
+@pytest.mark.parametrize("command", [("check-numerics", "{model}", "--top", "-1"),
+                                     ("report", "{model}", "--data-parallel", "0"),
+                                     ("profile", "{model}", "-o", "{out}", "--repeats", "0"),
+                                     ("hardware", "calibrate", "-o", "{out}", "--repeats", "0")])
+def test_counts_below_one_are_refused_before_any_work(tmp_path, command):
+    """A count of rows, workers or timed runs below 1 is one line, not a quiet slice or a
+    division by zero; nothing is written."""
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    out = tmp_path / "out.json"
+    args = [part.format(model=model, out=out) for part in command]
+    one_line_error(run_cli(*args), "must be a whole number of at least 1")
+    assert not out.exists()
+
+
 # ---- 14 ----------------------------------------------------------------------------------------------------
 def test_zero_op_model_says_what_is_wrong(tmp_path):
     graph = helper.make_graph([], "empty", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],

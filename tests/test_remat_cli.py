@@ -75,7 +75,11 @@ def test_remat_user_errors_exit_1(tmp_path):
     assert "cycle" in assert_one_line_error(run_cli("remat", cyclic, "--budget-fraction", "0.8"), 1)
     good = write_graph(tmp_path, graphs.chain(3))
     assert "fraction" in assert_one_line_error(run_cli("remat", good, "--budget-fraction", "0"), 1)
-    assert "past any number of bytes" in assert_one_line_error(run_cli("remat", good, "--budget-fraction", "1e308"), 1)
+    for fraction in ("1e308", "2", "1.0000001", "nan"):
+        assert "at most 1" in assert_one_line_error(run_cli("remat", good, "--budget-fraction", fraction), 1)
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"nodes": [], "links": []}))
+    assert "no nodes" in assert_one_line_error(run_cli("remat", empty, "--budget-fraction", "0.8"), 1)
     assert "time limit" in assert_one_line_error(
         run_cli("remat", good, "--budget-fraction", "0.9", "--time-limit", "0"), 1)
 

@@ -1,7 +1,7 @@
 """`memsched check-numerics`: a float32 step's gradients against the same step in float64."""
 from __future__ import annotations
 
-from memsched.cli.options import LOSSES, add_dim_option, add_json_option, add_threads_option
+from memsched.cli.options import LOSSES, add_dim_option, add_json_option, add_threads_option, positive_int
 from memsched.cli.render import print_json
 
 
@@ -10,7 +10,7 @@ def register(sub) -> None:
     p.add_argument("model", help="an .onnx file (a forward graph, or a training step built by train-graph)")
     add_dim_option(p)
     p.add_argument("--loss", choices=LOSSES, default="cross_entropy")
-    p.add_argument("--top", type=int, default=10, metavar="N", help="rows to print (default 10)")
+    p.add_argument("--top", type=positive_int("--top"), default=10, metavar="N", help="rows to print (default 10)")
     add_threads_option(p)
     p.add_argument("--strict", action="store_true",
                    help="let the float64 run take its own ReLU masks and max-pool choices (by default it takes "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from memsched.cli.options import add_json_option, add_threads_option
+from memsched.cli.options import add_json_option, add_threads_option, positive_int
 from memsched.cli.render import print_json
 
 from memsched.outputs import check_outputs
@@ -21,7 +21,7 @@ def register(sub) -> None:
     p.set_defaults(handler=show)
     p = hw_sub.add_parser("calibrate", help="fit this machine's per-op-class costs with ONNX Runtime timings")
     p.add_argument("-o", "--output", required=True, help="profile file to write (.json)")
-    p.add_argument("--repeats", type=int, default=20, help="timed runs per op (median)")
+    p.add_argument("--repeats", type=positive_int("--repeats"), default=20, help="timed runs per op (median)")
     add_threads_option(p, default=1, why=": timed in CPU time, immune to other load")
     p.add_argument("--references", default="all", metavar="MODELS",
                    help="bundled models whose training steps (small sizes) the class costs are fitted to, "

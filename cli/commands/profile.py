@@ -1,7 +1,7 @@
 """`memsched profile`: time every op of a model with ONNX Runtime into a cost table."""
 from __future__ import annotations
 
-from memsched.cli.options import add_dim_option, add_json_option, add_threads_option, add_training_options
+from memsched.cli.options import add_dim_option, add_json_option, add_threads_option, add_training_options, positive_int
 from memsched.cli.render import print_json
 
 from memsched.outputs import check_outputs
@@ -12,7 +12,7 @@ def register(sub) -> None:
     p.add_argument("model", help="an .onnx file")
     p.add_argument("-o", "--output", required=True, help="cost table to write (.json)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs per op (median)")
+    p.add_argument("--repeats", type=positive_int("--repeats"), default=10, help="timed runs per op (median)")
     add_threads_option(p)
     add_dim_option(p)
     add_training_options(p)

@@ -1,7 +1,7 @@
 """`memsched report`: the cost report of a written plan, judged and simulated again."""
 from __future__ import annotations
 
-from memsched.cli.options import add_hardware_option, add_json_option
+from memsched.cli.options import add_hardware_option, add_json_option, positive_int
 from memsched.cli.render import show_report
 
 from memsched.outputs import check_outputs
@@ -12,7 +12,8 @@ def register(sub) -> None:
     p.add_argument("plan", help="a scheduled .onnx file (memsched compile -o)")
     add_hardware_option(p, default=None, what="simulate on this profile instead of the plan's")
     p.add_argument("--costs", metavar="COSTS.json", help="measured cost table from `memsched profile`")
-    p.add_argument("--data-parallel", type=int, metavar="N", help="also estimate N-worker data-parallel steps")
+    p.add_argument("--data-parallel", type=positive_int("--data-parallel"), metavar="N",
+                   help="also estimate N-worker data-parallel steps")
     p.add_argument("--html", metavar="OUT.html", help="write the report as a self-contained HTML page")
     add_json_option(p)
     p.set_defaults(handler=run)

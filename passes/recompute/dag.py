@@ -170,6 +170,8 @@ def make_problem(graph: nx.DiGraph, order=None, pinned_bytes: int = 0,
     """
     if not isinstance(graph, nx.DiGraph) or graph.is_multigraph():
         raise RematInputError("the graph must be a networkx DiGraph")
+    if graph.number_of_nodes() == 0:
+        raise RematInputError("the graph has no nodes: there is nothing to schedule")
     try:
         sorted_order = list(nx.topological_sort(graph)) if order is None else None   # also the cycle check
     except nx.NetworkXUnfeasible:
@@ -260,12 +262,10 @@ def to_node_link(problem: RematProblem) -> dict:
 
 def budget_from_fraction(problem: RematProblem, fraction: float) -> int:
     """F x the peak of the initial order without recomputation (Checkmate's budget convention)."""
-    if not (fraction > 0 and math.isfinite(fraction)):
-        raise RematInputError(f"the budget fraction must be > 0, not {fraction!r}")
-    budget = fraction * checkpoint_all_peak(problem)
-    if not math.isfinite(budget):
-        raise RematInputError(f"the budget fraction {fraction!r} times the graph's peak is past any number of bytes")
-    return int(budget)
+    if not 0 < fraction <= 1:
+        raise RematInputError(f"the budget fraction is a share of the graph's peak: above 0 and at most 1, "
+                              f"not {fraction!r}")
+    return int(fraction * checkpoint_all_peak(problem))
 
 
 def checkpoint_all_peak(problem: RematProblem) -> int:
