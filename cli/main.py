@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print("memsched: terminated", file=sys.stderr)
         return 143
+    except MemoryError:         # a model or data file that claims more than this machine holds
+        print("memsched: error: out of memory: the model or data is larger than this machine's memory "
+              "allows (smaller sizes, or a machine with more memory)", file=sys.stderr)
+        return 1
     except OSError as exc:      # a full disk, a file it may not read or write: the system's reason
         print(f"memsched: error: {printable(os_error_line(exc))}", file=sys.stderr)
         return 1

@@ -57,16 +57,17 @@ def attach_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
-def positive_int(what: str):
-    """argparse type for a count or size named `what`: an integer above 0 (anything else is
-    one line and exit 1: argparse's usage error, or a UserError naming `what`)."""
+def positive_int(what: str, least: int = 1):
+    """argparse type for a count or size named `what`: an integer of at least `least` (1; 0
+    for a seed; anything else is one line and exit 1: argparse's usage error, or a UserError
+    naming `what`)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-        if value < 1:
-            raise UserError(f"{what} '{text}' must be a whole number of at least 1")
+        if value < least:
+            raise UserError(f"{what} '{text}' must be a whole number of at least {least}")
         return value
 
     parse.__name__ = "integer"      # argparse's usage error names the type

@@ -34,7 +34,11 @@ def load_arrays(path: str | os.PathLike, types: dict[str, tuple[np.dtype, tuple[
     if not path.is_file():
         raise UserError(f"no such data file: {path}")
     try:
-        with np.load(path, allow_pickle=False) as archive:
+        archive = np.load(path, allow_pickle=False)
+        if not isinstance(archive, np.lib.npyio.NpzFile):      # one .npy array, whatever the file's name
+            raise UserError(f"{path} holds one array (a .npy file), not named arrays; write the data with "
+                            f"numpy.savez(path, {'=..., '.join(types)}=...)")
+        with archive:
             names = list(archive.files)
             missing = [name for name in types if name not in names]
             if missing:

@@ -350,6 +350,20 @@ def test_names_with_control_characters_stay_on_their_line(tmp_path):
     assert not any(line.startswith("Traceback") for line in result.stdout.splitlines())
 
 
+def test_running_out_of_memory_is_one_line(monkeypatch, capsys):
+    """A model or data file that claims more than the machine holds ends in one line, exit 1."""
+    from memsched import cli
+    from memsched.cli.commands import inspect
+
+    def exhausted(args):
+        raise MemoryError
+
+    monkeypatch.setattr(inspect, "run", exhausted)
+    assert cli.main(["inspect", "model.onnx"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("memsched: error: out of memory")
+
+
 def test_time_limit_accepts_positive_seconds():
     assert positive_seconds("0.5") == 0.5
 

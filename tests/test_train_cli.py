@@ -103,11 +103,14 @@ def test_every_bad_input_is_one_line(setup, tmp_path):
     np.savez(tmp_path / "dtype.npz", input=np.zeros((64, 1, 8, 8), np.complex64), labels=np.zeros(64, np.int64))
     np.savez(tmp_path / "few.npz", input=np.zeros((10, 1, 8, 8), np.float32), labels=np.zeros(10, np.int64))
     (tmp_path / "junk.npz").write_text("not a zip")
+    np.save(tmp_path / "one.npy", np.zeros((64, 1, 8, 8), np.float32))
+    os.replace(tmp_path / "one.npy", tmp_path / "one.npz")      # one array, named as an archive
     np.savez(tmp_path / "labels.npz", input=np.zeros((64, 1, 8, 8), np.float32), labels=np.arange(64) % 11)
     plan, data = setup / "plan.onnx", setup / "train.npz"
     cases = [
         (("--data", tmp_path / "missing.npz"), "no such data file"),
         (("--data", tmp_path / "junk.npz"), "is not a readable .npz file"),
+        (("--data", tmp_path / "one.npz"), "holds one array (a .npy file)"),
         (("--data", tmp_path / "nolabels.npz"), "has no array 'labels'"),
         (("--data", tmp_path / "shape.npz"), "holds samples of shape (1, 9, 9)"),
         (("--data", tmp_path / "counts.npz"), "different numbers of samples"),

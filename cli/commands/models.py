@@ -26,7 +26,8 @@ def register(sub) -> None:
 
     p = models_sub.add_parser("digits", help="write scikit-learn's digits as train.npz and test.npz (for train)")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write them into")
-    p.add_argument("--seed", type=int, default=0, help="seed of the train/test split (default 0)")
+    p.add_argument("--seed", type=positive_int("--seed", least=0), default=0,
+                   help="seed of the train/test split (default 0)")
     p.set_defaults(handler=digits)
 
 
