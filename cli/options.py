@@ -115,13 +115,29 @@ def add_dim_option(p: argparse.ArgumentParser) -> None:
                    help="bind a symbolic dimension (repeatable)")
 
 
+TRAINING_DEFAULTS = {"loss": "cross_entropy", "optimizer": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}
+
+
 def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", action="store_true", help="plan the training step (forward, loss, backward, update)")
-    p.add_argument("--loss", default="cross_entropy", choices=LOSSES)
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01; a trainer may change it)")
-    p.add_argument("--momentum", type=float, default=0.9, help="with --optimizer momentum (default 0.9)")
-    p.add_argument("--weight-decay", type=float, default=0.0,
+    p.add_argument("--loss", default=TRAINING_DEFAULTS["loss"], choices=LOSSES)
+    p.add_argument("--optimizer", default=TRAINING_DEFAULTS["optimizer"], choices=OPTIMIZERS)
+    p.add_argument("--lr", type=float, default=TRAINING_DEFAULTS["lr"],
+                   help="learning rate (default 0.01; a trainer may change it)")
+    p.add_argument("--momentum", type=float, default=TRAINING_DEFAULTS["momentum"],
+                   help="with --optimizer momentum (default 0.9)")
+    p.add_argument("--weight-decay", type=float, default=TRAINING_DEFAULTS["weight_decay"],
                    help="SGD/Adam: L2 penalty in the gradient; AdamW: decoupled decay (default 0: no decay ops)")
     p.add_argument("--freeze", action="append", default=[], metavar="PATTERN",
                    help="parameters matching this fnmatch pattern are not trained (repeatable)")
+
+
+def check_training_options(args: argparse.Namespace) -> None:
+    """A training option set without --train is a UserError: the forward plan would ignore it."""
+    if args.train:
+        return
+    given = [name for name, default in TRAINING_DEFAULTS.items() if getattr(args, name) != default]
+    given += ["freeze"] if args.freeze else []
+    if given:
+        raise UserError(f"--{given[0].replace('_', '-')} is an option of the training step; add --train "
+                        f"(without it the forward pass alone is planned)")

@@ -350,6 +350,21 @@ def test_names_with_control_characters_stay_on_their_line(tmp_path):
     assert not any(line.startswith("Traceback") for line in result.stdout.splitlines())
 
 
+@pytest.mark.parametrize("given", [("--lr", "0.1"), ("--optimizer", "adam"), ("--freeze", "fc1.*"),
+                                   ("--weight-decay", "0.01")])
+def test_training_options_without_train_are_refused(tmp_path, given):
+    """A training option without --train would plan the forward pass and ignore it: one line."""
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    for command in (("compile", model, "-o", tmp_path / "p.onnx"), ("simulate", model)):
+        one_line_error(run_cli(*command, *given), f"{given[0]} is an option of the training step; add --train")
+    assert not (tmp_path / "p.onnx").exists()
+
+
+def test_bucket_size_without_data_parallel_is_refused(tmp_path):
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    one_line_error(run_cli("compile", model, "--train", "--bucket-mb", "5"), "add --data-parallel N")
+
+
 def test_running_out_of_memory_is_one_line(monkeypatch, capsys):
     """A model or data file that claims more than the machine holds ends in one line, exit 1."""
     from memsched import cli

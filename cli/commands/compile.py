@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import math
 
-from memsched.cli.options import (add_dim_option, add_hardware_option,
-                                   add_json_option, add_training_options, positive_seconds)
+from memsched.cli.options import (add_dim_option, add_hardware_option, add_json_option, add_training_options,
+                                   check_training_options, positive_seconds)
 from memsched.cli.render import show_report
 
 from memsched.outputs import check_outputs
+
+BUCKET_MB = 25.0        # DDP's bucket_cap_mb
 
 
 def register(sub) -> None:
@@ -27,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--data-parallel", type=int, metavar="N",
                    help="plan the step of one of N data-parallel workers (with --train: 1/N of the batch each) "
                         "and estimate its all-reduces")
-    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
+    p.add_argument("--bucket-mb", type=float, default=BUCKET_MB, metavar="MB",
                    help="with --data-parallel: gradient bucket size in MiB, as DDP's bucket_cap_mb (default 25)")
     p.add_argument("--report", metavar="OUT.html", help="write the cost report as a self-contained HTML page")
     add_json_option(p)
@@ -45,8 +47,11 @@ def run(args) -> int:
     from memsched.views import progress, say_interrupted
 
     check_outputs({"-o": args.output, "--report": args.report}, [args.model, args.costs, args.hardware])
+    check_training_options(args)
     if not math.isfinite(args.bucket_mb) or args.bucket_mb <= 0:
         raise UserError(f"--bucket-mb must be a size above 0 MiB, not {args.bucket_mb:g}")
+    if args.bucket_mb != BUCKET_MB and args.data_parallel is None:
+        raise UserError("--bucket-mb sizes the gradient buckets of a data-parallel step; add --data-parallel N")
     deadline = for_command(args.time_limit)     # from the process's start: the whole command
     # the first Ctrl-C, during the search or while the plan and report are written, finishes
     # with the best plan (exit 0); a second aborts (exit 130), the writes being atomic

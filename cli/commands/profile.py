@@ -1,7 +1,8 @@
 """`memsched profile`: time every op of a model with ONNX Runtime into a cost table."""
 from __future__ import annotations
 
-from memsched.cli.options import add_dim_option, add_json_option, add_threads_option, add_training_options, positive_int
+from memsched.cli.options import (add_dim_option, add_json_option, add_threads_option, add_training_options,
+                                   check_training_options, positive_int)
 from memsched.cli.render import print_json
 
 from memsched.outputs import check_outputs
@@ -28,6 +29,7 @@ def run(args) -> int:
     from memsched.views import print_cost_table
 
     check_outputs({"-o": args.output}, [args.model])
+    check_training_options(args)
     graph = load_graph(args.model, frontend.parse_dims(args.dim), args.train, args.loss, args.optimizer, args.lr,
                        tuple(args.freeze))
     table = profile_graph(graph, device=args.device, repeats=args.repeats, threads=args.threads)

@@ -1,7 +1,8 @@
 """`memsched simulate`: the predicted step of a model's default schedule."""
 from __future__ import annotations
 
-from memsched.cli.options import add_dim_option, add_hardware_option, add_json_option, add_training_options
+from memsched.cli.options import (add_dim_option, add_hardware_option, add_json_option, add_training_options,
+                                   check_training_options)
 from memsched.cli.render import print_json
 
 
@@ -25,6 +26,7 @@ def run(args) -> int:
     from memsched.simulate import simulate
     from memsched.views import print_simulation
 
+    check_training_options(args)
     graph = load_graph(args.model, frontend.parse_dims(args.dim), args.train, args.loss, args.optimizer, args.lr,
                        tuple(args.freeze))
     costs = CostTable.load(args.costs) if args.costs else None
