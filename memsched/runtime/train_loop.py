@@ -5,7 +5,10 @@ a resume point, the inference model and the loss curve.
 evaluates the inference model on the validation data (where given) and writes the checkpoint
 (where asked). A checkpoint records where the run stands (epoch and batch), the data order's
 seed and whether it shuffles, so `resume` continues with the very batch that came next: a
-resumed run gives the same losses, bit for bit, as one never stopped. `stop()` is asked after
+resumed run gives the same losses, bit for bit, as one never stopped. Those fields are checked
+before the trainer loads anything (`resume_position`): an epoch or batch that is no whole number,
+a batch past this data's epoch, a seed, shuffle, last or world that `fit` never writes is one
+UserError naming the checkpoint and the field. `stop()` is asked after
 every step (the CLI's first Ctrl-C): the run then ends after that step with its checkpoint
 written. A loss that is not finite ends the run with a UserError naming the step; nothing
 trains on silently.
@@ -21,10 +24,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..data import batches, sample_count, steps_per_epoch
+from ..data import LAST, batches, sample_count, steps_per_epoch
 from ..errors import UserError
 from ..inference import VALIDATED_LOSSES, evaluate, export_inference, forward_model, inference_model
-from .trainer import Trainer
+from .trainer import Trainer, checkpoint_count, checkpoint_metadata
 
 
 @dataclass
@@ -76,15 +79,8 @@ def fit(trainer: Trainer, train: dict[str, np.ndarray], options: FitOptions,
                         f"size){' per rank' if options.world > 1 else ''}; pass --last pad, or give more data")
     epoch, start = 0, 0
     if options.resume:
-        position = trainer.load_checkpoint(options.resume)
-        epoch, start = int(position.get("epoch", 0)), int(position.get("batch", 0))
-        order = {"shuffle": str(options.shuffle), "seed": str(options.seed), "last": options.last,
-                 "world": str(options.world)}
-        differs = [key for key, value in order.items() if key in position and position[key] != value]
-        if differs:      # a checkpoint written by Trainer.save_checkpoint records no data order
-            shown = " and ".join(f"{key} {position[key]}" for key in differs)
-            raise UserError(f"{options.resume} was written by a run with {shown}; resume with the same data "
-                            f"order (--shuffle, --seed, --last, --workers)")
+        epoch, start = resume_position(options.resume, options, per_epoch)
+        trainer.load_checkpoint(options.resume)
     result = FitResult(0, trainer.step_count, epoch, False)
     began = time.perf_counter()
 
@@ -132,6 +128,40 @@ def fit(trainer: Trainer, train: dict[str, np.ndarray], options: FitOptions,
     if plot and result.losses:
         result.written["plot"] = str(write_loss_curve(plot, result.losses, result.first_step))
     return result
+
+
+def resume_position(path: str | os.PathLike, options: FitOptions, per_epoch: int) -> tuple[int, int]:
+    """(epoch, batch) that checkpoint `path` resumes at, its data order the same as `options`'.
+    Reads the metadata `fit` writes and checks each field (a checkpoint written by
+    Trainer.save_checkpoint may lack them: epoch 0, batch 0, any order): a bad one, another
+    data order or a batch past an epoch of `per_epoch` batches is one UserError."""
+    metadata = checkpoint_metadata(path)
+    position = _extra(metadata)
+    epoch = checkpoint_count(path, metadata, "extra.epoch", "an epoch count", default="0")
+    start = checkpoint_count(path, metadata, "extra.batch", "a batch number", default="0")
+    for key, allowed in (("shuffle", ("True", "False")), ("last", LAST)):
+        if key in position and position[key] not in allowed:
+            raise UserError(f"the checkpoint {path} holds extra.{key} {position[key][:40]!r}; it is one of "
+                            f"{', '.join(allowed)}")
+    for key, what, least in (("seed", "a seed", 0), ("world", "a worker count", 1)):
+        if key in position:
+            checkpoint_count(path, metadata, f"extra.{key}", what, least)
+    order = {"shuffle": str(options.shuffle), "seed": str(options.seed), "last": options.last,
+             "world": str(options.world)}
+    differs = [key for key, value in order.items() if key in position and position[key] != value]
+    if differs:      # a checkpoint written by Trainer.save_checkpoint records no data order
+        shown = " and ".join(f"{key} {position[key]}" for key in differs)
+        raise UserError(f"{path} was written by a run with {shown}; resume with the same data "
+                        f"order (--shuffle, --seed, --last, --workers)")
+    if start >= per_epoch:
+        raise UserError(f"the checkpoint {path} holds extra.batch {position['batch']!r}; an epoch of this data has "
+                        f"{per_epoch} batches (0 to {per_epoch - 1}): resume with the data the run was given")
+    return epoch, start
+
+
+def _extra(metadata: dict[str, str]) -> dict[str, str]:
+    """The `extra.*` fields of a checkpoint's metadata, by their own names."""
+    return {key[len("extra."):]: value for key, value in metadata.items() if key.startswith("extra.")}
 
 
 def write_loss_curve(path: str | os.PathLike, losses: list[float], first_step: int = 0) -> Path:

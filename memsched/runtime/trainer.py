@@ -19,13 +19,18 @@ place) and every input on CUDA is copied there.
 The weights come out as a checkpoint (`save_checkpoint`: safetensors, written atomically;
 `load_checkpoint` resumes bit-identically) and as an inference model
 (`memsched.inference.export_inference`). `load_weights` takes an ONNX model, a safetensors
-file or a PyTorch `state_dict` before training (fine-tuning).
+file or a PyTorch `state_dict` before training (fine-tuning): by default every parameter and
+buffer of the step and nothing else, as PyTorch's `load_state_dict(strict=True)`. Every field
+of a checkpoint's metadata is checked as it is read (`read_checkpoint`): a step count that is
+no whole number, hyperparameters that are not a JSON object of numbers, is one UserError naming
+the file and the field, never a made-up position.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +48,10 @@ from ..frontend import read_model
 from ..ir import tensor_value
 from ..onnx_utils import write_file_atomic
 from ..schedule import Plan
-from ..step_info import StepInfo, forward_output, step_info
+from ..step_info import OPTIMIZER_STATES, StepInfo, forward_output, step_info
 
 CHECKPOINT_FORMAT = "memsched-checkpoint-1"
+MAX_COUNT = 2 ** 63 - 1         # the largest step, epoch or batch number a checkpoint may hold
 # entries of a state_dict that are not tensors of the step (PyTorch's BatchNorm counter)
 IGNORED_STATE = ("num_batches_tracked",)
 
@@ -222,29 +228,39 @@ class Trainer:
         With `strict`, every trained parameter must be given. Every name must be a parameter
         (trained or frozen), an optimizer state or a buffer of the step, with its shape; values
         are copied and cast to its dtype."""
-        carried = set(self.info.carried)
-        known = carried | set(self.fixed_weights)
+        loaded = self._checked_state(state)
+        if strict:
+            missing = [p for p in self.info.parameters if p not in loaded]
+            if missing:
+                raise UserError(f"no value for parameter {_quoted(missing[0])} ({len(missing)} of "
+                                f"{len(self.info.parameters)} missing; load with strict=False to keep the rest)")
+        return self._load(loaded)
+
+    def _checked_state(self, state: Mapping[str, object]) -> dict[str, np.ndarray]:
+        """`state` as copies in the step's dtypes, PyTorch's counters left out; a UserError for a
+        name the step does not carry or hold fixed, another shape or another kind of dtype."""
+        known = set(self.info.carried) | set(self.fixed_weights)
         loaded = {}
         for name, value in state.items():
             if name.rsplit(".", 1)[-1] in IGNORED_STATE:
                 continue
             if name not in known:
                 shown = ", ".join(self.info.parameters[:5]) + (", ..." if len(self.info.parameters) > 5 else "")
-                raise UserError(f"'{name}' is no parameter, optimizer state or buffer of this step "
+                raise UserError(f"{_quoted(name)} is no parameter, optimizer state or buffer of this step "
                                 f"(its parameters: {shown})")
             t = self.graph.tensors[name]
             array = _as_array(value, name)
             if array.shape != tuple(t.shape):
-                raise UserError(f"'{name}' has shape {array.shape}; the step's has {tuple(t.shape)}")
+                raise UserError(f"{_quoted(name)} has shape {array.shape}; the step's has {tuple(t.shape)}")
             dtype = helper.tensor_dtype_to_np_dtype(t.dtype)
             if not np.can_cast(array.dtype, dtype, casting="same_kind"):
-                raise UserError(f"'{name}' is {array.dtype}; the step's is {np.dtype(dtype)}")
+                raise UserError(f"{_quoted(name)} is {array.dtype}; the step's is {np.dtype(dtype)}")
             loaded[name] = np.array(array, dtype=dtype, order="C")     # a copy, 0-d kept 0-d
-        if strict:
-            missing = [p for p in self.info.parameters if p not in loaded]
-            if missing:
-                raise UserError(f"no value for parameter '{missing[0]}' ({len(missing)} of "
-                                f"{len(self.info.parameters)} missing; load with strict=False to keep the rest)")
+        return loaded
+
+    def _load(self, loaded: dict[str, np.ndarray]) -> list[str]:
+        """Make checked values (`_checked_state`) the next step's starting values; their names."""
+        carried = set(self.info.carried)
         self._fixed_values.update({name: value for name, value in loaded.items() if name not in carried})
         loaded_carried = {name: value for name, value in loaded.items() if name in carried}
         if loaded_carried:
@@ -252,24 +268,39 @@ class Trainer:
             self._pending = {**current, **self._pending, **loaded_carried}
         return sorted(loaded)
 
-    def load_weights(self, source: str | os.PathLike | Mapping[str, object], strict: bool = False) -> list[str]:
+    def load_weights(self, source: str | os.PathLike | Mapping[str, object], strict: bool = True) -> list[str]:
         """Load weights before training: from an ONNX model (its initializers by name), a
         safetensors file, or a mapping such as a PyTorch `state_dict` (names as the exporter
-        gave them). Frozen weights load too; optimizer states from a checkpoint are left out
-        (a fine-tuning run starts its optimizer afresh; `load_checkpoint` resumes one). Names the
-        step does not hold (and PyTorch's num_batches_tracked) are ignored; returns the names
-        loaded. UserError where nothing matches."""
-        if isinstance(source, Mapping):
-            state = dict(source)
-        else:
-            state = _read_weights(Path(source))
-        states = set(self.info.states)
-        state = {name: value for name, value in state.items() if name not in states}
-        known = set(self.info.carried) | set(self.fixed_weights)
-        state = {name: value for name, value in state.items() if name in known}
-        if not state:
-            raise UserError("none of the given weights is a parameter or buffer of this step (names differ?)")
-        return self.load_state_dict(state, strict=strict)
+        gave them); returns the names loaded. Frozen weights load too; optimizer states (of any
+        optimizer, as a checkpoint holds them) are left out, since a fine-tuning run starts its
+        optimizer afresh (`load_checkpoint` resumes one), and so are PyTorch's
+        num_batches_tracked and the step's own constants (a plan's, a forward model's).
+        With `strict` (as PyTorch's `load_state_dict`), every parameter and buffer of the step
+        must be given and nothing else: a weights file of another model is one UserError naming
+        what is missing and what is left over, never a run that keeps the plan's values
+        unsaid. `strict=False` loads the ones that match. UserError where nothing matches."""
+        where = "the given weights" if isinstance(source, Mapping) else f"the weights in {source}"
+        state = dict(source) if isinstance(source, Mapping) else _read_weights(Path(source))
+        weights = list(dict.fromkeys([*self.info.parameters, *self.info.buffers, *self.fixed_weights]))
+        known = set(weights)
+        state_names = {f"{w}.{s}" for w in self.info.parameters + self.fixed_weights
+                       for states in OPTIMIZER_STATES.values() for s in states}
+        constants = {name for name, t in self.graph.tensors.items() if t.is_static}
+        left_out = [name for name in state if name not in known and (
+            name in state_names or name.rsplit(".", 1)[-1] in IGNORED_STATE or name in constants)]
+        state = {name: value for name, value in state.items() if name not in left_out}
+        if not any(name in known for name in state):
+            raise UserError(f"none of the given weights{'' if isinstance(source, Mapping) else f' ({source})'} "
+                            f"is a parameter or buffer of this step (names differ?)")
+        checked = self._checked_state({name: value for name, value in state.items() if name in known})
+        if strict:
+            missing = [name for name in weights if name not in checked]
+            unexpected = [name for name in state if name not in known]
+            if missing or unexpected:
+                raise UserError(f"{where} are not this step's "
+                                f"({_mismatch(missing, len(weights), unexpected)}); weights load by name, "
+                                f"every parameter and buffer and nothing else")
+        return self._load(checked)
 
     # ---- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, extra: Mapping[str, str] | None = None) -> Path:
@@ -286,29 +317,113 @@ class Trainer:
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, str]:
         """Resume from a checkpoint `save_checkpoint` wrote: every tensor, the step number and
-        the hyperparameters; returns its extra metadata. UserError for another step's."""
+        the hyperparameters; returns its extra metadata. UserError for another step's, and for a
+        metadata field that is not what `save_checkpoint` writes (`read_checkpoint`); nothing is
+        loaded then."""
         state, metadata = read_checkpoint(path)
-        if metadata.get("optimizer") != self.info.optimizer:
-            raise UserError(f"{path} is a checkpoint of a {metadata.get('optimizer')} step; this plan's "
+        if metadata["optimizer"] != self.info.optimizer:
+            raise UserError(f"{path} is a checkpoint of a step with optimizer {metadata['optimizer']}; this plan's "
                             f"optimizer is {self.info.optimizer}")
-        missing = [name for name in self.info.carried if name not in state]
+        hyperparameters = json.loads(metadata["hyperparameters"])
+        if set(hyperparameters) != set(self.info.hyperparameters):
+            raise UserError(f"the checkpoint {path} holds hyperparameters {_names(sorted(hyperparameters))}; "
+                            f"this step's are {_names(sorted(self.info.hyperparameters))}")
+        missing = [name for name in [*self.info.carried, *self.fixed_weights] if name not in state]
         if missing:
-            raise UserError(f"{path} has no '{missing[0]}': it is a checkpoint of another model")
+            raise UserError(f"{path} has no {_quoted(missing[0])}: it is a checkpoint of another model")
         self.load_state_dict(state)
         self.step_count = int(metadata["step"])
-        self.hyperparameters.update(json.loads(metadata["hyperparameters"]))
+        self.hyperparameters.update(hyperparameters)
         return {k[len("extra."):]: v for k, v in metadata.items() if k.startswith("extra.")}
 
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, metadata) of a memsched checkpoint; UserError where `path` is none."""
+    """(tensors, metadata) of a memsched checkpoint, its metadata checked (`checkpoint_metadata`)."""
+    metadata = checkpoint_metadata(path)
+    return _read_safetensors(Path(path))[0], metadata
+
+
+def checkpoint_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The metadata of a memsched checkpoint, read without its tensors and checked field by
+    field against what `save_checkpoint` writes: the format, the step (a whole number >= 0),
+    the optimizer (one memsched knows) and the hyperparameters (a JSON object of finite numbers
+    >= 0). A missing or bad field is one UserError naming the file and the field; `extra.*`
+    fields are the writer's own (`train_loop` checks the ones `fit` writes)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"no such checkpoint: {path}")
-    state, metadata = _read_safetensors(path)
-    if metadata.get("format") != CHECKPOINT_FORMAT or "step" not in metadata:
+    metadata = _read_safetensors(path, tensors=False)[1]
+    if metadata.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"{path} is not a memsched checkpoint (no '{CHECKPOINT_FORMAT}' metadata)")
-    return state, metadata
+    for key in ("step", "optimizer", "hyperparameters"):
+        if key not in metadata:
+            raise UserError(f"the checkpoint {path} has no '{key}' in its metadata; it was not written by "
+                            f"memsched (or was edited)")
+    checkpoint_count(path, metadata, "step", "a step count")
+    if metadata["optimizer"] not in OPTIMIZER_STATES:
+        raise UserError(f"the checkpoint {path} holds optimizer {_shown(metadata['optimizer'])}; an optimizer is "
+                        f"one of {', '.join(OPTIMIZER_STATES)}")
+    try:
+        hyperparameters = json.loads(metadata["hyperparameters"])
+    except (ValueError, RecursionError):
+        hyperparameters = None
+    if not isinstance(hyperparameters, dict) or not all(_rate(v) for v in hyperparameters.values()):
+        raise UserError(f"the checkpoint {path} holds hyperparameters {_shown(metadata['hyperparameters'])}; they "
+                        f"are a JSON object of names to finite numbers >= 0")
+    return metadata
+
+
+def checkpoint_count(path: str | os.PathLike, metadata: Mapping[str, str], key: str, what: str,
+                     least: int = 0, default: str | None = None) -> int:
+    """Metadata field `key` of checkpoint `path` as a whole number from `least` up (to
+    MAX_COUNT), `default` where it is absent; `what` names the count in the UserError, as in
+    "the checkpoint ck.safetensors holds step '-1'; a step count is a whole number >= 0"."""
+    text = metadata.get(key, default)
+    if text is None:
+        raise UserError(f"the checkpoint {path} has no '{key}' in its metadata; {what} is a whole number >= {least}")
+    if re.fullmatch(r"[0-9]{1,19}", text) and least <= int(text) <= MAX_COUNT:
+        return int(text)
+    too_large = re.fullmatch(r"[0-9]+", text) and (len(text) > 19 or int(text) > MAX_COUNT)
+    bound = f"from {least} to {MAX_COUNT}" if too_large else f">= {least}"
+    raise UserError(f"the checkpoint {path} holds {key} {_shown(text)}; {what} is a whole number {bound}")
+
+
+def _rate(value: object) -> bool:
+    """Whether a JSON value is a hyperparameter's: a finite number >= 0 (not a bool)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value >= 0
+    except OverflowError:                   # an integer too large for a float
+        return False
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` for a one-line message: quoted and escaped (a newline cannot split the line), cut
+    after `limit` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _quoted(name: str) -> str:
+    """A tensor name for a one-line message (`_shown`, longer names allowed)."""
+    return _shown(name, 80)
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    """Up to `limit` names for a one-line message, then how many more."""
+    shown = ", ".join(_quoted(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "") if names else "none"
+
+
+def _mismatch(missing: list[str], total: int, unexpected: list[str]) -> str:
+    """What a weights file lacks and what it holds besides the step's weights, in a few words."""
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)} of the step's {total} parameters and buffers: {_names(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor{'s' if len(unexpected) > 1 else ''} the step does not have: "
+                     f"{_names(unexpected)}")
+    return "; ".join(parts)
 
 
 def _read_weights(path: Path) -> dict[str, np.ndarray]:
@@ -324,13 +439,15 @@ def _read_weights(path: Path) -> dict[str, np.ndarray]:
         raise UserError(f"cannot read the weights of {path}: {str(exc).splitlines()[0]}") from None
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file, read once; UserError where it is not one."""
+def _read_safetensors(path: Path, tensors: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, read once (no tensors unless `tensors`);
+    UserError where it is not one."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}, dict(f.metadata() or {})
+            state = {name: f.get_tensor(name) for name in f.keys()} if tensors else {}
+            return state, dict(f.metadata() or {})
     except (SafetensorError, OSError, ValueError) as exc:
         raise UserError(f"{path} is not a readable safetensors file: {str(exc).splitlines()[0]}") from None
 
