@@ -64,6 +64,9 @@ def read_model(path: Path) -> onnx.ModelProto:
         raise UserError(f"no such file: {path}")
     if path.is_dir():
         raise UserError(f"{path} is a directory; give the path of an .onnx file")
+    if not path.is_file():
+        raise UserError(f"{path} is not a regular file (a device, a pipe or a socket); give the path of an "
+                        f".onnx file")
     if path.stat().st_size == 0:
         raise UserError(f"{path} is empty; re-export the model")
     try:
@@ -75,8 +78,14 @@ def read_model(path: Path) -> onnx.ModelProto:
     if len(model.graph.node) == 0:
         raise UserError(f"{path} is an ONNX model whose graph has no ops; there is no step to plan "
                         f"(was it exported from the right module?)")
+    if len(model.graph.output) == 0:
+        raise UserError(f"{path} is an ONNX model whose graph names no outputs, so it computes nothing; "
+                        f"export it with its outputs")
     _check_external_data(model, path.parent)
     return _initializers_not_inputs(model)
+
+
+MAX_DIM = 2 ** 40      # a dimension past this holds more elements than any device: a typo, not a size
 
 
 def parse_dims(items: list[str] | None) -> dict[str, int]:
@@ -84,8 +93,9 @@ def parse_dims(items: list[str] | None) -> dict[str, int]:
     dims: dict[str, int] = {}
     for item in items or []:
         name, sep, value = item.partition("=")
-        if not sep or not name or not re.fullmatch(r"[0-9]+", value.strip()) or int(value) <= 0:
-            raise UserError(f"cannot read --dim '{item}'; write NAME=VALUE with a positive integer")
+        if not sep or not name or not re.fullmatch(r"[0-9]+", value.strip()) or not 0 < int(value) <= MAX_DIM:
+            raise UserError(f"cannot read --dim '{item}'; write NAME=VALUE with a positive integer "
+                            f"(at most {MAX_DIM:,})")
         dims[name.strip()] = int(value)
     return dims
 
@@ -96,25 +106,76 @@ def _check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
 
     A location that leaves the folder (absolute, '..', a symlink on the way) is refused before
     anything at it is stat-ed: a model file must not make memsched read, or tell the size or
-    existence of, files elsewhere."""
+    existence of, files elsewhere. The extent is judged from the file's size, never its bytes
+    (weights can be GBs): see `_check_extent`."""
     from onnx.external_data_helper import _get_all_tensors
 
     for init in _get_all_tensors(model):
         if init.data_location != TensorProto.EXTERNAL:
             continue
         info = {e.key: e.value for e in init.external_data}
-        location = _contained_location(info.get("location", ""), base_dir, init.name)
+        named = info.get("location", "")
+        location = _contained_location(named, base_dir, init.name)
         if not location.is_file():
-            raise UserError(f"external data file '{info.get('location', '?')}' for initializer "
+            raise UserError(f"external data file '{named or '?'}' for initializer "
                             f"'{init.name}' not found next to the model in {base_dir}")
-        try:
-            end = int(info.get("offset", 0)) + int(info.get("length", 0))
-        except ValueError:
-            raise UserError(f"initializer '{init.name}' has a non-numeric external data offset or "
-                            f"length") from None
-        if end > location.stat().st_size:
-            raise UserError(f"external data file '{location.name}' is truncated: initializer "
-                            f"'{init.name}' needs {end} bytes, the file has {location.stat().st_size}")
+        offset, length = (_byte_count(info, key, init.name, named) for key in ("offset", "length"))
+        _check_extent(init, named, offset or 0, length, location.stat().st_size)
+
+
+def _byte_count(info: dict[str, str], key: str, tensor: str, named: str) -> int | None:
+    """The external-data entry `key` ('offset' or 'length') as a whole number of bytes, None
+    where the model gives none; UserError where it is not a non-negative integer (onnx's
+    reader would seek before the file's start, or fail deep inside a later command)."""
+    if key not in info:
+        return None
+    text = info[key].strip()
+    if not re.fullmatch(r"[0-9]+", text):
+        raise UserError(f"initializer '{tensor}' has external data {key} '{info[key]}' in '{named}'; "
+                        f"it must be a non-negative whole number of bytes")
+    return int(text)
+
+
+def _check_extent(init: TensorProto, named: str, offset: int, length: int | None, size: int) -> None:
+    """UserError where the external data of `init` cannot hold its values: a `length` other than
+    the bytes its shape and type take, or a file of `size` bytes that ends before offset +
+    those bytes (a truncated or foreign file, which every later reader would take as the
+    weight, short). A tensor that gives no length gets one, its bytes: onnx's reader takes
+    a tensor without one to the file's end, extra bytes and all."""
+    needed = _stored_bytes(init)
+    if needed is not None and length is not None and length != needed:
+        shape = "x".join(map(str, init.dims)) or "scalar"
+        raise UserError(f"not a valid ONNX model: initializer '{init.name}' declares shape {shape} "
+                        f"({needed:,} bytes) but its external data in '{named}' gives length {length:,}; "
+                        f"the file is damaged, re-export the model")
+    extent = needed if needed is not None else (length or 0)
+    if offset + extent > size:
+        raise UserError(f"initializer '{init.name}' needs {extent:,} bytes of external data from "
+                        f"'{named}' at offset {offset:,}, but the file holds {size:,}; it is "
+                        f"truncated or not this model's data")
+    if length is None and needed is not None:
+        init.external_data.add(key="length", value=str(needed))
+
+
+_PACKED_BITS = {getattr(TensorProto, name): bits for name, bits in (
+    ("UINT4", 4), ("INT4", 4), ("FLOAT4E2M1", 4), ("UINT2", 2), ("INT2", 2)) if hasattr(TensorProto, name)}
+
+
+def _stored_bytes(init: TensorProto) -> int | None:
+    """The bytes `init`'s values take in raw form (ONNX packs 2- and 4-bit types into bytes),
+    or None where that is not fixed: strings, 6-bit floats (their last group may keep its
+    padding byte), a type ONNX does not define, a negative dim (refused later, by name)."""
+    if any(d < 0 for d in init.dims) or init.data_type == TensorProto.STRING:
+        return None
+    count = math.prod(init.dims)
+    if init.data_type in _PACKED_BITS:
+        return -(-count * _PACKED_BITS[init.data_type] // 8)
+    if init.data_type in (getattr(TensorProto, "FLOAT6E2M3", None), getattr(TensorProto, "FLOAT6E3M2", None)):
+        return None
+    try:
+        return count * dtypes.itemsize(init.data_type)
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def _contained_location(location: str, base_dir: Path, tensor: str) -> Path:

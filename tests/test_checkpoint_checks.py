@@ -7,6 +7,7 @@ refusal here is the edit's."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -206,3 +207,19 @@ def test_load_weights_is_strict_unless_asked_not_to_be(setup, plan):
         assert trainer.load_weights(subset, strict=False) == ["fc3.bias", "fc3.weight"]
         assert np.array_equal(trainer.state_dict()["fc3.bias"], state["fc3.bias"])
         assert trainer.load_weights({**state, "fc1.weight.exp_avg": state["fc1.weight"]}) == sorted(state)
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing(plan, tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error, the OS's reason inside: it becomes
+    'cannot write PATH: No space left on device', and no temporary is left."""
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+    with pytest.raises(UserError, match=r"^cannot write .*ck\.safetensors: No space left on device$"):
+        Trainer(plan, threads=1).save_checkpoint(tmp_path / "ck.safetensors")
+    assert os.listdir(tmp_path) == []

@@ -466,6 +466,24 @@ def test_zero_op_model_says_what_is_wrong(tmp_path):
     assert "not an ONNX model" not in line
 
 
+def test_a_model_without_outputs_is_refused(tmp_path):
+    """A graph that names no outputs computes nothing: compiling it would plan dead ops."""
+    node = helper.make_node("Relu", ["x"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])], [])
+    path = tmp_path / "no_outputs.onnx"
+    onnx.save(onnx_utils.make_model(graph), str(path))
+    for command in (("inspect", path), ("compile", path, "-o", tmp_path / "p.onnx")):
+        one_line_error(run_cli(*command), "names no outputs")
+    assert not (tmp_path / "p.onnx").exists()
+
+
+def test_a_device_is_no_model_and_a_huge_dim_no_size():
+    one_line_error(run_cli("inspect", "/dev/zero"), "is not a regular file")
+    with pytest.raises(UserError, match="at most 1,099,511,627,776"):
+        frontend.parse_dims(["N=99999999999999999999"])
+    assert frontend.parse_dims(["N=1099511627776"]) == {"N": 2 ** 40}
+
+
 def _cuda_usable() -> bool:
     from memsched.ort import resolve_device
 

@@ -27,6 +27,7 @@ the file and the field, never a made-up position.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -41,7 +42,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..emit import read_plan
-from ..errors import UserError
+from ..errors import UserError, first_line
 from .program import Hooks
 from .run import PlanRunner
 from ..frontend import read_model
@@ -313,7 +314,7 @@ class Trainer:
                     "optimizer": self.info.optimizer,
                     "hyperparameters": json.dumps(self.hyperparameters, sort_keys=True),
                     **{f"extra.{k}": str(v) for k, v in (extra or {}).items()}}
-        return write_file_atomic(path, lambda tmp: save_file(state, tmp, metadata=metadata))
+        return write_file_atomic(path, lambda tmp: _safetensors_write(save_file, state, tmp, metadata))
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, str]:
         """Resume from a checkpoint `save_checkpoint` wrote: every tensor, the step number and
@@ -473,3 +474,16 @@ def _as_array(value: object, name: str) -> np.ndarray:
         return np.asarray(value)
     except Exception as exc:  # noqa: BLE001 - anything numpy cannot read
         raise UserError(f"'{name}' is not an array numpy can read ({type(value).__name__}): {exc}") from None
+
+
+def _safetensors_write(save_file, state: dict, tmp: str, metadata: dict[str, str]) -> None:
+    """`save_file(state, tmp, metadata=...)`, its failure to write (a full disk: safetensors
+    raises its own error, the OS's reason inside) an OSError with that reason, so the writer
+    says it in one line and removes the temporary."""
+    from safetensors import SafetensorError
+
+    try:
+        save_file(state, tmp, metadata=metadata)
+    except SafetensorError as exc:
+        reason = re.search(r'message: "([^"]+)"', str(exc))
+        raise OSError(errno.EIO, reason.group(1) if reason else first_line(exc)) from None
