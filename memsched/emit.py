@@ -266,7 +266,9 @@ def plan_from_onnx(model: onnx.ModelProto, base_dir: str | None = None, source: 
                            budget=doc["budget"], hardware=_hardware_from_json(doc["hardware"], source),
                            notes=doc["notes"])
         outputs, opsets = list(doc["outputs"]), dict(doc["opset_imports"])
-    except (KeyError, TypeError, ValueError) as exc:
+    except KeyError as exc:
+        raise UserError(f"the plan in {source} is malformed: it has no field {exc}") from None
+    except (TypeError, ValueError) as exc:
         raise UserError(f"the plan in {source} is malformed ({type(exc).__name__}: {exc})") from None
 
     _check_initializer_sizes(model, source)

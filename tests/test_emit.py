@@ -201,3 +201,6 @@ def test_a_plan_names_a_preset_never_a_path(tmp_path):
             read_plan(path)
     edit_plan_metadata(path, lambda doc: doc.__setitem__("hardware", "h200"))
     assert read_plan(path).hardware.name == hardware_mod.load("h200").name
+    edit_plan_metadata(path, lambda doc: doc.pop("hardware"), reseal=True)
+    with pytest.raises(UserError, match="is malformed: it has no field 'hardware'$"):
+        read_plan(path)

@@ -73,6 +73,11 @@ def test_remat_user_errors_exit_1(tmp_path):
                                             {"id": 1, "cost_cpu": 1, "cost_ram": 4}],
                                   "links": [{"source": 0, "target": 1}, {"source": 1, "target": 0}]}))
     assert "cycle" in assert_one_line_error(run_cli("remat", cyclic, "--budget-fraction", "0.8"), 1)
+    stray = tmp_path / "stray.json"
+    stray.write_text(json.dumps({"nodes": [{"id": 0, "cost_cpu": 1, "cost_ram": 4}],
+                                 "links": [{"source": 0, "target": 99}]}))
+    assert "names node 99, which the 'nodes' list does not hold" in assert_one_line_error(
+        run_cli("remat", stray, "--budget-fraction", "0.8"), 1)
     good = write_graph(tmp_path, graphs.chain(3))
     assert "fraction" in assert_one_line_error(run_cli("remat", good, "--budget-fraction", "0"), 1)
     for fraction in ("1e308", "2", "1.0000001", "nan"):

@@ -224,6 +224,10 @@ def load_node_link(path, pinned_bytes: int = 0) -> RematProblem:
         graph = nx.node_link_graph(data, edges=edges_key, **_node_link_keys(data, edges_key))
     except (KeyError, TypeError, AttributeError, ValueError, nx.NetworkXError) as exc:
         raise RematInputError(f"{path}: malformed node-link graph ({type(exc).__name__}: {exc})") from None
+    if graph.number_of_nodes() > len(data["nodes"]):      # networkx adds an edge's unlisted end silently
+        listed = {node.get(_node_link_keys(data, edges_key).get("name", "id")) for node in data["nodes"]}
+        stray = next(v for v in graph.nodes if v not in listed)
+        raise RematInputError(f"{path}: an edge names node {stray!r}, which the 'nodes' list does not hold")
     order = graph.graph.get("order")
     if order is not None and not isinstance(order, list):
         raise RematInputError(f"{path}: the graph's 'order' must be a list of its nodes, not {order!r}")
