@@ -438,7 +438,7 @@ def test_cli_run_rejects_a_hand_edited_plan_in_one_line(cli, tmp_path):
     (["PLAIN", "--check"], 1, "holds no memsched plan"),
     (["UNPLACED"], 1, "no arena offsets"),
     (["PLAN", "--steps", "0"], 1, "--steps must be at least 1"),
-    (["PLAN", "--device", "tpu"], 2, "invalid choice"),
+    (["PLAN", "--device", "tpu"], 1, "invalid choice"),
 ])
 def test_cli_run_bad_input(cli, tmp_path, emitted, args, code, message):
     plain = tmp_path / "plain.onnx"
