@@ -22,6 +22,27 @@ def itemsize(dtype: int) -> int:
     return np.dtype(helper.tensor_dtype_to_np_dtype(dtype)).itemsize
 
 
+# element types packed below a byte in raw data: bits per element (numpy's itemsize says 1)
+PACKED_BITS = {getattr(TensorProto, type_name): bits for type_name, bits in (
+    ("UINT4", 4), ("INT4", 4), ("FLOAT4E2M1", 4), ("UINT2", 2), ("INT2", 2)) if hasattr(TensorProto, type_name)}
+UNFIXED_TYPES = {getattr(TensorProto, type_name) for type_name in ("STRING", "FLOAT6E2M3", "FLOAT6E3M2")
+                 if hasattr(TensorProto, type_name)}     # strings; 6-bit floats may keep a padding byte
+
+
+def stored_bytes(dtype: int, count: int) -> int | None:
+    """The bytes `count` elements of `dtype` take in an initializer's raw data (2- and 4-bit
+    types packed into bytes), or None where that is not fixed: strings, 6-bit floats, a number
+    ONNX does not define."""
+    if dtype in UNFIXED_TYPES:
+        return None
+    if dtype in PACKED_BITS:
+        return -(-count * PACKED_BITS[dtype] // 8)
+    try:
+        return count * itemsize(dtype)
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
 def name(dtype: int) -> str:
     """'float32', 'int64', ...; 'bfloat16', which numpy lacks (onnx maps it to uint16)."""
     if dtype == TensorProto.BFLOAT16:

@@ -465,15 +465,9 @@ def _digest_header(tensor: TensorProto, with_values: bool = True) -> TensorProto
 def _check_initializer_sizes(model: onnx.ModelProto, source: str) -> None:
     """Every initializer's stored bytes fill exactly the shape it declares (a hand-edited shape is refused)."""
     for init in model.graph.initializer:
-        if init.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
+        expected = dtypes.stored_bytes(init.data_type, math.prod(init.dims))
+        if expected is None:
             continue
-        try:
-            itemsize = dtypes.itemsize(init.data_type)
-        except (KeyError, TypeError, ValueError):
-            continue
-        if init.data_type in _SUB_BYTE:
-            continue
-        expected = math.prod(init.dims) * itemsize
         if init.data_location == TensorProto.EXTERNAL:
             length = {e.key: e.value for e in init.external_data}.get("length")
             stored = int(length) if length and length.isdigit() else None
@@ -485,10 +479,6 @@ def _check_initializer_sizes(model: onnx.ModelProto, source: str) -> None:
             shape = "x".join(map(str, init.dims)) or "scalar"
             raise UserError(f"initializer '{init.name}' in {source} declares shape {shape} ({expected} bytes) but "
                             f"holds {stored} bytes; was the plan edited by hand?")
-
-
-_SUB_BYTE = {getattr(TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
-             if hasattr(TensorProto, n)}     # packed below a byte: numpy's itemsize does not give their size
 
 
 # ---- the model a plan was compiled from --------------------------------------------------

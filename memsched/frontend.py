@@ -157,25 +157,12 @@ def _check_extent(init: TensorProto, named: str, offset: int, length: int | None
         init.external_data.add(key="length", value=str(needed))
 
 
-_PACKED_BITS = {getattr(TensorProto, name): bits for name, bits in (
-    ("UINT4", 4), ("INT4", 4), ("FLOAT4E2M1", 4), ("UINT2", 2), ("INT2", 2)) if hasattr(TensorProto, name)}
-
-
 def _stored_bytes(init: TensorProto) -> int | None:
-    """The bytes `init`'s values take in raw form (ONNX packs 2- and 4-bit types into bytes),
-    or None where that is not fixed: strings, 6-bit floats (their last group may keep its
-    padding byte), a type ONNX does not define, a negative dim (refused later, by name)."""
-    if any(d < 0 for d in init.dims) or init.data_type == TensorProto.STRING:
+    """The bytes `init`'s values take in raw form (`dtypes.stored_bytes`), or None where that
+    is not fixed (a negative dim is refused later, by name)."""
+    if any(d < 0 for d in init.dims):
         return None
-    count = math.prod(init.dims)
-    if init.data_type in _PACKED_BITS:
-        return -(-count * _PACKED_BITS[init.data_type] // 8)
-    if init.data_type in (getattr(TensorProto, "FLOAT6E2M3", None), getattr(TensorProto, "FLOAT6E3M2", None)):
-        return None
-    try:
-        return count * dtypes.itemsize(init.data_type)
-    except (KeyError, ValueError, TypeError):
-        return None
+    return dtypes.stored_bytes(init.data_type, math.prod(init.dims))
 
 
 def _contained_location(location: str, base_dir: Path, tensor: str) -> Path:

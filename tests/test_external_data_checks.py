@@ -113,3 +113,13 @@ def test_a_tensor_without_a_length_is_read_as_its_own_bytes(tmp_path):
     weight = next(t for t in onnx.load(str(out)).graph.initializer if t.name == "fc1.weight")
     assert len(weight.raw_data) == WEIGHT.nbytes
     assert np.array_equal(numpy_helper.to_array(weight), WEIGHT)
+
+
+def test_stored_bytes_pack_sub_byte_types_and_know_no_size_for_strings():
+    """The bytes an initializer's raw data takes (`dtypes.stored_bytes`, the rule both the load's
+    extent check and the plan reader's size check use): 4- and 2-bit types packed, rounded up."""
+    from memsched import dtypes
+
+    assert dtypes.stored_bytes(TensorProto.FLOAT, 5) == 20
+    assert dtypes.stored_bytes(TensorProto.INT4, 5) == 3 and dtypes.stored_bytes(TensorProto.UINT2, 5) == 2
+    assert dtypes.stored_bytes(TensorProto.STRING, 5) is None and dtypes.stored_bytes(0, 5) is None
