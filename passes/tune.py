@@ -147,6 +147,8 @@ def tune_batch(build: Callable[[int], Graph], *, hardware=hardware_mod.PLANNING_
                 say(f"{name}: measuring batch {row['batch']} on {measure}")
                 row.update(measure_row(measure_build or build, row["batch"], sets[name], hw, capacity, measure,
                                        measure_steps, options))
+    if not trials.rows:
+        raise UserError("the time limit ended before a batch was planned; give tune-batch a longer --time-limit")
     if not any(row["fits"] for row in trials.rows):
         raise _nothing_fits(trials.rows, capacity)
     return TuneResult(trials.rows, largest, best, _fastest(trials.rows), capacity, complete)

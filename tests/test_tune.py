@@ -7,7 +7,7 @@ import json
 import pytest
 
 from memsched import models
-from memsched.errors import BudgetError
+from memsched.errors import BudgetError, UserError
 from memsched.hardware import load
 from memsched.onnx_utils import save_model_atomic
 from memsched.passes.pipeline import compile as compile_plan
@@ -112,3 +112,10 @@ def test_no_batch_that_fits_is_a_budget_error_naming_the_smallest_that_works():
     assert fitting.largest["reuse"] == 1
     result = run_cli("tune-batch", "mlp", "--time-limit", "5", "--max-batch", "2", "--budget", "1B")
     assert result.returncode == 3 and result.stderr.count("\n") == 1 and "batch 1 needs at least" in result.stderr
+
+
+def test_a_limit_that_ends_before_any_batch_is_said_so():
+    """A deadline already past before the first compile is no claim that nothing fits."""
+    with pytest.raises(UserError, match="before a batch was planned"):
+        tune_batch(graph_builder("mlp"), hardware=tiny_gpu(4), strategy_sets=SETS, time_limit=4,
+                   deadline=Deadline(0.0))
