@@ -6,6 +6,7 @@ memsched builds is pinned to OPSET / IR_VERSION below.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -147,6 +148,31 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
         with open(tmp, "w") as f:
             f.write(text)
     return write_file_atomic(path, write)
+
+
+@contextlib.contextmanager
+def staged_text(path: str | os.PathLike | None, text: str):
+    """Write `text` to a temporary beside `path` now, and put it in place when the block ends
+    without an error; an error in the block (another output failing to write) removes the
+    temporary, so a command's outputs land together or not at all. `path` None: nothing."""
+    if path is None:
+        yield None
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(path)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        finish_mode(tmp)
+        yield path
+        os.replace(tmp, path)
+    except BaseException as exc:
+        unlink_quietly(tmp)
+        if isinstance(exc, OSError):
+            raise write_error(path, exc) from None
+        raise
 
 
 def write_file_atomic(path: str | os.PathLike, write: Callable[[str], None]) -> Path:

@@ -12,7 +12,7 @@ import math
 from . import figures
 from .host_pipeline import InputPipeline, check_on
 from .ir import Graph
-from .onnx_utils import write_text_atomic
+from .onnx_utils import staged_text, write_text_atomic
 from .schedule import Plan, StepKind
 from .units import format_bytes, format_seconds
 
@@ -142,3 +142,10 @@ def render_html(report: dict, baseline_sim: dict, plan_sim: dict) -> str:
 
 def write_html(path, report: dict, baseline_sim: dict, plan_sim: dict):
     return write_text_atomic(path, render_html(report, baseline_sim, plan_sim))
+
+
+def staged_html(path, result):
+    """The HTML report of compile `result` written beside `path`, put in place when the block
+    ends without an error (`onnx_utils.staged_text`); `path` None: nothing."""
+    html = render_html(result.report, result.baseline_sim.to_dict(), result.sim.to_dict()) if path else ""
+    return staged_text(path, html)

@@ -365,6 +365,33 @@ def test_bucket_size_without_data_parallel_is_refused(tmp_path):
     one_line_error(run_cli("compile", model, "--train", "--bucket-mb", "5"), "add --data-parallel N")
 
 
+def test_compile_writes_its_plan_and_report_together_or_neither(tmp_path, monkeypatch, capsys):
+    """Where the report or the plan cannot be written (a full disk), neither is put in place
+    and no temporary is left: the command's outputs land together."""
+    from memsched import cli, emit
+
+    model = onnx_utils.save_model_atomic(mlp_model(), tmp_path / "m.onnx")
+    out = tmp_path / "out"
+    finish = onnx_utils.finish_mode
+
+    def full_for_reports(tmp):
+        if "r.html" in str(tmp):
+            raise OSError(28, "No space left on device")
+        finish(tmp)
+
+    def full_disk(plan, path):
+        raise onnx_utils.write_error(path, OSError(28, "No space left on device"))
+
+    for target, fake in ((onnx_utils, full_for_reports), (emit, full_disk)):
+        monkeypatch.setattr(target, "finish_mode" if target is onnx_utils else "write_plan", fake)
+        assert cli.main(["compile", str(model), "-o", str(out / "p.onnx"), "--report", str(out / "r.html")]) == 1
+        assert "No space left on device" in capsys.readouterr().err
+        assert os.listdir(out) == []
+        monkeypatch.undo()
+    assert cli.main(["compile", str(model), "-o", str(out / "p.onnx"), "--report", str(out / "r.html")]) == 0
+    assert sorted(os.listdir(out)) == ["p.onnx", "r.html"]
+
+
 def test_running_out_of_memory_is_one_line(monkeypatch, capsys):
     """A model or data file that claims more than the machine holds ends in one line, exit 1."""
     from memsched import cli

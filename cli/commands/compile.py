@@ -44,6 +44,7 @@ def run(args) -> int:
     from memsched.emit import write_plan, write_seconds
     from memsched.errors import UserError
     from memsched.interrupt import stop_on_interrupt
+    from memsched.report import staged_html
     from memsched.views import progress, say_interrupted
 
     check_outputs({"-o": args.output, "--report": args.report}, [args.model, args.costs, args.hardware])
@@ -64,5 +65,7 @@ def run(args) -> int:
                                   time_limit=args.time_limit, costs=args.costs, data_parallel=args.data_parallel,
                                   bucket_bytes=max(1, int(args.bucket_mb * 1024 * 1024)), progress=say,
                                   deadline=deadline, reserve=write_seconds if args.output else None)
-        written = {"plan": str(write_plan(result.plan, args.output))} if args.output else {}
-        return show_report(result, args.report, written, args.json)
+        with staged_html(args.report, result) as report:       # the plan and the report land together
+            written = {"plan": str(write_plan(result.plan, args.output))} if args.output else {}
+        written.update({"report": str(report)} if report else {})
+        return show_report(result, None, written, args.json)
