@@ -144,54 +144,53 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, source_di
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write `text` to `path` via a temp file + rename (JSON reports, cost tables, profiles)."""
+    return write_file_atomic(path, _text_writer(text))
+
+
+def staged_text(path: str | os.PathLike | None, text: str):
+    """`staged_file` for `text`; `path` None: a block that writes nothing."""
+    return contextlib.nullcontext() if path is None else staged_file(path, _text_writer(text))
+
+
+def _text_writer(text: str) -> Callable[[str], None]:
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             f.write(text)
-    return write_file_atomic(path, write)
-
-
-@contextlib.contextmanager
-def staged_text(path: str | os.PathLike | None, text: str):
-    """Write `text` to a temporary beside `path` now, and put it in place when the block ends
-    without an error; an error in the block (another output failing to write) removes the
-    temporary, so a command's outputs land together or not at all. `path` None: nothing."""
-    if path is None:
-        yield None
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    check_writable(path)
-    tmp = temp_path(path)
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        finish_mode(tmp)
-        yield path
-        os.replace(tmp, path)
-    except BaseException as exc:
-        unlink_quietly(tmp)
-        if isinstance(exc, OSError):
-            raise write_error(path, exc) from None
-        raise
+    return write
 
 
 def write_file_atomic(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     """Have `write(tmp)` write a temporary beside `path`, then rename it to `path`; a failure
     or a signal leaves nothing half-written (checkpoints, texts)."""
+    with staged_file(path, write) as written:
+        pass
+    return written
+
+
+@contextlib.contextmanager
+def staged_file(path: str | os.PathLike, write: Callable[[str], None]):
+    """Have `write(tmp)` write a temporary beside `path` now, and rename it to `path` when the
+    block ends without an error. A failure of its own write is one line naming `path`
+    (`write_error`); any failure, its own or the block's (another output of the command), or a
+    signal removes the temporary: a command's outputs land together or not at all."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     check_writable(path)
     tmp = temp_path(path)
     try:
-        write(tmp)
-        finish_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        unlink_quietly(tmp)
-        if isinstance(exc, OSError):
+        try:
+            write(tmp)
+            finish_mode(tmp)
+        except OSError as exc:
             raise write_error(path, exc) from None
+        yield path
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise write_error(path, exc) from None
+    except BaseException:
+        unlink_quietly(tmp)
         raise
-    return path
 
 
 def write_error(path: str | os.PathLike, exc: OSError) -> UserError:
