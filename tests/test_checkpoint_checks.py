@@ -223,3 +223,32 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing(plan
     with pytest.raises(UserError, match=r"^cannot write .*ck\.safetensors: No space left on device$"):
         Trainer(plan, threads=1).save_checkpoint(tmp_path / "ck.safetensors")
     assert os.listdir(tmp_path) == []
+
+
+def test_the_trained_model_and_its_loss_curve_land_together(plan, train, tmp_path, monkeypatch):
+    """Where the loss curve or the trained model cannot be written (a full disk), neither is
+    put in place and no temporary is left; otherwise both are written."""
+    from memsched import onnx_utils
+    from memsched.runtime import train_loop
+
+    finish = onnx_utils.finish_mode
+
+    def full_for_curves(tmp):
+        if "loss.svg" in str(tmp):
+            raise OSError(28, "No space left on device")
+        finish(tmp)
+
+    def full_disk(step, state, path):
+        raise onnx_utils.write_error(path, OSError(28, "No space left on device"))
+
+    options = FitOptions(save=str(tmp_path / "model.onnx"), plot=str(tmp_path / "loss.svg"))
+    for target, name, fake in ((onnx_utils, "finish_mode", full_for_curves),
+                               (train_loop, "export_inference", full_disk)):
+        monkeypatch.setattr(target, name, fake)
+        with Trainer(plan, threads=1) as trainer, pytest.raises(UserError, match="No space left on device"):
+            fit(trainer, train, options)
+        assert os.listdir(tmp_path) == []
+        monkeypatch.undo()
+    with Trainer(plan, threads=1) as trainer:
+        done = fit(trainer, train, options)
+    assert set(done.written) == {"model", "plot"} and sorted(os.listdir(tmp_path)) == ["loss.svg", "model.onnx"]

@@ -19,14 +19,15 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from ..data import LAST, batches, sample_count, steps_per_epoch
 from ..errors import UserError
+from ..figures import loss_curve_svg
 from ..inference import VALIDATED_LOSSES, evaluate, export_inference, forward_model, inference_model
+from ..onnx_utils import staged_text
 from .trainer import Trainer, checkpoint_count, checkpoint_metadata
 
 
@@ -122,11 +123,13 @@ def fit(trainer: Trainer, train: dict[str, np.ndarray], options: FitOptions,
                 on_epoch(record)
     result.seconds = time.perf_counter() - began
     result.samples_per_second = result.steps * trainer.batch_size / result.seconds if result.seconds else 0.0
-    if options.save and not result.stopped:
-        result.written["model"] = str(export_inference(trainer.graph, trainer.state_dict(), options.save))
     plot = options.plot or (f"{options.checkpoint}.loss.svg" if options.checkpoint else None)
-    if plot and result.losses:
-        result.written["plot"] = str(write_loss_curve(plot, result.losses, result.first_step))
+    plot = plot if result.losses else None
+    with staged_text(plot, loss_curve_svg(result.losses, result.first_step) if plot else "") as curve:
+        if options.save and not result.stopped:     # the model and its loss curve land together
+            result.written["model"] = str(export_inference(trainer.graph, trainer.state_dict(), options.save))
+    if curve is not None:
+        result.written["plot"] = str(curve)
     return result
 
 
@@ -164,9 +167,3 @@ def _extra(metadata: dict[str, str]) -> dict[str, str]:
     return {key[len("extra."):]: value for key, value in metadata.items() if key.startswith("extra.")}
 
 
-def write_loss_curve(path: str | os.PathLike, losses: list[float], first_step: int = 0) -> Path:
-    """The per-step loss (and its running mean over an epoch's worth of steps) as an SVG."""
-    from ..figures import loss_curve_svg
-    from ..onnx_utils import write_text_atomic
-
-    return write_text_atomic(path, loss_curve_svg(losses, first_step))
