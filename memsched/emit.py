@@ -463,19 +463,16 @@ def _digest_header(tensor: TensorProto, with_values: bool = True) -> TensorProto
 
 
 def _check_initializer_sizes(model: onnx.ModelProto, source: str) -> None:
-    """Every initializer's stored bytes fill exactly the shape it declares (a hand-edited shape is refused)."""
+    """Every initializer's stored bytes fill exactly the shape it declares (a hand-edited shape
+    is refused). External data is judged where the file is read (`frontend.read_model`: its
+    length and extent against the same `dtypes.stored_bytes`); typed fields when numpy_helper
+    reads the values."""
     for init in model.graph.initializer:
         expected = dtypes.stored_bytes(init.data_type, math.prod(init.dims))
-        if expected is None:
+        if expected is None or init.data_location == TensorProto.EXTERNAL or not init.HasField("raw_data"):
             continue
-        if init.data_location == TensorProto.EXTERNAL:
-            length = {e.key: e.value for e in init.external_data}.get("length")
-            stored = int(length) if length and length.isdigit() else None
-        elif init.HasField("raw_data"):
-            stored = len(init.raw_data)
-        else:
-            stored = None     # typed fields: numpy_helper checks them when the values are read
-        if stored is not None and stored != expected:
+        stored = len(init.raw_data)
+        if stored != expected:
             shape = "x".join(map(str, init.dims)) or "scalar"
             raise UserError(f"initializer '{init.name}' in {source} declares shape {shape} ({expected} bytes) but "
                             f"holds {stored} bytes; was the plan edited by hand?")

@@ -213,10 +213,10 @@ def _check_weight_size(init: TensorProto) -> None:
     shape = "x".join(map(str, init.dims)) or "scalar"
     stored = len(init.raw_data)              # a copy of the bytes: read once
     if stored:
-        itemsize = dtypes.itemsize(init.data_type)
-        if stored != expected * itemsize:    # bytes, not values: a stray byte is damage too
+        needed = dtypes.stored_bytes(init.data_type, expected)
+        if stored != needed:                 # bytes, not values: a stray byte is damage too
             raise UserError(f"not a valid ONNX model: initializer '{init.name}' declares shape {shape} "
-                            f"({expected * itemsize:,} bytes) but holds {stored:,} bytes; the file is "
+                            f"({needed:,} bytes) but holds {stored:,} bytes; the file is "
                             f"damaged, re-export the model")
         return
     held = max(len(init.float_data), len(init.double_data), len(init.int32_data))
