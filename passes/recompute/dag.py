@@ -220,12 +220,13 @@ def load_node_link(path, pinned_bytes: int = 0) -> RematProblem:
         raise RematInputError(f"{path}: malformed node-link graph ('graph' must be an object and each node one)")
     data = dict(data, directed=True, multigraph=False)  # edges are dependencies, whatever the file says
     data.setdefault(edges_key, [])
+    keys = _node_link_keys(data, edges_key)
     try:
-        graph = nx.node_link_graph(data, edges=edges_key, **_node_link_keys(data, edges_key))
+        graph = nx.node_link_graph(data, edges=edges_key, **keys)
     except (KeyError, TypeError, AttributeError, ValueError, nx.NetworkXError) as exc:
         raise RematInputError(f"{path}: malformed node-link graph ({type(exc).__name__}: {exc})") from None
     if graph.number_of_nodes() > len(data["nodes"]):      # networkx adds an edge's unlisted end silently
-        listed = {node.get(_node_link_keys(data, edges_key).get("name", "id")) for node in data["nodes"]}
+        listed = {node.get(keys.get("name", "id")) for node in data["nodes"]}
         stray = next(v for v in graph.nodes if v not in listed)
         raise RematInputError(f"{path}: an edge names node {stray!r}, which the 'nodes' list does not hold")
     order = graph.graph.get("order")
